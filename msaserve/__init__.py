@@ -1,0 +1,1 @@
+"""msaserve: serving platform for MSA long-context models."""

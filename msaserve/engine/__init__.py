@@ -1,0 +1,1 @@
+"""One replica's engine: scheduler, block manager, model runner, sampler, streaming."""

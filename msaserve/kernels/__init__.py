@@ -1,0 +1,17 @@
+"""MSA attention ops. Each op lives in `<op>/naive.py` (PyTorch, the spec, any device) beside
+`<op>/triton.py` (the GPU kernel); `dispatch.get_ops` picks one set per backend.
+
+Shared conventions (DESIGN §2–3):
+- caches: `k_cache, v_cache [num_pages, P, Hkv, D]`, `index_cache [num_pages, P, HkI, DI]`;
+- `block_tables [B, max_pages] int32`: logical page → physical page (-1 = not resident);
+- `seq_lens [B] int32`: tokens of each sequence *including* this step's queries; the queries of a
+  sequence are its last `q_len` tokens, at positions `seq_len - q_len .. seq_len - 1`;
+- varlen (prefill) ops take queries flattened as `[Tq, ...]` with `cu_seqlens_q [B + 1] int32`;
+  decode ops take a fixed `Q` (1–16) queries per sequence as `[B, Q, ...]`;
+- selections are logical block ids `[..., Hkv, top_k] int32`, valid ids first in ascending
+  order, padded with -1. Consumers must not depend on the order (property 3).
+"""
+
+from msaserve.kernels.dispatch import AttentionOps, get_ops
+
+__all__ = ["AttentionOps", "get_ops"]

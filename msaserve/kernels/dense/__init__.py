@@ -1,0 +1,1 @@
+"""Dense causal attention over the paged KV cache: the baseline every benchmark compares with."""

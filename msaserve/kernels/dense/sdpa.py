@@ -1,0 +1,66 @@
+"""Dense causal attention with `torch.nn.functional.scaled_dot_product_attention`.
+
+The baseline of every benchmark (flash backend on CUDA) and the fast dense path on CPU. Pages
+are gathered into a contiguous K/V per sequence; that copy is part of the baseline's cost.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from msaserve.kernels.indexer_prefill.naive import gather_pages
+
+
+def dense_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """q: [Tq, Hq, D]; caches [num_pages, P, Hkv, D] → o [Tq, Hq, D] (causal, GQA)."""
+    head_dim = q.shape[-1]
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
+    out = torch.empty_like(q)
+    for b in range(block_tables.shape[0]):
+        start, end = int(cu_seqlens_q[b]), int(cu_seqlens_q[b + 1])
+        if end == start:
+            continue
+        length = int(seq_lens[b])
+        k = gather_pages(k_cache, block_tables[b], length).transpose(0, 1)  # [Hkv, T, D]
+        v = gather_pages(v_cache, block_tables[b], length).transpose(0, 1)
+        qb = q[start:end].transpose(0, 1)  # [Hq, Tq, D]
+        num_q = end - start
+        if num_q == length:
+            mask = None
+        else:  # queries are the last num_q positions: query i sees keys ≤ length - num_q + i
+            key_pos = torch.arange(length, device=q.device)
+            q_pos = torch.arange(length - num_q, length, device=q.device)
+            mask = key_pos[None, :] <= q_pos[:, None]
+        o = F.scaled_dot_product_attention(
+            qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None,
+            scale=scale, enable_gqa=True,
+        )
+        out[start:end] = o.transpose(0, 1)
+    return out
+
+
+def dense_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """q: [B, Q, Hq, D] → o [B, Q, Hq, D]."""
+    batch, num_q = q.shape[:2]
+    cu_seqlens_q = torch.arange(batch + 1, device=q.device, dtype=torch.int32) * num_q
+    out = dense_prefill(
+        q.reshape(batch * num_q, *q.shape[2:]), k_cache, v_cache, block_tables, seq_lens,
+        cu_seqlens_q, softmax_scale,
+    )
+    return out.view_as(q)

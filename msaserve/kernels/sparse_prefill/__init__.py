@@ -1,0 +1,1 @@
+"""Sparse attention of a chunk of queries over their selected KV pages."""

@@ -1,0 +1,1 @@
+"""MSA transformer and vision tower, MSAConfig, presets, loaders (safetensors, GGUF) and tokenizer."""

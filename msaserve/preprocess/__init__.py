@@ -1,0 +1,1 @@
+"""CPU media pipeline: fetch, decode (Pillow, PyAV), sample, resize, patchify."""
