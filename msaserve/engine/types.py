@@ -1,0 +1,166 @@
+"""Messages between the engine and its callers (the model deployment, tests, benchmarks).
+
+The engine produces these; callers never see the scheduler's or block manager's internals.
+"""
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class EngineError(Exception):
+    """Base of the errors the engine reports to callers; `status` is the HTTP status to use."""
+
+    status: int = 500
+
+
+class InvalidParameter(EngineError, ValueError):
+    """A request parameter outside its allowed range; the message names it and the range."""
+
+    status = 400
+
+    def __init__(self, param: str, value: object, allowed: str) -> None:
+        super().__init__(f"{param}={value!r} is invalid: allowed {allowed}")
+        self.param = param
+        self.value = value
+        self.allowed = allowed
+
+
+class ContextTooLong(EngineError, ValueError):
+    """Prompt plus requested output exceed the model's context."""
+
+    status = 400
+
+    def __init__(self, prompt_tokens: int, max_tokens: int, max_model_len: int) -> None:
+        super().__init__(
+            f"this model's maximum context length is {max_model_len} tokens; the request has "
+            f"{prompt_tokens} prompt tokens and asks for {max_tokens} output tokens"
+        )
+        self.prompt_tokens = prompt_tokens
+        self.max_tokens = max_tokens
+        self.max_model_len = max_model_len
+
+
+class QueueFull(EngineError):
+    """The waiting queue is at its bound; retry after `retry_after_s`."""
+
+    status = 429
+
+    def __init__(self, waiting: int, limit: int, retry_after_s: float = 1.0) -> None:
+        super().__init__(f"{waiting} requests are waiting (limit {limit}); retry later")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass
+class SamplingParams:
+    """How to pick tokens and when to stop. `validate()` names any parameter out of range."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    """Alternatives per position, 0–20; needs logprobs=True."""
+
+    def validate(self) -> "SamplingParams":
+        checks: list[tuple[str, object, bool, str]] = [
+            ("max_tokens", self.max_tokens, self.max_tokens >= 1, "an integer ≥ 1"),
+            ("temperature", self.temperature,
+             math.isfinite(self.temperature) and 0.0 <= self.temperature <= 2.0, "0.0 to 2.0"),
+            ("top_p", self.top_p, math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0,
+             "greater than 0.0 and at most 1.0"),
+            ("top_k", self.top_k, self.top_k >= 0, "0 (off) or a positive integer"),
+            ("seed", self.seed, self.seed is None or 0 <= self.seed < 2**63,
+             "an integer from 0 to 2^63-1"),
+            ("stop", self.stop, len(self.stop) <= 16 and all(0 < len(s) <= 256 for s in self.stop),
+             "at most 16 non-empty strings of at most 256 characters"),
+            ("top_logprobs", self.top_logprobs, 0 <= self.top_logprobs <= 20, "0 to 20"),
+        ]
+        for name, value, ok, allowed in checks:
+            if not ok:
+                raise InvalidParameter(name, value, allowed)
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidParameter("top_logprobs", self.top_logprobs, "0 unless logprobs is true")
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass
+class GenerateRequest:
+    """One generation: token ids in (the caller applied the chat template), tokens out."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    session_id: str | None = None
+    """Keeps this conversation's pages cached (and, with the KV cache service, persisted)."""
+    media: list[object] = field(default_factory=list)
+    """Preprocessed media items (patches, grid, content hash), in prompt order."""
+    arrival_time: float | None = None
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass
+class RequestStats:
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose pages came from the prefix cache (not recomputed)."""
+    num_output_tokens: int = 0
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+    """Mean time per output token after the first."""
+    num_pages: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class GenerateOutput:
+    """One streamed increment of a request. The last one has finished=True and stats."""
+
+    request_id: str
+    text: str
+    """New text since the previous output (incremental detokenization)."""
+    token_ids: list[int]
+    """New token ids since the previous output."""
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] | None = None
+    stats: RequestStats | None = None
+
+
+@dataclass
+class EngineStats:
+    """Load as the router and metrics see it."""
+
+    num_running: int
+    num_waiting: int
+    num_free_pages: int
+    num_total_pages: int
+    num_cached_pages: int = 0
+    prefix_hit_rate: float = 0.0
+
+
+@dataclass
+class KVEvent:
+    """Page hashes a replica gained or lost, for the router's view of where prefixes live."""
+
+    kind: Literal["stored", "removed", "cleared"]
+    page_hashes: list[int]
+    timestamp: float = 0.0
