@@ -1,0 +1,40 @@
+"""Chained page hashes (DESIGN §3): the identity of a full page of tokens and everything before it.
+
+One function used by the engine's prefix cache, the router and the KV cache service, so that a
+hash means the same page everywhere. `hash(page) = xxh3_64(parent hash, token ids, media hashes)`.
+"""
+
+from collections.abc import Sequence
+
+import numpy as np
+import xxhash
+
+ROOT_HASH = 0
+"""The parent of a sequence's first page."""
+
+
+def hash_page(parent: int, token_ids: Sequence[int], media_hashes: Sequence[int] = ()) -> int:
+    """Hash one full page given its parent's hash. media_hashes: content hashes of the media whose
+    placeholder tokens fall in this page (so the same ids with another image hash differently)."""
+    h = xxhash.xxh3_64()
+    h.update(np.uint64(parent).tobytes())
+    h.update(np.asarray(token_ids, dtype=np.int64).tobytes())
+    if media_hashes:
+        h.update(b"media")
+        h.update(np.asarray(media_hashes, dtype=np.uint64).tobytes())
+    return h.intdigest()
+
+
+def page_hashes(
+    token_ids: Sequence[int],
+    page_size: int,
+    media_hashes_per_page: Sequence[Sequence[int]] | None = None,
+    parent: int = ROOT_HASH,
+) -> list[int]:
+    """Hashes of every *full* page of token_ids (a trailing partial page has none)."""
+    hashes: list[int] = []
+    for i in range(len(token_ids) // page_size):
+        media = media_hashes_per_page[i] if media_hashes_per_page else ()
+        parent = hash_page(parent, token_ids[i * page_size : (i + 1) * page_size], media)
+        hashes.append(parent)
+    return hashes
