@@ -1,0 +1,83 @@
+"""ServeConfig: defaults, YAML round trip, and errors that name the field and the allowed range."""
+
+import pytest
+
+from msaserve.platform.config import ConfigError, ServeConfig
+
+
+def test_defaults_serve_smollm2_on_cpu_loopback() -> None:
+    config = ServeConfig()
+    assert config.model.spec == "smollm2"
+    assert config.model.device == "cpu"
+    assert config.http.host == "127.0.0.1"
+    assert config.http.cors_origins == []
+    assert config.model.resolved_name() == "msaserve/smollm2"
+
+
+def test_yaml_round_trip(tmp_path) -> None:
+    config = ServeConfig.from_dict({"model": {"spec": "tiny"}, "engine": {"max_num_seqs": 4}})
+    path = tmp_path / "serve.yaml"
+    path.write_text(config.to_yaml())
+    assert ServeConfig.from_yaml(path) == config
+
+
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs: Input should be greater than or equal to 1"),
+        ({"http": {"port": 70000}}, "http.port: Input should be less than or equal to 65535"),
+        ({"router": {"policy": "random"}}, "router.policy: Input should be 'round_robin', 'pow2'"),
+        ({"model": {"device": "tpu"}}, "model.device: Input should be 'cpu' or 'cuda'"),
+        ({"http": {"prot": 1}}, "http.prot: Extra inputs are not permitted"),
+        ({"engine": {"num_pages": 64, "kv_cache_memory_bytes": 1 << 30}}, "not both"),
+        (
+            {"preprocess": {"min_pixels": 10_000, "max_pixels": 5_000}},
+            "preprocess.min_pixels=10000 must be ≤",
+        ),
+        ({"kvcache": {"disk_bytes": 100}}, "kvcache.disk_bytes > 0 needs kvcache.disk_path"),
+        (
+            {"deployments": {"model": {"autoscaling": {"min_replicas": 3, "max_replicas": 2}}}},
+            "min_replicas=3 must be ≤ max_replicas=2",
+        ),
+    ],
+)
+def test_errors_name_field_and_range(data: dict, expected: str) -> None:
+    with pytest.raises(ConfigError, match="invalid ServeConfig") as info:
+        ServeConfig.from_dict(data)
+    assert expected in str(info.value)
+
+
+def test_yaml_error_names_the_file(tmp_path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("engine:\n  max_waiting: -1\n")
+    with pytest.raises(ConfigError, match=r"bad\.yaml: invalid ServeConfig: engine\.max_waiting"):
+        ServeConfig.from_yaml(path)
+
+
+def test_autoscaling_replaces_num_replicas() -> None:
+    config = ServeConfig.from_dict(
+        {
+            "deployments": {
+                "model": {"num_replicas": None, "autoscaling": {"min_replicas": 1, "max_replicas": 4}}
+            }
+        }
+    )
+    options = config.deployments.model.to_serve_options()
+    assert "num_replicas" not in options
+    assert options["autoscaling_config"]["max_replicas"] == 4
+
+
+def test_api_keys_from_env_and_file(tmp_path, monkeypatch) -> None:
+    keys_file = tmp_path / "keys"
+    keys_file.write_text("# comment\nkey-file\n")
+    monkeypatch.setenv("MSASERVE_TEST_KEYS", "key-env1, key-env2")
+    auth = ServeConfig.from_dict(
+        {
+            "auth": {
+                "api_keys": ["key-list"],
+                "api_keys_env": "MSASERVE_TEST_KEYS",
+                "api_keys_file": str(keys_file),
+            }
+        }
+    ).auth
+    assert auth.resolve_keys() == ["key-list", "key-env1", "key-env2", "key-file"]
