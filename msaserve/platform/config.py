@@ -48,12 +48,6 @@ class ModelConfig(StrictModel):
         "reference on CPU); 'naive' / 'triton' force one; 'dense' is the SDPA baseline.",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model deployment runs the engine.")
-    max_model_len: int | None = Field(
-        None,
-        ge=16,
-        le=4_194_304,
-        description="Longest prompt + output in tokens; defaults to the model's position limit.",
-    )
 
     def resolved_name(self) -> str:
         if self.served_model_name:
@@ -70,12 +64,21 @@ class EngineSettings(StrictModel):
         le=16_777_216,
         description="KV pages per replica; leave unset to size the pool from kv_cache_memory_bytes.",
     )
+    max_model_len: int | None = Field(
+        None,
+        ge=16,
+        le=4_194_304,
+        description="Longest prompt + output in tokens; default: the engine's default (8192).",
+    )
     kv_cache_memory_bytes: int | None = Field(
         None,
         ge=MiB,
         le=1 << 44,
-        description="Bytes per replica for KV + index pages when num_pages is unset; default: the "
-        "engine's own default (a small pool on CPU, most free memory on CUDA).",
+        description="CPU only: bytes per replica for KV + index pages when num_pages is unset; default: the "
+        "engine's default (1 GiB).",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="CUDA only: share of free GPU memory the KV pool may use."
     )
     max_num_seqs: int = Field(16, ge=1, le=4096, description="Sequences decoded together per step.")
     max_num_batched_tokens: int = Field(
@@ -83,18 +86,18 @@ class EngineSettings(StrictModel):
     )
     max_waiting: int = Field(
         64,
-        ge=0,
+        ge=1,
         le=1_000_000,
         description="Requests allowed to wait for a slot; beyond it the API answers 429 with Retry-After.",
     )
     enable_prefix_caching: bool = Field(True, description="Reuse pages of identical prompt prefixes.")
-    kv_cache_dtype: Literal["auto", "bfloat16", "float16", "float32", "fp8_e4m3"] = Field(
-        "auto", description="dtype of the K/V pages; 'auto' follows model.dtype."
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto", description="dtype of the K/V pages: 'auto' follows model.dtype, 'fp8' stores float8_e4m3."
     )
-    index_cache_dtype: Literal["auto", "bfloat16", "float16", "float32", "fp8_e4m3"] = Field(
-        "auto", description="dtype of the MSA index-K pages; 'auto' follows model.dtype."
+    index_cache_dtype: Literal["auto", "bf16", "fp8"] = Field(
+        "auto", description="dtype of the MSA index-K pages: 'auto' (model.dtype), 'bf16' or 'fp8' (scaled)."
     )
-    enable_cuda_graphs: bool = Field(False, description="Capture decode steps as CUDA graphs (CUDA only).")
+    enable_cuda_graphs: bool = Field(True, description="Capture decode steps as CUDA graphs (CUDA only).")
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> Self:
