@@ -4,6 +4,8 @@ from dataclasses import dataclass
 
 import torch
 
+from msaserve.models.config import MSAConfig
+
 
 @dataclass
 class LayerKVCache:
@@ -48,3 +50,33 @@ class LayerKVCache:
             if t is not None:
                 total += t[0].numel() * t.element_size()
         return total
+
+
+def allocate_caches(
+    config: MSAConfig,
+    num_pages: int,
+    device: torch.device | str,
+    dtype: torch.dtype,
+    index_dtype: torch.dtype | None = None,
+) -> list[LayerKVCache]:
+    """One zeroed page pool per layer: K/V in `dtype`, index-K in `index_dtype` (default `dtype`).
+
+    An fp8 index dtype also allocates the per-key fp32 `index_scale`.
+    """
+    if num_pages < 1:
+        raise ValueError(f"num_pages={num_pages} is invalid: allowed an integer ≥ 1")
+    index_dtype = index_dtype or dtype
+    fp8 = index_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    p, hkv, d = config.page_size, config.num_kv_heads, config.head_dim
+    hki, di = config.num_index_heads, config.index_head_dim
+    return [
+        LayerKVCache(
+            k_cache=torch.zeros(num_pages, p, hkv, d, device=device, dtype=dtype),
+            v_cache=torch.zeros(num_pages, p, hkv, d, device=device, dtype=dtype),
+            index_cache=torch.zeros(num_pages, p, hki, di, device=device, dtype=index_dtype),
+            index_scale=(
+                torch.ones(num_pages, p, hki, device=device, dtype=torch.float32) if fp8 else None
+            ),
+        )
+        for _ in range(config.num_layers)
+    ]

@@ -1,0 +1,165 @@
+"""Byte-level BPE tokenizer (the `tokenizers` library) with an HF-style Jinja chat template.
+
+Built from GGUF metadata exactly as transformers' GGUF converter builds it, so both give the
+same ids; or a plain byte vocabulary for the random-weight presets.
+"""
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cache
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+from tokenizers import Tokenizer as BackendTokenizer
+
+# ChatML, as SmolLM2 uses; the byte-level presets get it too.
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] "
+    "+ '<|im_end|>' + '\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+    "{% endif %}"
+)
+_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
+
+
+@cache
+def bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte → printable character map used by byte-level BPE vocabularies."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[byte] = chr(byte)
+        else:
+            chars[byte] = chr(256 + extra)
+            extra += 1
+    return chars
+
+
+class Tokenizer:
+    """encode/decode text and render chat messages for one model."""
+
+    def __init__(
+        self,
+        backend: BackendTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: set[int],
+        chat_template: str | None = None,
+    ) -> None:
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids = eos_token_ids
+        self.chat_template = chat_template or CHATML_TEMPLATE
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        """Text → ids; special tokens written in the text (e.g. `<|im_start|>`) stay whole."""
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token(self, token_id: int | None) -> str:
+        return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Render `messages` with the model's template, in the same Jinja environment as HF."""
+        eos = min(self.eos_token_ids) if self.eos_token_ids else None
+        return _compile_template(self.chat_template).render(
+            messages=messages,
+            tools=tools,
+            add_generation_prompt=add_generation_prompt,
+            bos_token=self.token(self.bos_token_id),
+            eos_token=self.token(eos),
+        )
+
+    @classmethod
+    def from_gguf_metadata(
+        cls,
+        tokens: list[str],
+        merges: list[str],
+        token_types: list[int],
+        *,
+        bos_token_id: int | None,
+        eos_token_id: int | None,
+        chat_template: str | None,
+    ) -> "Tokenizer":
+        """A GGUF `gpt2` tokenizer: vocabulary respelled in the byte alphabet where needed, the
+        file's merges, CONTROL tokens added as special and USER_DEFINED ones as plain added tokens
+        (what transformers' GGUF converter does, so ids match)."""
+        alphabet = set(bytes_to_unicode().values())
+        spell = bytes_to_unicode()
+        vocab = {
+            token if set(token) <= alphabet else "".join(spell[b] for b in token.encode("utf-8")): i
+            for i, token in enumerate(tokens)
+        }
+        pairs = [tuple(merge.split(" ")) for merge in merges]
+        backend = _byte_level_backend(vocab, pairs)
+        control = [
+            AddedToken(token, normalized=False, special=True)
+            for token, kind in zip(tokens, token_types, strict=True)
+            if kind == _TOKEN_TYPE_CONTROL and set(token) <= alphabet
+        ]
+        backend.add_special_tokens(control)
+        user = [
+            AddedToken(token, normalized=False, special=False)
+            for token, kind in zip(tokens, token_types, strict=True)
+            if kind == _TOKEN_TYPE_USER_DEFINED and token in vocab
+        ]
+        backend.add_tokens(user)
+        eos = {eos_token_id} if eos_token_id is not None else set()
+        return cls(backend, bos_token_id=bos_token_id, eos_token_ids=eos, chat_template=chat_template)
+
+    @classmethod
+    def byte_level(cls, vocab_size: int) -> "Tokenizer":
+        """For random-weight presets: ids 0–2 are `<|endoftext|>`, `<|im_start|>`, `<|im_end|>`,
+        ids 3–258 the 256 bytes; no merges. Needs vocab_size ≥ 259."""
+        if vocab_size < 259:
+            raise ValueError(f"vocab_size={vocab_size} is too small for the byte tokenizer: allowed ≥ 259")
+        specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+        vocab = {token: i for i, token in enumerate(specials)}
+        vocab.update({char: 3 + byte for byte, char in bytes_to_unicode().items()})
+        backend = _byte_level_backend(vocab, [])
+        backend.add_special_tokens([AddedToken(t, normalized=False, special=True) for t in specials])
+        return cls(backend, bos_token_id=1, eos_token_ids={0, 2})
+
+
+def _byte_level_backend(vocab: dict[str, int], merges: list[tuple[str, ...]]) -> BackendTokenizer:
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
+@cache
+def _compile_template(template: str) -> jinja2.Template:
+    """The environment HF renders chat templates in: sandboxed, trim/lstrip blocks, loopcontrols."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+    )
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    env.filters["tojson"] = _tojson
+    return env.from_string(template)

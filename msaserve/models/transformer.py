@@ -1,0 +1,101 @@
+"""The MSA transformer: embed → N × (RMSNorm → attention → RMSNorm → SwiGLU) → norm → LM head.
+
+Parameter names follow HF Llama without the `model.` prefix (the loaders add it), so HF-style
+checkpoints load by name.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from msaserve.kernels import get_ops
+from msaserve.kernels.dispatch import BACKENDS
+from msaserve.models.attention import MSAAttention, RotaryTables
+from msaserve.models.cache import LayerKVCache
+from msaserve.models.config import MSAConfig
+from msaserve.models.layers import RMSNorm, SwiGLU
+from msaserve.models.metadata import AttentionMetadata
+from msaserve.models.rotary import rotary_cos_sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: MSAConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = MSAAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
+
+    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerKVCache,
+                rotary: RotaryTables, ops) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), meta, cache, rotary, ops)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MSATransformer(nn.Module):
+    def __init__(self, config: MSAConfig, attention_backend: str = "msa") -> None:
+        super().__init__()
+        if attention_backend not in BACKENDS:
+            raise ValueError(
+                f"attention_backend={attention_backend!r} is invalid: allowed {', '.join(BACKENDS)}"
+            )
+        self.config = config
+        self.attention_backend = attention_backend
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = (
+            None if config.tie_word_embeddings
+            else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        caches: list[LayerKVCache],
+        input_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """input_ids [T] int64 (flattened new tokens of all sequences) → hidden [T, H].
+
+        input_embeds [T, H], if given, replaces the token embeddings (multimodal placeholders).
+        """
+        if len(caches) != len(self.layers):
+            raise ValueError(f"got {len(caches)} layer caches for {len(self.layers)} layers")
+        x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
+        rotary = self._rotary(meta.positions, x.dtype)
+        ops = get_ops(self.attention_backend, x.device)
+        for layer, cache in zip(self.layers, caches, strict=True):
+            x = layer(x, meta, cache, rotary, ops)
+        return self.norm(x)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, H] → logits [N, vocab] fp32."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def _rotary(self, positions: torch.Tensor, dtype: torch.dtype) -> RotaryTables:
+        c = self.config
+        cos, sin = rotary_cos_sin(positions, c.head_dim, c.rope_theta, dtype)
+        if c.index_head_dim == c.head_dim:
+            return RotaryTables(cos, sin, cos, sin)
+        index_cos, index_sin = rotary_cos_sin(positions, c.index_head_dim, c.rope_theta, dtype)
+        return RotaryTables(cos, sin, index_cos, index_sin)
+
+
+def init_random_weights(model: MSATransformer, seed: int = 0, std: float = 0.02) -> MSATransformer:
+    """Deterministic random weights for presets: N(0, std) matrices, unit norms."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            # Drawn on the parameter's device (fast for m3-proxy on GPU); same seed, same weights.
+            if param.device not in generators:
+                generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
+            values = torch.randn(
+                param.shape, generator=generators[param.device], dtype=torch.float32, device=param.device
+            )
+            param.copy_(values * std)
+    return model
