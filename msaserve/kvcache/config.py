@@ -1,0 +1,50 @@
+"""The service's settings inside the package (the platform's pydantic `KVCacheConfig` maps onto it)."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class ServiceConfig:
+    """Capacities are totals over all shards; each shard gets an equal share, split between its
+    index store (`index_fraction`) and block store (the rest)."""
+
+    num_shards: int = 1
+    memory_bytes: int = 4 << 30
+    disk_path: str | None = None
+    """Directory of the disk tier (a PersistentVolume mount on Kubernetes); None = memory only."""
+    disk_bytes: int = 0
+    index_fraction: float = 0.125
+    """Share of each tier for index-K pages: M3's index is 1/16 of its KV per page."""
+    write_through: bool = True
+    """Write every page and session to disk at once, so a restart keeps everything."""
+    fsync: bool = False
+    """fsync page and manifest files (survive a machine crash, not just a process restart)."""
+    actor_name_prefix: str = "msaserve_kvcache_shard"
+    namespace: str = "msaserve"
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.num_shards <= 1024:
+            raise ValueError(f"kvcache num_shards={self.num_shards} must be 1 to 1024")
+        if self.memory_bytes < self.num_shards:
+            raise ValueError(f"kvcache memory_bytes={self.memory_bytes} must be ≥ num_shards")
+        if self.disk_bytes < 0:
+            raise ValueError(f"kvcache disk_bytes={self.disk_bytes} must be ≥ 0")
+        if self.disk_bytes > 0 and not self.disk_path:
+            raise ValueError("kvcache disk_bytes > 0 needs disk_path")
+        if not 0.0 < self.index_fraction < 1.0:
+            raise ValueError(f"kvcache index_fraction={self.index_fraction} must be in (0, 1)")
+
+    def shard_dir(self, shard_id: int) -> Path | None:
+        if self.disk_path is None or self.disk_bytes == 0:
+            return None
+        return Path(self.disk_path) / f"shard-{shard_id:04d}-of-{self.num_shards:04d}"
+
+    def actor_name(self, shard_id: int) -> str:
+        return f"{self.actor_name_prefix}_{shard_id}_of_{self.num_shards}"
+
+    def split(self, total: int, index: bool) -> int:
+        """One shard's share of `total` bytes for the index store (index=True) or block store."""
+        per_shard = total // self.num_shards
+        index_share = int(per_shard * self.index_fraction)
+        return index_share if index else per_shard - index_share

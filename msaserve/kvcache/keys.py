@@ -1,0 +1,67 @@
+"""Names of things in the service: the model a page belongs to, page keys, and shard routing.
+
+A page is content-addressed by its chained page hash (`page_hash.py`), which names the tokens but
+not the model, so every key also carries the model identity: two models never share a page.
+"""
+
+import json
+from dataclasses import asdict, dataclass
+
+import xxhash
+
+
+class IncompatibleModel(ValueError):
+    """A session or page written by another model or cache layout than the caller's."""
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    """What must match for KV pages to be reusable: weights and the exact cache layout."""
+
+    name: str
+    """Checkpoint identity (path or repo id, plus revision where known)."""
+    num_layers: int
+    page_size: int
+    num_kv_heads: int
+    head_dim: int
+    num_index_heads: int
+    index_dim: int
+    kv_dtype: str
+    index_dtype: str
+
+    @property
+    def key(self) -> str:
+        """16 hex digits naming this identity in page keys."""
+        return xxhash.xxh3_64_hexdigest(json.dumps(asdict(self), sort_keys=True).encode())
+
+    def as_dict(self) -> dict[str, object]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> "ModelIdentity":
+        return cls(**data)  # type: ignore[arg-type]
+
+    def check_compatible(self, other: "ModelIdentity", what: str) -> None:
+        """Raise IncompatibleModel naming every field where `other` (the stored one) differs."""
+        mine, theirs = asdict(self), asdict(other)
+        diffs = [f"{k}: stored {theirs[k]!r}, this replica {mine[k]!r}" for k in mine if mine[k] != theirs[k]]
+        if diffs:
+            raise IncompatibleModel(f"{what} was written by an incompatible model ({'; '.join(diffs)})")
+
+
+def kv_key(model_key: str, page_hash: int, layer: int) -> str:
+    """Key of one page's K+V in one layer (the unit a sparse decode step fetches)."""
+    return f"kv/{model_key}/{page_hash:016x}/{layer}"
+
+
+def index_key(model_key: str, page_hash: int) -> str:
+    """Key of one page's index-K in every layer (the index is loaded whole, before any KV)."""
+    return f"ix/{model_key}/{page_hash:016x}"
+
+
+def shard_of_page(page_hash: int, num_shards: int) -> int:
+    return page_hash % num_shards
+
+
+def shard_of_session(session_id: str, num_shards: int) -> int:
+    return xxhash.xxh3_64_intdigest(session_id.encode()) % num_shards

@@ -1,0 +1,207 @@
+"""Session records: what a replica needs to adopt a conversation it has never seen.
+
+A record names its pages by chained page hash (the index store and block store hold the bytes);
+only *full* pages are stored, so an adopting replica recomputes at most `page_size - 1` tail
+tokens. Records grow incrementally: `append` adds the tokens and pages produced since the last
+call, writing only the new bytes.
+
+On disk, one directory per session:
+- `tokens.bin` (int64) and `pages.bin` (uint64): append-only;
+- `meta.json`: rewritten atomically (temp + rename) *after* the appends, holding the committed
+  lengths and xxh3 checksums of both files. A crash between the two leaves a longer file whose
+  uncommitted tail is ignored (and truncated on the next append); a checksum mismatch on load
+  drops the session and counts a corruption, never serving it.
+"""
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from msaserve.kvcache.keys import ModelIdentity
+
+
+class SessionNotFound(KeyError):
+    pass
+
+
+@dataclass
+class SessionRecord:
+    session_id: str
+    model: ModelIdentity
+    token_ids: list[int] = field(default_factory=list)
+    """Every token of the conversation so far (prompt and generated)."""
+    page_hashes: list[int] = field(default_factory=list)
+    """Chained hashes of the full pages whose index-K and K/V are in the service, in order."""
+    sampling_state: dict[str, object] = field(default_factory=dict)
+    """JSON-able: sampling params, tokens generated, RNG state: whatever the engine needs."""
+    pinned: bool = False
+    updated_at: float = 0.0
+
+    @property
+    def page_size(self) -> int:
+        return self.model.page_size
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "session_id": self.session_id, "model": self.model.as_dict(), "token_ids": list(self.token_ids),
+            "page_hashes": list(self.page_hashes), "sampling_state": self.sampling_state,
+            "pinned": self.pinned, "updated_at": self.updated_at,
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SessionRecord":
+        return cls(
+            session_id=data["session_id"], model=ModelIdentity.from_dict(data["model"]),
+            token_ids=list(data["token_ids"]), page_hashes=[int(h) for h in data["page_hashes"]],
+            sampling_state=dict(data.get("sampling_state", {})), pinned=bool(data.get("pinned", False)),
+            updated_at=float(data.get("updated_at", 0.0)),
+        )
+
+
+class SessionStore:
+    """Records by session id, in memory, persisted under `path` when given."""
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, fsync: bool = False) -> None:
+        self.path = Path(path) if path is not None else None
+        self.fsync = fsync
+        self.corruptions = 0
+        self._records: dict[str, SessionRecord] = {}
+        if self.path is not None:
+            self.path.mkdir(parents=True, exist_ok=True)
+            self._load_all()
+
+    def get(self, session_id: str) -> SessionRecord:
+        record = self._records.get(session_id)
+        if record is None:
+            raise SessionNotFound(f"session {session_id!r} is not in the KV cache service")
+        return record
+
+    def list(self) -> list[str]:
+        return sorted(self._records)
+
+    def put(self, record: SessionRecord) -> None:
+        """Create or replace a session (replacing rewrites its files)."""
+        record.updated_at = time.time()
+        self._records[record.session_id] = record
+        if self.path is not None:
+            directory = self._dir(record.session_id)
+            shutil.rmtree(directory, ignore_errors=True)
+            directory.mkdir(parents=True)
+            for name in ("tokens.bin", "pages.bin"):
+                (directory / name).touch()
+            self._write(record, 0, 0)
+
+    def append(
+        self,
+        session_id: str,
+        token_ids: list[int],
+        page_hashes: list[int],
+        sampling_state: dict[str, object] | None = None,
+    ) -> SessionRecord:
+        """Add new tokens and newly filled pages; only these bytes are written."""
+        record = self.get(session_id)
+        old_tokens, old_pages = len(record.token_ids), len(record.page_hashes)
+        record.token_ids.extend(int(t) for t in token_ids)
+        record.page_hashes.extend(int(h) for h in page_hashes)
+        if sampling_state is not None:
+            record.sampling_state = dict(sampling_state)
+        record.updated_at = time.time()
+        if self.path is not None:
+            self._write(record, old_tokens, old_pages)
+        return record
+
+    def set_pinned(self, session_id: str, pinned: bool) -> SessionRecord:
+        record = self.get(session_id)
+        record.pinned = pinned
+        if self.path is not None:
+            self._write_meta(record)
+        return record
+
+    def delete(self, session_id: str) -> SessionRecord | None:
+        record = self._records.pop(session_id, None)
+        if self.path is not None:
+            shutil.rmtree(self._dir(session_id), ignore_errors=True)
+        return record
+
+    # ---- disk --------------------------------------------------------------------------------
+    def _dir(self, session_id: str) -> Path:
+        assert self.path is not None
+        return self.path / xxhash.xxh3_128_hexdigest(session_id.encode())
+
+    def _write(self, record: SessionRecord, old_tokens: int, old_pages: int) -> None:
+        directory = self._dir(record.session_id)
+        new_tokens = np.asarray(record.token_ids[old_tokens:], np.int64)
+        new_pages = np.asarray(record.page_hashes[old_pages:], np.uint64)
+        _append_array(directory / "tokens.bin", old_tokens * 8, new_tokens)
+        _append_array(directory / "pages.bin", old_pages * 8, new_pages)
+        if self.fsync:
+            for name in ("tokens.bin", "pages.bin"):
+                with open(directory / name, "rb+") as f:
+                    os.fsync(f.fileno())
+        self._write_meta(record)
+
+    def _write_meta(self, record: SessionRecord) -> None:
+        directory = self._dir(record.session_id)
+        tokens = np.asarray(record.token_ids, np.int64).tobytes()
+        pages = np.asarray(record.page_hashes, np.uint64).tobytes()
+        meta = {
+            "version": 1, "session_id": record.session_id, "model": record.model.as_dict(),
+            "num_tokens": len(record.token_ids), "num_pages": len(record.page_hashes),
+            "tokens_xxh3": xxhash.xxh3_64_intdigest(tokens), "pages_xxh3": xxhash.xxh3_64_intdigest(pages),
+            "sampling_state": record.sampling_state, "pinned": record.pinned, "updated_at": record.updated_at,
+        }
+        tmp = directory / ".meta.json.tmp"
+        with open(tmp, "w") as f:
+            json.dump(meta, f)
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, directory / "meta.json")
+
+    def _load_all(self) -> None:
+        assert self.path is not None
+        for directory in sorted(self.path.iterdir()):
+            if not (directory / "meta.json").is_file():
+                continue
+            record = _load_one(directory)
+            if record is None:
+                self.corruptions += 1
+                shutil.rmtree(directory, ignore_errors=True)
+            else:
+                self._records[record.session_id] = record
+
+
+def _append_array(file: Path, committed_bytes: int, values: np.ndarray) -> None:
+    """Write values at committed_bytes, dropping any uncommitted tail a crash left behind."""
+    with open(file, "rb+") as f:
+        f.truncate(committed_bytes)
+        f.seek(committed_bytes)
+        f.write(values.tobytes())
+
+
+def _load_one(directory: Path) -> SessionRecord | None:
+    """The committed record, or None if its files do not match their checksums."""
+    try:
+        meta = json.loads((directory / "meta.json").read_text())
+        tokens = (directory / "tokens.bin").read_bytes()[: meta["num_tokens"] * 8]
+        pages = (directory / "pages.bin").read_bytes()[: meta["num_pages"] * 8]
+    except (OSError, ValueError, KeyError):
+        return None
+    if (
+        len(tokens) != meta["num_tokens"] * 8 or len(pages) != meta["num_pages"] * 8
+        or xxhash.xxh3_64_intdigest(tokens) != meta["tokens_xxh3"]
+        or xxhash.xxh3_64_intdigest(pages) != meta["pages_xxh3"]
+    ):
+        return None
+    return SessionRecord(
+        session_id=meta["session_id"], model=ModelIdentity.from_dict(meta["model"]),
+        token_ids=np.frombuffer(tokens, np.int64).tolist(),
+        page_hashes=np.frombuffer(pages, np.uint64).tolist(),
+        sampling_state=meta["sampling_state"], pinned=meta["pinned"], updated_at=meta["updated_at"],
+    )

@@ -1,0 +1,146 @@
+"""One shard of the service: an index store, a block store and the sessions routed to it.
+
+`KVCacheShard` is a plain class (tests drive it without Ray); `KVCacheShardActor` is the same
+class as a Ray actor. Pages live on shard `page_hash % num_shards`, sessions on
+`xxh3(session_id) % num_shards`. Methods take and return plain data and uint8 arrays, which
+Ray moves through its object store (readers on the node map them zero-copy).
+"""
+
+import time
+from collections.abc import Sequence
+
+import ray
+
+from msaserve.kvcache.codec import Payload, as_payload
+from msaserve.kvcache.config import ServiceConfig
+from msaserve.kvcache.keys import index_key, kv_key
+from msaserve.kvcache.session import SessionRecord, SessionStore
+from msaserve.kvcache.store import PageStore
+
+PageUpload = tuple[int, Sequence[Payload] | None, Payload | None]
+"""(page hash, K+V payload per layer or None, index-K payload for all layers or None)."""
+
+
+class KVCacheShard:
+    def __init__(self, config: ServiceConfig, shard_id: int, publish_metrics: bool = True) -> None:
+        self.config = config
+        self.shard_id = shard_id
+        root = config.shard_dir(shard_id)
+
+        def store(name: str, index: bool) -> PageStore:
+            return PageStore(
+                memory_bytes=config.split(config.memory_bytes, index),
+                disk_path=None if root is None else root / name,
+                disk_bytes=config.split(config.disk_bytes, index),
+                write_through=config.write_through, fsync=config.fsync,
+            )
+
+        self.stores = {"kv": store("kv", index=False), "index": store("index", index=True)}
+        self.sessions = SessionStore(None if root is None else root / "sessions", fsync=config.fsync)
+        self.metrics = None
+        if publish_metrics:
+            from msaserve.kvcache.metrics import ShardMetrics
+
+            self.metrics = ShardMetrics(shard_id)
+            self._publish()
+
+    # ---- pages -------------------------------------------------------------------------------
+    def put_pages(self, model_key: str, pages: Sequence[PageUpload], pin: bool = False) -> int:
+        """Store pages; returns the bytes stored. Raises CapacityError when pinned pages fill it."""
+        stored = 0
+        for page_hash, kv_per_layer, index in pages:
+            if index is not None:
+                self.stores["index"].put(index_key(model_key, page_hash), index, pin)
+                stored += as_payload(index).nbytes
+            for layer, payload in enumerate(kv_per_layer or ()):
+                self.stores["kv"].put(kv_key(model_key, page_hash, layer), payload, pin)
+                stored += as_payload(payload).nbytes
+        self._publish()
+        return stored
+
+    def get_kv(self, model_key: str, requests: Sequence[tuple[int, int]]) -> list[Payload | None]:
+        """K+V payloads for (page hash, layer) pairs; None where missing or corrupt."""
+        return self._get("kv", [kv_key(model_key, h, layer) for h, layer in requests])
+
+    def get_index(self, model_key: str, page_hashes: Sequence[int]) -> list[Payload | None]:
+        return self._get("index", [index_key(model_key, h) for h in page_hashes])
+
+    def has_pages(self, model_key: str, page_hashes: Sequence[int], num_layers: int) -> list[bool]:
+        """Whether index-K and K+V of every layer are held for each page (unverified)."""
+        out = []
+        for h in page_hashes:
+            keys = [kv_key(model_key, h, layer) for layer in range(num_layers)]
+            has_index = self.stores["index"].contains([index_key(model_key, h)])[0]
+            out.append(has_index and all(self.stores["kv"].contains(keys)))
+        return out
+
+    def pin_pages(
+        self, model_key: str, page_hashes: Sequence[int], num_layers: int, pin: bool = True
+    ) -> None:
+        """Take (pin=True) or release one pin on the index and every layer's K+V of each page."""
+        kv_keys = [kv_key(model_key, h, layer) for h in page_hashes for layer in range(num_layers)]
+        ix_keys = [index_key(model_key, h) for h in page_hashes]
+        for name, keys in (("kv", kv_keys), ("index", ix_keys)):
+            (self.stores[name].pin if pin else self.stores[name].unpin)(keys)
+
+    def _get(self, store_name: str, keys: list[str]) -> list[Payload | None]:
+        start = time.perf_counter()
+        out = self.stores[store_name].get_many(keys)
+        if self.metrics is not None:
+            self.metrics.observe_fetch(store_name, time.perf_counter() - start)
+        self._publish()
+        return out
+
+    # ---- sessions ----------------------------------------------------------------------------
+    def session_put(self, record: SessionRecord) -> None:
+        self.sessions.put(record)
+        self._publish()
+
+    def session_append(
+        self, session_id: str, token_ids: list[int], page_hashes: list[int], sampling_state: dict | None
+    ) -> int:
+        """Returns the session's token count after the append."""
+        return len(self.sessions.append(session_id, token_ids, page_hashes, sampling_state).token_ids)
+
+    def session_get(self, session_id: str) -> SessionRecord:
+        return self.sessions.get(session_id)
+
+    def session_set_pinned(self, session_id: str, pinned: bool) -> SessionRecord:
+        return self.sessions.set_pinned(session_id, pinned)
+
+    def session_delete(self, session_id: str) -> SessionRecord | None:
+        record = self.sessions.delete(session_id)
+        self._publish()
+        return record
+
+    def session_list(self) -> list[str]:
+        return self.sessions.list()
+
+    # ---- observability -----------------------------------------------------------------------
+    def stats(self) -> dict[str, object]:
+        out: dict[str, object] = {"shard": self.shard_id, "sessions": len(self.sessions.list()),
+                                  "session_corruptions": self.sessions.corruptions}
+        for name, store in self.stores.items():
+            out[name] = {
+                **store.stats.as_dict(),
+                "memory_bytes": store.memory.bytes_used, "memory_capacity": store.memory.capacity_bytes,
+                "memory_pages": len(store.memory),
+                "disk_bytes": store.disk.bytes_used if store.disk else 0,
+                "disk_capacity": store.disk.capacity_bytes if store.disk else 0,
+                "disk_pages": len(store.disk) if store.disk else 0,
+            }
+        return out
+
+    def ping(self) -> int:
+        return self.shard_id
+
+    def _publish(self) -> None:
+        if self.metrics is None:
+            return
+        for name, store in self.stores.items():
+            self.metrics.publish(name, store)
+        self.metrics.publish_sessions(len(self.sessions.list()))
+
+
+# Shards are I/O- and memcpy-bound: no CPU reservation, so they co-locate with anything.
+KVCacheShardActor = ray.remote(num_cpus=0)(KVCacheShard)

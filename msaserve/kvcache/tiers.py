@@ -1,0 +1,185 @@
+"""The two storage tiers of a page store: host memory and a disk directory.
+
+Each tier keeps its pages in least-recently-used order and counts its bytes; it never decides
+what to evict (the store does, so that pins and the memory → disk → dropped order live in one
+place). Tiers return the checksum that was stored with a page; the store verifies it.
+"""
+
+import os
+import struct
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import xxhash
+
+from msaserve.kvcache.codec import Payload
+
+_DISK_MAGIC = b"MSAKVPG1"
+_DISK_HEADER = struct.Struct("<8sQQI")  # magic, checksum, payload bytes, key bytes
+_SUFFIX = ".page"
+
+
+@dataclass
+class StoredPage:
+    payload: Payload
+    checksum: int
+
+
+class MemoryTier:
+    """Pages in host memory, in LRU order (oldest first)."""
+
+    def __init__(self, capacity_bytes: int) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"memory capacity_bytes={capacity_bytes} must be ≥ 0")
+        self.capacity_bytes = capacity_bytes
+        self.bytes_used = 0
+        self._pages: OrderedDict[str, StoredPage] = OrderedDict()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._pages
+
+    def __len__(self) -> int:
+        return len(self._pages)
+
+    def put(self, key: str, payload: Payload, page_checksum: int) -> None:
+        self.pop(key)
+        self._pages[key] = StoredPage(payload, page_checksum)
+        self.bytes_used += payload.nbytes
+
+    def get(self, key: str) -> StoredPage | None:
+        page = self._pages.get(key)
+        if page is not None:
+            self._pages.move_to_end(key)
+        return page
+
+    def pop(self, key: str) -> StoredPage | None:
+        page = self._pages.pop(key, None)
+        if page is not None:
+            self.bytes_used -= page.payload.nbytes
+        return page
+
+    def nbytes(self, key: str) -> int:
+        return self._pages[key].payload.nbytes
+
+    def lru_keys(self) -> Iterator[str]:
+        """Keys from least to most recently used (a snapshot: safe to pop while iterating)."""
+        return iter(list(self._pages))
+
+
+class DiskTier:
+    """Pages as files under `path`, one file each, written atomically (temp file + rename).
+
+    File: header (magic, checksum, payload length, key length) + key + payload. The key lives in
+    the file so that a restarted store rebuilds its index by scanning the directory; LRU order
+    survives a restart through file modification times (touched on every read).
+    """
+
+    def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, fsync: bool = False) -> None:
+        if capacity_bytes < 0:
+            raise ValueError(f"disk capacity_bytes={capacity_bytes} must be ≥ 0")
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self.fsync = fsync
+        self.bytes_used = 0
+        self._sizes: OrderedDict[str, int] = OrderedDict()  # key → payload bytes, LRU order
+        self._scan()
+
+    def file_of(self, key: str) -> Path:
+        return self.path / (xxhash.xxh3_128_hexdigest(key.encode()) + _SUFFIX)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._sizes
+
+    def __len__(self) -> int:
+        return len(self._sizes)
+
+    def put(self, key: str, payload: Payload, page_checksum: int) -> None:
+        self.pop(key)
+        final = self.file_of(key)
+        tmp = final.with_name(f".tmp-{os.getpid()}-{final.name}")
+        key_bytes = key.encode()
+        with open(tmp, "wb") as f:
+            f.write(_DISK_HEADER.pack(_DISK_MAGIC, page_checksum, payload.nbytes, len(key_bytes)))
+            f.write(key_bytes)
+            f.write(memoryview(payload))
+            if self.fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, final)  # atomic: a reader sees the old file or the whole new one
+        self._sizes[key] = payload.nbytes
+        self.bytes_used += payload.nbytes
+
+    def get(self, key: str) -> StoredPage | None:
+        """The page, or None if absent. A file whose header is unreadable comes back with
+        checksum -1, so the store counts it as corrupt and drops it."""
+        if key not in self._sizes:
+            return None
+        file = self.file_of(key)
+        try:
+            with open(file, "rb") as f:
+                raw = f.read()
+        except FileNotFoundError:  # removed behind our back: forget it
+            self.pop(key)
+            return None
+        self._sizes.move_to_end(key)
+        os.utime(file)
+        header = _parse_header(raw)
+        if header is None or header[2] != key.encode():
+            return StoredPage(np.frombuffer(raw, dtype=np.uint8), -1)
+        page_checksum, start, _ = header
+        return StoredPage(np.frombuffer(raw, dtype=np.uint8)[start:], page_checksum)
+
+    def pop(self, key: str) -> int:
+        """Remove a page; returns the bytes freed (0 if absent)."""
+        size = self._sizes.pop(key, None)
+        if size is None:
+            return 0
+        self.file_of(key).unlink(missing_ok=True)
+        self.bytes_used -= size
+        return size
+
+    def nbytes(self, key: str) -> int:
+        return self._sizes[key]
+
+    def lru_keys(self) -> Iterator[str]:
+        return iter(list(self._sizes))
+
+    def _scan(self) -> None:
+        """Rebuild the index from the files (oldest modification first); remove stale temp files
+        and files whose header cannot be read."""
+        entries = []
+        for file in self.path.iterdir():
+            if file.name.startswith(".tmp-"):
+                file.unlink(missing_ok=True)
+                continue
+            if not file.name.endswith(_SUFFIX):
+                continue
+            with open(file, "rb") as f:
+                head = f.read(_DISK_HEADER.size + 4096)
+            header = _parse_header(head, payload_may_be_partial=True)
+            if header is None:
+                file.unlink(missing_ok=True)
+                continue
+            _, start, key = header
+            payload_bytes = file.stat().st_size - start
+            entries.append((file.stat().st_mtime_ns, key.decode(), payload_bytes))
+        for _, key, size in sorted(entries):
+            self._sizes[key] = size
+            self.bytes_used += size
+
+
+def _parse_header(raw: bytes, payload_may_be_partial: bool = False) -> tuple[int, int, bytes] | None:
+    """(checksum, payload offset, key) of a page file, or None if it is not one."""
+    if len(raw) < _DISK_HEADER.size:
+        return None
+    magic, page_checksum, payload_len, key_len = _DISK_HEADER.unpack_from(raw)
+    start = _DISK_HEADER.size + key_len
+    if magic != _DISK_MAGIC or len(raw) < start:
+        return None
+    if not payload_may_be_partial and len(raw) != start + payload_len:
+        return None
+    return page_checksum, start, raw[_DISK_HEADER.size : start]
