@@ -1,0 +1,80 @@
+"""`load_model(spec)`: one entry point for every model source the engine and CLI accept.
+
+spec: "smollm2" (the bundled GGUF), a preset name ("tiny", "m3-proxy"), a directory with
+config.json + safetensors, or a path to a .gguf file.
+"""
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer as BackendTokenizer
+
+from msaserve.models.config import MSAConfig
+from msaserve.models.gguf_loader import ModelFileMissing, load_gguf, smollm2_gguf_path
+from msaserve.models.presets import PRESETS, get_preset
+from msaserve.models.safetensors_loader import load_safetensors
+from msaserve.models.tokenizer import Tokenizer
+from msaserve.models.transformer import MSATransformer, init_random_weights
+
+
+@dataclass
+class LoadedModel:
+    model: MSATransformer
+    tokenizer: Tokenizer
+    config: MSAConfig
+
+
+def load_model(
+    spec: str,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    attention_backend: str = "msa",
+    progress: bool = True,
+    seed: int = 0,
+    **overrides: Any,
+) -> LoadedModel:
+    """Load `spec` onto `device` in `dtype`, in eval mode.
+
+    overrides: config fields to change — for presets any field (m3-proxy needs num_layers), for
+    GGUF the MSA conversion (page_size, top_k, n_init). seed: presets' random weights.
+    """
+    if spec == "smollm2":
+        spec = str(smollm2_gguf_path())
+    if spec in PRESETS:
+        return _load_preset(spec, device, dtype, attention_backend, seed, progress, overrides)
+    path = Path(spec)
+    if path.suffix == ".gguf":
+        model, tokenizer, config = load_gguf(path, device, dtype, attention_backend, progress, **overrides)
+        return LoadedModel(model, tokenizer, config)
+    if path.is_dir():
+        model, config = load_safetensors(path, device, dtype, attention_backend, progress)
+        return LoadedModel(model, _directory_tokenizer(path, config), config)
+    raise ModelFileMissing(
+        f"model {spec!r} not found: expected 'smollm2', a preset ({', '.join(PRESETS)}), a directory "
+        "with config.json and safetensors, or a .gguf file"
+    )
+
+
+def _load_preset(name: str, device: torch.device | str, dtype: torch.dtype, backend: str, seed: int,
+                 progress: bool, overrides: dict[str, Any]) -> LoadedModel:
+    config = get_preset(name, **overrides)
+    if progress:
+        print(f"initialising {name} ({config.num_layers} layers) with random weights, seed {seed}",
+              file=sys.stderr)
+    with torch.device(device):
+        model = MSATransformer(config, backend).to(dtype)
+    init_random_weights(model, seed=seed)
+    return LoadedModel(model.eval(), Tokenizer.byte_level(config.vocab_size), config)
+
+
+def _directory_tokenizer(directory: Path, config: MSAConfig) -> Tokenizer:
+    """tokenizer.json if the checkpoint has one, else the byte-level tokenizer of the presets."""
+    path = directory / "tokenizer.json"
+    if not path.is_file():
+        return Tokenizer.byte_level(config.vocab_size)
+    eos = {config.eos_token_id} if config.eos_token_id is not None else set()
+    backend = BackendTokenizer.from_file(str(path))
+    return Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=eos)

@@ -1,0 +1,90 @@
+"""`msaserve generate`: prompt in, text out, on the CPU, with the single-sequence reference decoder."""
+
+import argparse
+import sys
+import time
+
+import torch
+
+from msaserve.models.gguf_loader import ModelFileMissing
+from msaserve.models.loader import load_model
+from msaserve.models.reference_decode import generate
+from msaserve.models.tokenizer import Tokenizer
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("generate", help="generate text from a prompt (CPU, one sequence)")
+    parser.add_argument("--prompt", required=True, help="the prompt text")
+    parser.add_argument("--model", default="smollm2",
+                        help="smollm2 (default), tiny, a safetensors directory or a .gguf file")
+    parser.add_argument("--attention", choices=("dense", "msa"), default="msa",
+                        help="attention backend: msa (block-sparse, default) or dense (the baseline)")
+    parser.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate (≥ 1)")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="0 = greedy (default); otherwise sampling temperature in (0, 2]")
+    parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
+    parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
+                        help="wrap the prompt in the model's chat template (default on)")
+    parser.set_defaults(func=run)
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 0.0 <= args.temperature <= 2.0:
+        print(f"error: --temperature={args.temperature} is invalid: allowed 0.0 to 2.0", file=sys.stderr)
+        return 2
+    if not 0.0 < args.top_p <= 1.0:
+        print(f"error: --top-p={args.top_p} is invalid: allowed (0, 1]", file=sys.stderr)
+        return 2
+    torch.set_grad_enabled(False)
+    try:
+        loaded = load_model(args.model, attention_backend=args.attention)
+    except ModelFileMissing as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    tokenizer = loaded.tokenizer
+    text = args.prompt
+    if args.chat:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": args.prompt}])
+    prompt_ids = tokenizer.encode(text)
+    printer = _StreamPrinter(tokenizer)
+    start = time.perf_counter()
+    output = generate(
+        loaded.model, prompt_ids, args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+        seed=args.seed, eos_token_ids=tokenizer.eos_token_ids, on_token=printer.add,
+    )
+    printer.finish()
+    elapsed = time.perf_counter() - start
+    print(f"[{len(prompt_ids)} prompt tokens, {len(output)} generated in {elapsed:.1f} s, "
+          f"attention {args.attention}]", file=sys.stderr)
+    return 0
+
+
+class _StreamPrinter:
+    """Prints text as tokens arrive; holds back an incomplete UTF-8 sequence (shown as U+FFFD)."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def add(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        text = self.tokenizer.decode(self.ids)
+        if text.endswith("\ufffd"):
+            return
+        sys.stdout.write(text[self.printed :])
+        sys.stdout.flush()
+        self.printed = len(text)
+
+    def finish(self) -> None:
+        text = self.tokenizer.decode(self.ids)
+        sys.stdout.write(text[self.printed :] + "\n")
+        sys.stdout.flush()
