@@ -1,0 +1,207 @@
+"""Decode indexer (DESIGN §2) in Triton: block-max scores of 1–16 queries per sequence against
+every resident index page, and the top-K selection with the forced local/init blocks.
+
+Shape of the work: the key axis is long (up to 8K pages of P tokens) and the query axis tiny
+(Q · heads-per-key-head ≤ 64 rows), so the keys sit on the MMA's M side (`keys @ qᵀ`) and the
+pages are split across CTAs. Stage 1: each CTA streams its pages once, keeps a running top-K
+per row in registers and writes K candidates. Stage 2 merges the splits' candidates. The grid
+depends only on (B, max_pages, heads), never on the lengths, so a CUDA graph can capture it.
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from msaserve.kernels.triton_common import (
+    EMPTY_ID_BASE,
+    INTERPRET,
+    check,
+    check_last_contiguous,
+    check_shape,
+    configs,
+    num_sms,
+    pow2,
+    sorted_selection,
+    topk_insert,
+)
+
+# ---------------------------------------------------------------- heuristics
+
+
+def _num_splits(batch: int, key_heads: int, max_pages: int, device: torch.device) -> int:
+    """Enough CTAs for two waves over the SMs, never more splits than pages."""
+    want = triton.cdiv(2 * num_sms(device), batch * key_heads)
+    return max(1, min(want, max_pages))
+
+
+# ---------------------------------------------------------------- autotune keyed on shapes
+
+_CONFIGS = configs([{}], [(4, 3), (4, 4), (8, 3), (8, 4)])
+
+
+# ---------------------------------------------------------------- jit kernels
+
+
+@triton.autotune(configs=_CONFIGS, key=["P", "DI", "NR", "KP", "HAS_SCALE"])
+@triton.jit
+def _score_split_kernel(
+    q_ptr, cache_ptr, scale_ptr, tables_ptr, seq_lens_ptr, cand_val_ptr, cand_id_ptr,
+    stride_qb, stride_qq, stride_qh,
+    stride_cp, stride_ct, stride_ch,
+    stride_sp, stride_st, stride_sh,
+    stride_tb, pages_per_split, num_splits,
+    NUM_Q: tl.constexpr, HPK: tl.constexpr, NR: tl.constexpr, P: tl.constexpr, DI: tl.constexpr,
+    KP: tl.constexpr, N_INIT: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    """One (sequence, split, key head): running top-K of its pages for the NR = Q·HPK rows."""
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    hk = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    rows = tl.arange(0, NR)  # row = query · HPK + head-in-key-group
+    q_i = rows // HPK
+    row_ok = rows < NUM_Q * HPK
+    local = (seq_len - NUM_Q + q_i) // P  # [NR] local block c of each row
+    last_page = (seq_len - 1) // P
+    offs_d = tl.arange(0, DI)
+    offs_t = tl.arange(0, P)
+    q = tl.load(
+        q_ptr + b * stride_qb + q_i[:, None] * stride_qq + (hk * HPK + rows % HPK)[:, None] * stride_qh
+        + offs_d[None, :], mask=row_ok[:, None], other=0.0,
+    )  # [NR, DI]
+    q_t = tl.trans(q.to(tl.float32) if UPCAST else q)  # [DI, NR]
+    vals = tl.full([NR, KP], float("-inf"), tl.float32)
+    ids = EMPTY_ID_BASE + tl.zeros([NR, KP], tl.int32) + tl.arange(0, KP)[None, :]
+    first = split * pages_per_split
+    end = tl.minimum(first + pages_per_split, last_page + 1)
+    for j in range(first, end):
+        page = tl.load(tables_ptr + b * stride_tb + j)
+        page = tl.maximum(page, 0)
+        keys = tl.load(cache_ptr + page.to(tl.int64) * stride_cp + hk * stride_ch
+                       + offs_t[:, None] * stride_ct + offs_d[None, :])  # [P, DI]
+        keys = keys.to(q_t.dtype)  # fp8 → bf16 in registers; no-op when the dtypes agree
+        logits = tl.dot(keys, q_t)  # [P, NR] fp32
+        if HAS_SCALE:
+            key_scale = tl.load(scale_ptr + page.to(tl.int64) * stride_sp + hk * stride_sh
+                                + offs_t * stride_st)
+            logits = logits * key_scale[:, None]
+        score = tl.max(logits, axis=0)  # [NR]
+        forced = (j == local) | (j < N_INIT)
+        score = tl.where(forced, float("inf"), score)
+        vals, ids = topk_insert(vals, ids, score, j, row_ok & (j <= local))
+    base = ((b * tl.num_programs(2) + hk) * num_splits + split) * NR * KP
+    offs = base + rows[:, None] * KP + tl.arange(0, KP)[None, :]
+    tl.store(cand_val_ptr + offs, vals)
+    tl.store(cand_id_ptr + offs, ids)
+
+
+@triton.jit
+def _merge_splits_kernel(
+    cand_val_ptr, cand_id_ptr, out_ptr, num_splits,
+    stride_ob, stride_oq, stride_oh,
+    HPK: tl.constexpr, NR: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, TOP_K: tl.constexpr,
+):
+    """One (sequence, key head, row): top-K over the splits' candidates, value desc then id asc."""
+    b = tl.program_id(0)
+    hk = tl.program_id(1)
+    row = tl.program_id(2)
+    offs_s = tl.arange(0, SP)
+    offs_k = tl.arange(0, KP)
+    base = ((b * tl.num_programs(1) + hk) * num_splits) * NR * KP + row * KP
+    offs = base + offs_s[:, None] * (NR * KP) + offs_k[None, :]
+    ok = offs_s[:, None] < num_splits
+    vals = tl.load(cand_val_ptr + offs, mask=ok, other=float("-inf"))  # [SP, KP]
+    ids = tl.load(cand_id_ptr + offs, mask=ok, other=EMPTY_ID_BASE)
+    real = ids < EMPTY_ID_BASE
+    vals = tl.where(real, vals, float("-inf"))
+    chosen = tl.full([1, KP], EMPTY_ID_BASE, tl.int32)
+    for k in range(TOP_K):
+        best = tl.max(tl.max(vals, axis=1), axis=0)
+        tied = (vals == best) & real
+        best_id = tl.min(tl.min(tl.where(tied, ids, EMPTY_ID_BASE), axis=1), axis=0)
+        best_id = tl.where(best == float("-inf"), EMPTY_ID_BASE, best_id)
+        chosen = tl.where(offs_k[None, :] == k, best_id, chosen)
+        taken = ids == best_id
+        vals = tl.where(taken, float("-inf"), vals)
+        real = real & ~taken
+    chosen = sorted_selection(chosen, EMPTY_ID_BASE)  # [1, KP]
+    q_i = row // HPK
+    h = hk * HPK + row % HPK
+    ptrs = out_ptr + b * stride_ob + q_i * stride_oq + h * stride_oh + offs_k[None, :]
+    tl.store(ptrs, chosen, mask=offs_k[None, :] < TOP_K)
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def _launch(
+    q_index: torch.Tensor,
+    index_cache: torch.Tensor,
+    index_scale: torch.Tensor | None,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    top_k: int,
+    n_init: int,
+) -> torch.Tensor:
+    batch, num_q, num_heads, index_dim = q_index.shape
+    num_pages, page_size, key_heads, _ = index_cache.shape
+    check(1 <= num_q <= 16, f"indexer_decode takes 1–16 queries per sequence, got Q={num_q}")
+    check(key_heads in (1, num_heads), f"index_cache has HkI={key_heads}; allowed 1 or Hkv={num_heads}")
+    check_shape("index_cache", index_cache, (num_pages, page_size, key_heads, index_dim))
+    check(block_tables.dim() == 2 and block_tables.shape[0] == batch,
+          f"block_tables has shape {tuple(block_tables.shape)}, expected [{batch}, max_pages]")
+    check_shape("seq_lens", seq_lens, (batch,))
+    check(top_k >= 1 and 0 <= n_init < top_k, f"need 0 ≤ n_init < top_k, got n_init={n_init}, top_k={top_k}")
+    check(page_size == pow2(page_size) and index_dim == pow2(index_dim),
+          f"page size {page_size} and index dim {index_dim} must be powers of two")
+    check_last_contiguous(q_index=q_index, index_cache=index_cache)
+    if index_scale is not None:
+        check_shape("index_scale", index_scale, (num_pages, page_size, key_heads))
+    block_tables = block_tables.to(torch.int32).contiguous()
+    seq_lens = seq_lens.to(torch.int32)
+    heads_per_key = num_heads // key_heads
+    num_rows = pow2(num_q * heads_per_key, 16)
+    kp = pow2(top_k)
+    max_pages = block_tables.shape[1]
+    splits = _num_splits(batch, key_heads, max_pages, q_index.device)
+    pages_per_split = triton.cdiv(max_pages, splits)
+    splits = triton.cdiv(max_pages, pages_per_split)
+    cand_val = torch.empty((batch, key_heads, splits, num_rows, kp), device=q_index.device,
+                           dtype=torch.float32)
+    cand_id = torch.empty_like(cand_val, dtype=torch.int32)
+    scale = index_scale if index_scale is not None else cand_val  # unused when HAS_SCALE=False
+    _score_split_kernel[(batch, splits, key_heads)](
+        q_index, index_cache, scale, block_tables, seq_lens, cand_val, cand_id,
+        q_index.stride(0), q_index.stride(1), q_index.stride(2),
+        index_cache.stride(0), index_cache.stride(1), index_cache.stride(2),
+        scale.stride(0), scale.stride(1), scale.stride(2),
+        block_tables.stride(0), pages_per_split, splits,
+        NUM_Q=num_q, HPK=heads_per_key, NR=num_rows, P=page_size, DI=index_dim, KP=kp, N_INIT=n_init,
+        HAS_SCALE=index_scale is not None, UPCAST=INTERPRET,
+    )
+    out = torch.empty((batch, num_q, num_heads, top_k), device=q_index.device, dtype=torch.int32)
+    _merge_splits_kernel[(batch, key_heads, num_q * heads_per_key)](
+        cand_val, cand_id, out, splits, out.stride(0), out.stride(1), out.stride(2),
+        HPK=heads_per_key, NR=num_rows, KP=kp, SP=pow2(splits), TOP_K=top_k,
+    )
+    return out
+
+
+# ---------------------------------------------------------------- public function
+
+
+def indexer_decode(
+    q_index: torch.Tensor,
+    index_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    top_k: int,
+    n_init: int = 1,
+    index_scale: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """q_index: [B, Q, Hkv, DI] (query i of sequence b at position seq_lens[b] - Q + i);
+    index_cache: [num_pages, P, HkI, DI] (bf16/fp16/fp32, or fp8-e4m3 with index_scale
+    [num_pages, P, HkI] fp32); block_tables: [B, max_pages]; seq_lens: [B]
+    → selected [B, Q, Hkv, top_k] int32 (ascending, -1 pad).
+    """
+    return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, top_k, n_init)

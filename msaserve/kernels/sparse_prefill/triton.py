@@ -1,0 +1,201 @@
+"""Sparse prefill attention (DESIGN §2), KV-block-major, in Triton.
+
+The selection [Tq, Hkv, K] is inverted into work tiles: per (sequence, KV head, block) the queries
+that chose it, cut into tiles of BQ queries. A program loads its K/V page once, packs its queries
+with the group's G heads into the M rows of the MMA (BQ·G ≈ 128), and writes one partial (o, lse)
+per (query, head, slot). A second kernel merges the ≤ K partials of each (query, KV head) by LSE.
+"""
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from msaserve.kernels.dense.sdpa import dense_prefill
+from msaserve.kernels.triton_common import (
+    INTERPRET,
+    check,
+    check_last_contiguous,
+    check_shape,
+    configs,
+    lse_merge,
+    pow2,
+)
+
+_LOG2E = 1.4426950408889634
+
+# ---------------------------------------------------------------- heuristics
+
+
+def _block_rows(group: int) -> int:
+    """MMA rows per tile: 128 on the GPU (64 under the interpreter), at least one query's heads."""
+    return max(64 if INTERPRET else 128, pow2(group))
+
+
+def _invert_selection(
+    selected: torch.Tensor, seq_of_query: torch.Tensor, max_pages: int, queries_per_tile: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """selected [Tq, Hkv, K] → entries sorted by (seq, KV head, block) then query, and the tiles.
+
+    Returns (key [E] int64: (seq·Hkv + head)·max_pages + block, entry [E] int64: flat index into
+    [Tq, Hkv, K], tile_start [N] int64, tile_count [N] int32). Waits for the host once (tile count).
+    """
+    num_heads = selected.shape[1]
+    heads = torch.arange(num_heads, device=selected.device)
+    sel = selected.long()
+    invalid = seq_of_query.new_tensor(1 << 62)
+    key = (seq_of_query[:, None, None] * num_heads + heads[None, :, None]) * max_pages + sel
+    key = torch.where(sel >= 0, key, invalid).flatten()
+    key, entry = torch.sort(key, stable=True)  # stable: queries ascend within a block
+    index = torch.arange(key.shape[0], device=key.device)
+    new_segment = torch.ones_like(key, dtype=torch.bool)
+    new_segment[1:] = key[1:] != key[:-1]
+    segment_first = torch.cummax(torch.where(new_segment, index, 0), 0).values
+    segment_id = torch.cumsum(new_segment, 0) - 1
+    segment_end = segment_first + torch.bincount(segment_id)[segment_id]
+    is_start = ((index - segment_first) % queries_per_tile == 0) & (key != invalid)
+    tile_start = torch.nonzero(is_start).squeeze(1)
+    tile_count = torch.clamp(segment_end[tile_start] - tile_start, max=queries_per_tile).to(torch.int32)
+    return key, entry, tile_start, tile_count
+
+
+# ---------------------------------------------------------------- autotune keyed on shapes
+
+_CONFIGS = configs([{}], [(8, 2), (4, 2), (8, 3)])
+
+
+# ---------------------------------------------------------------- jit kernel
+
+
+@triton.autotune(configs=_CONFIGS, key=["P", "D", "G", "BLOCK_M"])
+@triton.jit
+def _block_major_kernel(
+    q_ptr, k_ptr, v_ptr, tables_ptr, q_pos_ptr, key_ptr, entry_ptr, tile_start_ptr, tile_count_ptr,
+    part_o_ptr, part_lse_ptr, qk_scale, max_pages,
+    stride_qt, stride_qh,
+    stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tb,
+    HKV: tl.constexpr, TOP_K: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr,
+    P: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    e0 = tl.load(tile_start_ptr + tile)
+    count = tl.load(tile_count_ptr + tile)
+    key = tl.load(key_ptr + e0)
+    j = key % max_pages
+    h = (key // max_pages) % HKV
+    b = key // max_pages // HKV
+    page = tl.load(tables_ptr + b * stride_tb + j).to(tl.int64)
+    rows = tl.arange(0, BLOCK_M)  # row = query-in-tile · G + head-in-group
+    q_in_tile = rows // G
+    row_ok = (rows < BQ * G) & (q_in_tile < count)
+    entry = tl.load(entry_ptr + e0 + q_in_tile, mask=row_ok, other=0)  # [BLOCK_M] flat (t, h, slot)
+    t = entry // (HKV * TOP_K)
+    pos = tl.load(q_pos_ptr + t, mask=row_ok, other=0)
+    offs_d = tl.arange(0, D)
+    offs_p = tl.arange(0, P)
+    head = h * G + rows % G
+    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+    keys = tl.load(k_ptr + page * stride_kp + h * stride_kh + offs_p[:, None] * stride_kt + offs_d[None, :])
+    values = tl.load(v_ptr + page * stride_vp + h * stride_vh + offs_p[:, None] * stride_vt + offs_d[None, :])
+    if UPCAST:
+        q = q.to(tl.float32)
+    logits = tl.dot(q, tl.trans(keys.to(q.dtype))) * qk_scale  # [BLOCK_M, P], log2 units
+    logits = tl.where((j * P + offs_p)[None, :] <= pos[:, None], logits, float("-inf"))
+    m = tl.max(logits, axis=1)
+    m = tl.where(row_ok, m, 0.0)  # padding rows: keep the arithmetic finite
+    probs = tl.exp2(logits - m[:, None])
+    denom = tl.sum(probs, axis=1)
+    out = tl.dot(probs.to(q.dtype), values.to(q.dtype)) / tl.where(denom > 0, denom, 1.0)[:, None]
+    part_row = entry * G + rows % G  # [Tq·Hkv·K·G] rows of the partial buffers
+    tl.store(part_o_ptr + part_row[:, None] * D + offs_d[None, :], out.to(part_o_ptr.dtype.element_ty),
+             mask=row_ok[:, None])
+    tl.store(part_lse_ptr + part_row, m + tl.log2(tl.where(denom > 0, denom, 1.0)), mask=row_ok)
+
+
+# ---------------------------------------------------------------- launcher
+
+
+def _query_positions(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tokens: int):
+    """→ (sequence of each query [Tq] int64, position of each query [Tq] int32)."""
+    cu = cu_seqlens_q.long()
+    tokens = torch.arange(num_tokens, device=cu.device)
+    seq = torch.searchsorted(cu[1:], tokens, right=True)
+    pos = seq_lens.long()[seq] - (cu[seq + 1] - cu[seq]) + (tokens - cu[seq])
+    return seq, pos.to(torch.int32)
+
+
+def _launch(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    selected: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    num_tokens, num_q_heads, head_dim = q.shape
+    _, page_size, num_kv_heads, _ = k_cache.shape
+    batch = block_tables.shape[0]
+    top_k = selected.shape[-1]
+    check(num_q_heads % num_kv_heads == 0, f"Hq={num_q_heads} is not a multiple of Hkv={num_kv_heads}")
+    group = num_q_heads // num_kv_heads
+    check_shape("v_cache", v_cache, tuple(k_cache.shape))
+    check_shape("selected", selected, (num_tokens, num_kv_heads, top_k))
+    check_shape("seq_lens", seq_lens, (batch,))
+    check_shape("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
+    check(page_size == pow2(page_size) and head_dim == pow2(head_dim),
+          f"page size {page_size} and head dim {head_dim} must be powers of two")
+    check_last_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
+    out = torch.empty_like(q)
+    if num_tokens == 0:
+        return out
+    block_tables = block_tables.to(torch.int32).contiguous()
+    block_m = _block_rows(group)
+    queries_per_tile = block_m // group
+    seq, pos = _query_positions(cu_seqlens_q.to(q.device), seq_lens.to(q.device), num_tokens)
+    key, entry, tile_start, tile_count = _invert_selection(
+        selected, seq, block_tables.shape[1], queries_per_tile
+    )
+    # Partials per (query, KV head, slot, head-in-group); o in q's dtype halves the traffic.
+    part_o = q.new_empty((num_tokens * num_kv_heads * top_k, group, head_dim))
+    part_lse = q.new_empty((num_tokens * num_kv_heads * top_k, group), dtype=torch.float32)
+    if tile_start.numel():
+        _block_major_kernel[(tile_start.numel(),)](
+            q, k_cache, v_cache, block_tables, pos, key, entry, tile_start, tile_count,
+            part_o, part_lse, scale * _LOG2E, block_tables.shape[1],
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            HKV=num_kv_heads, TOP_K=top_k, G=group, BQ=queries_per_tile, BLOCK_M=block_m,
+            P=page_size, D=head_dim, UPCAST=INTERPRET,
+        )
+    valid = selected.to(torch.int32).reshape(num_tokens * num_kv_heads, top_k)
+    lse_merge(part_o.view(-1, top_k, group, head_dim), part_lse.view(-1, top_k, group), valid, out)
+    return out
+
+
+# ---------------------------------------------------------------- public function
+
+
+def sparse_prefill(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    selected: torch.Tensor | None,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """q: [Tq, Hq, D]; k_cache, v_cache: [num_pages, P, Hkv, D]; block_tables: [B, max_pages];
+    seq_lens: [B]; cu_seqlens_q: [B + 1]; selected: [Tq, Hkv, K] logical block ids in any order,
+    -1 = none (None = dense causal, served by SDPA) → o [Tq, Hq, D] in q's dtype.
+    Query heads h*G .. h*G+G-1 share KV head h.
+    """
+    if selected is None:
+        return dense_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale)
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, selected, scale)

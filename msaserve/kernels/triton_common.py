@@ -1,0 +1,136 @@
+"""Pieces shared by the MSA Triton kernels: interpreter detection, the streaming top-K insert, the
+LSE merge of partial attention outputs, and small launcher checks.
+
+Under `TRITON_INTERPRET=1` (CPU tests) kernels run on torch CPU tensors; the interpreter computes
+bf16 `tl.dot` wrongly, so every kernel upcasts its dot operands to fp32 when `INTERPRET` is set,
+and autotuning is reduced to one config (the interpreter cost is per program instance).
+"""
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+# Ids of empty top-K slots: above every real block id, distinct per slot so eviction is exact.
+EMPTY_ID_BASE = tl.constexpr(1 << 29)
+
+
+def configs(options: list[dict], warps_stages: list[tuple[int, int]]) -> list[triton.Config]:
+    """Autotune configs; the interpreter gets the first one only."""
+    out = [triton.Config(dict(opt), num_warps=w, num_stages=s) for opt in options for w, s in warps_stages]
+    return out[:1] if INTERPRET else out
+
+
+def num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 8
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def check_shape(name: str, tensor: torch.Tensor, shape: tuple[int, ...]) -> None:
+    check(
+        tuple(tensor.shape) == tuple(shape),
+        f"{name} has shape {tuple(tensor.shape)}, expected {tuple(shape)}",
+    )
+
+
+def check_last_contiguous(**tensors: torch.Tensor) -> None:
+    for name, tensor in tensors.items():
+        check(tensor.stride(-1) == 1, f"{name} needs a contiguous last dim, got strides {tensor.stride()}")
+
+
+def pow2(n: int, minimum: int = 1) -> int:
+    return max(minimum, triton.next_power_of_2(max(1, n)))
+
+
+@triton.jit
+def topk_insert(vals, ids, score, block_id, valid):
+    """Insert one block's score into a running top-K per row.
+
+    vals, ids: [M, KP] (fp32, int32); score: [M] fp32; block_id: scalar; valid: [M] bool.
+    Blocks arrive in ascending id, so a tie with the current worst entry keeps the old (lower) id:
+    the new block enters only if it is strictly better. The worst entry is the lowest value and,
+    among equal values, the highest id (empty slots are -inf with ids above every block).
+    """
+    worst = tl.min(vals, axis=1)  # [M]
+    is_worst = vals == worst[:, None]
+    worst_id = tl.max(tl.where(is_worst, ids, -1), axis=1)
+    take = valid & (score > worst)
+    slot = is_worst & (ids == worst_id[:, None]) & take[:, None]
+    vals = tl.where(slot, score[:, None], vals)
+    ids = tl.where(slot, block_id, ids)
+    return vals, ids
+
+
+@triton.jit
+def sorted_selection(ids, EMPTY: tl.constexpr):
+    """ids: [M, KP] block ids with empty slots ≥ EMPTY → ascending ids, empty slots -1 at the end."""
+    ids = tl.sort(ids, dim=1)
+    return tl.where(ids >= EMPTY, -1, ids)
+
+
+@triton.jit
+def _lse_merge_kernel(
+    part_o, part_lse, valid_ptr, out,
+    stride_po_row, stride_po_part, stride_pl_row, stride_pl_part, stride_v_row, stride_v_part,
+    stride_out_row, heads_per_row, stride_out_head,
+    NUM_PARTS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+):
+    """out[row, g] = Σ_k 2^(lse_k − lse) · o_k over the valid partials k of one row (lse in log2 units).
+
+    part_o: [R, NUM_PARTS, G, D]; part_lse: [R, NUM_PARTS, G]; valid: [R, NUM_PARTS] int32 (≥ 0 valid).
+    A row maps to output head block (row % heads_per_row) · G of output row row // heads_per_row.
+    """
+    row = tl.program_id(0)
+    offs_g = tl.arange(0, GP)
+    offs_d = tl.arange(0, DP)
+    mask_g = offs_g < G
+    mask_gd = mask_g[:, None] & (offs_d[None, :] < D)
+    m = tl.full([GP], float("-inf"), tl.float32)
+    denom = tl.zeros([GP], tl.float32)
+    acc = tl.zeros([GP, DP], tl.float32)
+    for k in range(NUM_PARTS):
+        ok = tl.load(valid_ptr + row * stride_v_row + k * stride_v_part)
+        if ok >= 0:
+            lse = tl.load(part_lse + row * stride_pl_row + k * stride_pl_part + offs_g, mask=mask_g,
+                          other=float("-inf"))
+            o = tl.load(part_o + row * stride_po_row + k * stride_po_part + offs_g[:, None] * D
+                        + offs_d[None, :], mask=mask_gd, other=0.0).to(tl.float32)
+            m_new = tl.maximum(m, lse)
+            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha = tl.exp2(m - m_safe)
+            beta = tl.exp2(lse - m_safe)
+            acc = acc * alpha[:, None] + o * beta[:, None]
+            denom = denom * alpha + beta
+            m = m_new
+    result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
+    out_row = row // heads_per_row
+    head0 = (row % heads_per_row) * G
+    ptrs = out + out_row * stride_out_row + (head0 + offs_g[:, None]) * stride_out_head + offs_d[None, :]
+    tl.store(ptrs, result.to(out.dtype.element_ty), mask=mask_gd)
+
+
+def lse_merge(
+    part_o: torch.Tensor, part_lse: torch.Tensor, valid: torch.Tensor, out: torch.Tensor
+) -> None:
+    """Merge partials into `out`.
+
+    part_o: [R, N, G, D] contiguous; part_lse: [R, N, G] fp32; valid: [R, N] int32 (< 0 = skip);
+    out: [R // H, H * G, D] viewed by rows, H = R / out.shape[0] heads-groups per output row.
+    """
+    rows, parts, group, head_dim = part_o.shape
+    heads_per_row = rows // out.shape[0]
+    _lse_merge_kernel[(rows,)](
+        part_o, part_lse, valid, out,
+        part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1),
+        valid.stride(0), valid.stride(1), out.stride(0), heads_per_row, out.stride(1),
+        NUM_PARTS=parts, G=group, GP=pow2(group), D=head_dim, DP=pow2(head_dim),
+    )
