@@ -1,0 +1,216 @@
+"""The engine as the model deployment uses it: an async generator of outputs per request.
+
+The `LLMEngine` runs in one background thread that owns it (model, pages, queues); the event loop
+only posts commands (add, abort) and receives outputs, so it stays responsive while a step runs.
+Cancelling a consumer (or `aclose()` on its generator) aborts the request; the thread frees its
+pages before the next step.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from msaserve.engine.config import EngineConfig
+from msaserve.engine.llm_engine import LLMEngine
+from msaserve.engine.types import (
+    EngineStats,
+    GenerateOutput,
+    GenerateRequest,
+    InvalidParameter,
+    KVEvent,
+    QueueFull,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Add:
+    request: GenerateRequest
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, model: object | None = None, tokenizer: object | None = None,
+                 engine: LLMEngine | None = None) -> None:
+        self.config = config
+        self.engine = engine or LLMEngine(config, model, tokenizer)
+        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._wakeup = threading.Event()
+        self._streams: dict[str, asyncio.Queue[GenerateOutput | BaseException]] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._lock = threading.Lock()  # guards the snapshot below
+        self._stats = self.engine.stats()
+        self._events: list[KVEvent] = []
+        self._num_waiting_commands = 0
+
+    # ---- what the platform reads ------------------------------------------------------------
+    @property
+    def tokenizer(self) -> object | None:
+        return self.engine.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
+    @property
+    def page_size(self) -> int:
+        return self.engine.page_size
+
+    def stats(self) -> EngineStats:
+        """Load as of the end of the last step."""
+        with self._lock:
+            return self._stats
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        with self._lock:
+            events, self._events = self._events, []
+        return events
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="msaserve-engine", daemon=True)
+        self._thread.start()
+
+    async def shutdown(self) -> None:
+        """Stop the loop; requests still in flight end with finish_reason "abort"."""
+        if self._thread is None:
+            return
+        self._stopping = True
+        self._commands.put(None)
+        self._wakeup.set()
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        for request_id in list(self.engine.trackers):
+            output = self.engine.abort(request_id)
+            if output is not None:
+                self._deliver(output)
+
+    # ---- requests ---------------------------------------------------------------------------
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput]:
+        """Stream a request's outputs. Raises InvalidParameter, ContextTooLong or QueueFull before
+        the first output; the last output has finished=True."""
+        await self.start()
+        self.engine.validate(request)
+        if request.request_id in self._streams:
+            raise InvalidParameter("request_id", request.request_id, "an id not already in flight")
+        waiting = self.stats().num_waiting + self._num_waiting_commands
+        if waiting >= self.config.max_waiting:
+            raise QueueFull(waiting, self.config.max_waiting)
+        stream: asyncio.Queue[GenerateOutput | BaseException] = asyncio.Queue()
+        self._streams[request.request_id] = stream
+        self._num_waiting_commands += 1
+        self._post(_Add(request))
+        finished = False
+        try:
+            while not finished:
+                item = await stream.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                finished = item.finished
+                yield item
+        finally:
+            self._streams.pop(request.request_id, None)
+            if not finished:  # the consumer went away: free the request's pages now
+                self.abort(request.request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._post(_Abort(request_id))
+
+    def _post(self, command: _Add | _Abort) -> None:
+        self._commands.put(command)
+        self._wakeup.set()
+
+    # ---- the engine thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stopping:
+            self._apply_commands()
+            if self._stopping:
+                break
+            if not self.engine.has_unfinished():
+                self._wakeup.wait()
+                self._wakeup.clear()
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as error:  # a fault in a step fails the requests in it, not the replica
+                logger.exception("engine step failed")
+                self._fail_all(error)
+                continue
+            self._publish()
+            for output in outputs:
+                self._deliver(output)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add):
+                self._add(command.request)
+            elif isinstance(command, _Abort):
+                output = self.engine.abort(command.request_id)
+                if output is not None:
+                    self._deliver(output)
+        self._publish()
+
+    def _add(self, request: GenerateRequest) -> None:
+        self._call_in_loop(self._added)
+        try:
+            self.engine.add_request(request)
+        except Exception as error:
+            self._deliver_error(request.request_id, error)
+
+    def _added(self) -> None:
+        self._num_waiting_commands -= 1
+
+    def _fail_all(self, error: Exception) -> None:
+        for request_id in list(self.engine.trackers):
+            self.engine.abort(request_id)
+            self._deliver_error(request_id, RuntimeError(f"engine step failed: {error}"))
+        self._publish()
+
+    def _publish(self) -> None:
+        stats, events = self.engine.stats(), self.engine.drain_kv_events()
+        with self._lock:
+            self._stats = stats
+            self._events.extend(events)
+
+    def _deliver(self, output: GenerateOutput) -> None:
+        self._call_in_loop(self._put, output.request_id, output)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        self._call_in_loop(self._put, request_id, error)
+
+    def _put(self, request_id: str, item: GenerateOutput | BaseException) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            stream.put_nowait(item)
+
+    def _call_in_loop(self, callback, *args) -> None:
+        loop = self._loop
+        if loop is None or loop.is_closed():
+            return
+        try:
+            on_loop = asyncio.get_running_loop() is loop
+        except RuntimeError:
+            on_loop = False
+        if on_loop:
+            callback(*args)  # shutdown() runs on the loop's own thread
+        else:
+            loop.call_soon_threadsafe(callback, *args)

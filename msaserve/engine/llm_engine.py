@@ -1,0 +1,167 @@
+"""The synchronous engine core: requests in, one scheduled step at a time, outputs out.
+
+`AsyncEngine` runs it in a background thread; tests and offline benchmarks call `step()`.
+"""
+
+import random
+
+import torch
+
+from msaserve.engine.block_manager import BlockManager
+from msaserve.engine.config import EngineConfig
+from msaserve.engine.memory import model_dtype
+from msaserve.engine.model_runner import ModelRunner
+from msaserve.engine.output import RequestOutputTracker, now
+from msaserve.engine.sampler import Sampler
+from msaserve.engine.scheduler import Scheduler
+from msaserve.engine.sequence import Sequence
+from msaserve.engine.swap import CachePageIO, HostPageStore, PageStore, Swapper
+from msaserve.engine.types import (
+    ContextTooLong,
+    EngineStats,
+    GenerateOutput,
+    GenerateRequest,
+    InvalidParameter,
+    KVEvent,
+    QueueFull,
+)
+from msaserve.models.transformer import MSATransformer
+
+
+def load_engine_model(config: EngineConfig) -> tuple[MSATransformer, object]:
+    """(model, tokenizer) from the config's model spec."""
+    from msaserve.models.loader import load_model  # the loader pulls in GGUF/safetensors readers
+
+    device = torch.device(config.device)
+    loaded = load_model(config.model, device, model_dtype(config), config.attention_backend)
+    return loaded.model, loaded.tokenizer
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        config: EngineConfig,
+        model: MSATransformer | None = None,
+        tokenizer: object | None = None,
+        page_store: PageStore | None = None,
+    ) -> None:
+        if model is None:
+            model, tokenizer = load_engine_model(config)
+        self.config = config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(model, config)
+        self.page_size = self.runner.page_size
+        self.block_manager = BlockManager(self.runner.num_pages, self.page_size, config.enable_prefix_caching)
+        pin = self.runner.device.type == "cuda"
+        store = page_store or HostPageStore(config.swap_space_bytes, pin_memory=pin)
+        self.swapper = Swapper(store, CachePageIO(self.runner.caches), self.block_manager)
+        self.scheduler = Scheduler(
+            self.block_manager, self.swapper, config.max_num_seqs, config.max_num_batched_tokens
+        )
+        self.sampler = Sampler()
+        self.trackers: dict[str, RequestOutputTracker] = {}
+        self.max_model_len = min(config.max_model_len, self.runner.num_pages * self.page_size)
+        self.eos_token_ids = self._eos_token_ids()
+        self._seeds = random.Random(config.seed)
+        self.record_selections = False
+        """Tests set this to keep each step's MSA selections in runner.last_selections."""
+
+    def _eos_token_ids(self) -> set[int]:
+        ids = getattr(self.tokenizer, "eos_token_ids", None)
+        if ids:
+            return set(ids)
+        eos = self.model.config.eos_token_id
+        return set() if eos is None else {eos}
+
+    # ---- requests ---------------------------------------------------------------------------
+    def validate(self, request: GenerateRequest) -> None:
+        """Raise InvalidParameter or ContextTooLong for a request the engine cannot serve."""
+        request.sampling.validate()
+        prompt = request.prompt_token_ids
+        if not prompt:
+            raise InvalidParameter("prompt_token_ids", prompt, "at least one token id")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameter("prompt_token_ids", bad, f"token ids from 0 to {vocab - 1}")
+        if request.media:
+            raise InvalidParameter(
+                "media", f"{len(request.media)} items", "none: this engine serves text only"
+            )
+        if len(prompt) + request.sampling.max_tokens > self.max_model_len:
+            raise ContextTooLong(len(prompt), request.sampling.max_tokens, self.max_model_len)
+
+    def add_request(self, request: GenerateRequest) -> None:
+        self.validate(request)
+        if request.request_id in self.trackers:
+            raise InvalidParameter("request_id", request.request_id, "an id not already in flight")
+        if len(self.scheduler.waiting) >= self.config.max_waiting:
+            raise QueueFull(len(self.scheduler.waiting), self.config.max_waiting)
+        sampling = request.sampling
+        generator = None
+        if not sampling.greedy:
+            seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
+            generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        seq = Sequence(
+            request_id=request.request_id,
+            token_ids=list(request.prompt_token_ids),
+            num_prompt_tokens=len(request.prompt_token_ids),
+            sampling=sampling,
+            arrival_time=request.arrival_time if request.arrival_time is not None else now(),
+            generator=generator,
+        )
+        self.trackers[seq.request_id] = RequestOutputTracker(
+            seq, self.tokenizer, self.eos_token_ids, self.max_model_len
+        )
+        self.scheduler.add(seq)
+
+    def abort(self, request_id: str) -> GenerateOutput | None:
+        """Stop a request and free its pages now; returns its last output (None if unknown)."""
+        tracker = self.trackers.pop(request_id, None)
+        if tracker is None:
+            return None
+        output = tracker.finish_without_token("abort")
+        self.scheduler.finish(tracker.seq)
+        return output
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- one step ---------------------------------------------------------------------------
+    def step(self) -> list[GenerateOutput]:
+        """Schedule, run the model, sample; returns one output per sequence that got a token."""
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            return []
+        inputs, logits = self.runner.execute(batch, self.record_selections)
+        self.scheduler.postprocess(batch)
+        sampled: list[Sequence] = [batch.seqs[row] for row in inputs.sample_rows]
+        if not sampled:
+            return []
+        result = self.sampler(logits, [s.sampling for s in sampled], [s.generator for s in sampled])
+        outputs = []
+        timestamp = now()
+        for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
+            seq.token_ids.append(token)
+            output = self.trackers[seq.request_id].on_token(token, logprob, timestamp)
+            if output.finished:
+                del self.trackers[seq.request_id]
+                self.scheduler.finish(seq)
+            outputs.append(output)
+        return outputs
+
+    # ---- state for the router and metrics ---------------------------------------------------
+    def stats(self) -> EngineStats:
+        manager = self.block_manager
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped),
+            num_free_pages=manager.num_free_pages,
+            num_total_pages=manager.num_pages,
+            num_cached_pages=manager.num_cached_pages,
+            prefix_hit_rate=manager.prefix_hit_rate,
+        )
+
+    def drain_kv_events(self) -> list[KVEvent]:
+        return self.block_manager.drain_events()

@@ -1,0 +1,90 @@
+"""Runs the model on a scheduled batch: owns the page pool, builds the step inputs, replays CUDA
+graphs for decode, and returns the logits of the sequences that sample."""
+
+import logging
+
+import torch
+
+from msaserve.engine.config import EngineConfig
+from msaserve.engine.cuda_graphs import DecodeGraphs
+from msaserve.engine.memory import cache_dtypes, plan_num_pages
+from msaserve.engine.scheduler import ScheduledBatch
+from msaserve.engine.step_inputs import StepInputs, build_step_inputs
+from msaserve.models.cache import LayerKVCache, allocate_caches
+from msaserve.models.metadata import AttentionMetadata
+from msaserve.models.transformer import MSATransformer
+
+logger = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, model: MSATransformer, config: EngineConfig) -> None:
+        self.model = model.eval()
+        self.config = config
+        self.device = next(model.parameters()).device
+        self.page_size = model.config.page_size
+        self.max_pages = -(-config.max_model_len // self.page_size)
+        kv_dtype, index_dtype = cache_dtypes(config)
+        activation = 0
+        if self.device.type == "cuda" and config.num_pages is None:
+            activation = self.profile_activation_bytes(kv_dtype, index_dtype)
+        self.num_pages = plan_num_pages(model.config, config, self.device, activation)
+        # One extra physical page is scratch for the padding rows of CUDA graphs; the block
+        # manager never hands it out.
+        self.scratch_page = self.num_pages
+        self.caches: list[LayerKVCache] = allocate_caches(
+            model.config, self.num_pages + 1, self.device, kv_dtype, index_dtype
+        )
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and config.cuda_graphs:
+            graphs = DecodeGraphs(model, self.caches, config.max_num_seqs, self.max_pages, self.scratch_page)
+            self.graphs = graphs if graphs.capture() else None
+        self.last_selections: list[torch.Tensor] | None = None
+
+    @torch.inference_mode()
+    def execute(
+        self, batch: ScheduledBatch, record_selections: bool = False
+    ) -> tuple[StepInputs, torch.Tensor]:
+        """Run one step → (its inputs, logits [num sampled rows, vocab] fp32)."""
+        inputs = build_step_inputs(batch, self.page_size, self.device, record_selections)
+        hidden = self.forward(inputs.input_ids, inputs.meta)
+        self.last_selections = inputs.meta.selections
+        rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
+        last_token = inputs.meta.logits_indices[rows]  # [N]
+        return inputs, self.model.compute_logits(hidden[last_token])
+
+    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        if self.graphs is not None and meta.selections is None and self.graphs.can_run(meta):
+            return self.graphs.run(input_ids, meta)
+        return self.model(input_ids, meta, self.caches)
+
+    @torch.inference_mode()
+    def profile_activation_bytes(self, kv_dtype: torch.dtype, index_dtype: torch.dtype) -> int:
+        """Peak memory of a forward pass of one full step budget, as one prefill chunk, measured
+        on a throwaway pool just large enough for it."""
+        num_tokens = min(self.config.max_num_batched_tokens, self.config.max_model_len)
+        num_pages = -(-num_tokens // self.page_size)
+        caches = allocate_caches(self.model.config, num_pages, self.device, kv_dtype, index_dtype)
+        positions = torch.arange(num_tokens, device=self.device)
+        meta = AttentionMetadata(
+            positions=positions, slot_mapping=positions.clone(),
+            block_tables=torch.arange(num_pages, device=self.device, dtype=torch.int32)[None],
+            seq_lens=torch.tensor([num_tokens], device=self.device, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor([0, num_tokens], device=self.device, dtype=torch.int32),
+            max_query_len=num_tokens,
+        )
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), meta, caches)
+        self.model.compute_logits(hidden[-1:])
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - before
+        del caches, hidden
+        torch.cuda.empty_cache()
+        logger.info("activation peak of a %d-token step: %.2f GiB", num_tokens, peak / 2**30)
+        return int(peak)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(cache.page_bytes for cache in self.caches) * (self.num_pages + 1)

@@ -1,0 +1,73 @@
+"""One request's state inside the engine: its tokens, its pages and how far it has been computed."""
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from msaserve.engine.types import FinishReason, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    """Queued; no pages (or only the prefix-cache pages it may reuse when admitted)."""
+    RUNNING = "running"
+    """Holds pages; prefilling in chunks or decoding."""
+    SWAPPED = "swapped"
+    """Preempted: its pages' contents wait in the swap store, its GPU pages are free."""
+    FINISHED = "finished"
+
+
+@dataclass
+class Sequence:
+    """Token ids are the prompt followed by the output so far.
+
+    Invariant: tokens `[0, num_computed_tokens)` have K/V/index-K in the pages of `block_table`;
+    the next step computes tokens `[num_computed_tokens, len(token_ids))` (a prefill chunk or the
+    one token sampled last).
+    """
+
+    request_id: str
+    token_ids: list[int]
+    num_prompt_tokens: int
+    sampling: SamplingParams
+    arrival_time: float
+    generator: torch.Generator | None = None
+    enable_prefix_caching: bool = True
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    """Physical page of each logical page."""
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose pages came from the prefix cache on admission."""
+    page_hashes: list[int] = field(default_factory=list)
+    """Chained hashes of the full pages computed so far (registered in the prefix cache)."""
+    swapped_pages: int = 0
+    """Pages whose contents sit in the swap store while SWAPPED."""
+    num_preemptions: int = 0
+    finish_reason: FinishReason | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def page_tokens(self, page: int, page_size: int) -> list[int]:
+        return self.token_ids[page * page_size : (page + 1) * page_size]
