@@ -15,17 +15,30 @@ from msaserve.models.tokenizer import Tokenizer
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text from a prompt (CPU, one sequence)")
     parser.add_argument("--prompt", required=True, help="the prompt text")
-    parser.add_argument("--model", default="smollm2",
-                        help="smollm2 (default), tiny, a safetensors directory or a .gguf file")
-    parser.add_argument("--attention", choices=("dense", "msa"), default="msa",
-                        help="attention backend: msa (block-sparse, default) or dense (the baseline)")
+    parser.add_argument(
+        "--model", default="smollm2", help="smollm2 (default), tiny, a safetensors directory or a .gguf file"
+    )
+    parser.add_argument(
+        "--attention",
+        choices=("dense", "msa"),
+        default="msa",
+        help="attention backend: msa (block-sparse, default) or dense (the baseline)",
+    )
     parser.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate (≥ 1)")
-    parser.add_argument("--temperature", type=float, default=0.0,
-                        help="0 = greedy (default); otherwise sampling temperature in (0, 2]")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 = greedy (default); otherwise sampling temperature in (0, 2]",
+    )
     parser.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass in (0, 1]")
     parser.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    parser.add_argument("--chat", action=argparse.BooleanOptionalAction, default=True,
-                        help="wrap the prompt in the model's chat template (default on)")
+    parser.add_argument(
+        "--chat",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="wrap the prompt in the model's chat template (default on)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -57,13 +70,22 @@ def run(args: argparse.Namespace) -> int:
     printer = _StreamPrinter(tokenizer)
     start = time.perf_counter()
     output = generate(
-        loaded.model, prompt_ids, args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-        seed=args.seed, eos_token_ids=tokenizer.eos_token_ids, on_token=printer.add,
+        loaded.model,
+        prompt_ids,
+        args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        seed=args.seed,
+        eos_token_ids=tokenizer.eos_token_ids,
+        on_token=printer.add,
     )
     printer.finish()
     elapsed = time.perf_counter() - start
-    print(f"[{len(prompt_ids)} prompt tokens, {len(output)} generated in {elapsed:.1f} s, "
-          f"attention {args.attention}]", file=sys.stderr)
+    print(
+        f"[{len(prompt_ids)} prompt tokens, {len(output)} generated in {elapsed:.1f} s, "
+        f"attention {args.attention}]",
+        file=sys.stderr,
+    )
     return 0
 
 

@@ -1,0 +1,153 @@
+"""POST /v1/completions (legacy text completions; prompt as text or token ids)."""
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from msaserve.engine.types import GenerateRequest
+from msaserve.platform.errors import APIError, bad_parameter
+from msaserve.platform.generation import (
+    SSE_DONE,
+    Generation,
+    fit_max_tokens,
+    record_metrics,
+    sampling_from,
+    sse,
+    start_generation,
+    token_text,
+    usage_of,
+)
+from msaserve.platform.openai_types import (
+    Completion,
+    CompletionChoice,
+    CompletionLogprobs,
+    CompletionRequest,
+    ErrorResponse,
+)
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
+}
+_ROUTE = "/v1/completions"
+
+
+def build_router(ctx: Any) -> APIRouter:
+    router = APIRouter()
+
+    @router.post(_ROUTE, response_model=Completion, responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request) -> Any:
+        key = ctx.authorize(request)
+        ctx.check_model(body.model)
+        info = await ctx.require_ready()
+        ctx.auth.limits.acquire(key)
+        try:
+            gen = await _start(ctx, body, request, info)
+        except BaseException:
+            ctx.auth.limits.release(key)
+            raise
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return StreamingResponse(
+                _stream(ctx, gen, body, include_usage, info.tokenizer, key), media_type="text/event-stream"
+            )
+        try:
+            return await _complete(ctx, gen, body, info.tokenizer)
+        finally:
+            ctx.auth.limits.release(key)
+
+    return router
+
+
+def _prompt_ids(body: CompletionRequest, tokenizer: Any) -> list[int]:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        if len(prompt) != 1:
+            raise bad_parameter(
+                "prompt", f"list of {len(prompt)} strings", "a string or a list of one string"
+            )
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise bad_parameter("prompt", prompt, "a non-empty string")
+        return tokenizer.encode(prompt)
+    if not prompt:
+        raise bad_parameter("prompt", prompt, "a non-empty string or list of token ids")
+    vocab = tokenizer.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise bad_parameter("prompt", bad[0], f"token ids from 0 to {vocab - 1}")
+    return list(prompt)
+
+
+async def _start(ctx: Any, body: CompletionRequest, request: Request, info: Any) -> Generation:
+    if body.echo:
+        raise bad_parameter("echo", body.echo, "false (echo is not supported)")
+    if body.suffix is not None:
+        raise bad_parameter("suffix", body.suffix, "unset (suffix is not supported)")
+    top = body.logprobs or 0
+    params, given = sampling_from(
+        body, body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=top, extra_stop=[]
+    )
+    token_ids = _prompt_ids(body, info.tokenizer)
+    fit_max_tokens(params, given, len(token_ids), info)
+    greq = GenerateRequest(
+        request_id=request.state.request_id,
+        prompt_token_ids=token_ids,
+        sampling=params,
+        session_id=request.headers.get("x-session-id") or None,
+    )
+    return await start_generation(ctx, greq)
+
+
+def _logprobs(tokenizer: Any, outputs_logprobs: list, offset: int) -> CompletionLogprobs:
+    result = CompletionLogprobs(top_logprobs=[])
+    for lp in outputs_logprobs:
+        text = token_text(tokenizer, lp.token_id)
+        result.tokens.append(text)
+        result.token_logprobs.append(lp.logprob)
+        result.text_offset.append(offset)
+        offset += len(text)
+        assert result.top_logprobs is not None
+        result.top_logprobs.append({token_text(tokenizer, t): v for t, v in lp.top})
+    return result
+
+
+async def _complete(ctx: Any, gen: Generation, body: CompletionRequest, tokenizer: Any) -> Completion:
+    texts, all_logprobs, finish_reason = [], [], None
+    async for out in gen.outputs():
+        texts.append(out.text)
+        all_logprobs += out.logprobs or []
+        finish_reason = out.finish_reason
+    record_metrics(ctx, gen, _ROUTE)
+    logprobs = _logprobs(tokenizer, all_logprobs, 0) if body.logprobs is not None else None
+    return Completion(
+        id="cmpl-" + gen.request.request_id,
+        model=ctx.model_name,
+        choices=[CompletionChoice(text="".join(texts), finish_reason=finish_reason, logprobs=logprobs)],
+        usage=usage_of(gen.final_stats, len(gen.request.prompt_token_ids), gen.num_output_tokens),
+    )
+
+
+async def _stream(
+    ctx: Any, gen: Generation, body: CompletionRequest, include_usage: bool, tokenizer: Any, key: str
+) -> AsyncIterator[str]:
+    cid = "cmpl-" + gen.request.request_id
+    offset = 0
+    try:
+        async for out in gen.outputs():
+            logprobs = _logprobs(tokenizer, out.logprobs or [], offset) if body.logprobs is not None else None
+            offset += len(out.text)
+            choice = CompletionChoice(text=out.text, finish_reason=out.finish_reason, logprobs=logprobs)
+            yield sse(Completion(id=cid, model=ctx.model_name, choices=[choice]))
+        record_metrics(ctx, gen, _ROUTE)
+        if include_usage:
+            usage = usage_of(gen.final_stats, len(gen.request.prompt_token_ids), gen.num_output_tokens)
+            yield sse(Completion(id=cid, model=ctx.model_name, choices=[], usage=usage))
+        yield SSE_DONE
+    except APIError as e:
+        yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+    finally:
+        gen.close()
+        ctx.auth.limits.release(key)

@@ -1,0 +1,76 @@
+"""The Ray Serve application: Gateway (FastAPI ingress) → Model (engine replicas), plus Preprocess.
+
+    build_app(ServeConfig) -> serve.Application        # Python, `msaserve serve`, tests
+    app_builder(args: dict) -> serve.Application       # serveConfigV2: import_path
+                                                       #   msaserve.platform.app:app_builder
+The hook points for the other parts are the three small functions below: `router_config` (the
+request router on the model deployment), `preprocess_app` (the media pipeline) and the KV cache
+settings the engine reads from its config.
+"""
+
+import importlib
+from typing import Any
+
+from ray import serve
+from ray.serve import Application
+from ray.serve.config import RequestRouterConfig
+
+from msaserve.platform.config import ConfigError, RouterConfig, ServeConfig
+from msaserve.platform.gateway import Gateway
+from msaserve.platform.model_deployment import ModelDeployment
+from msaserve.platform.preprocess_deployment import PreprocessDeployment
+
+ROUTER_CLASS = "msaserve.router.serve_router.MSARequestRouter"
+"""The Ray Serve RequestRouter that implements the non-default policies (msaserve.router)."""
+
+TEXT_ONLY_PRESETS = ("smollm2", "tiny", "m3-proxy")
+
+APP_NAME = "msaserve"
+
+
+def router_config(router: RouterConfig) -> RequestRouterConfig | None:
+    """None keeps Ray Serve's default power-of-two-choices router."""
+    if router.policy == "pow2":
+        return None
+    module_name, _, class_name = ROUTER_CLASS.rpartition(".")
+    try:
+        getattr(importlib.import_module(module_name), class_name)
+    except (ImportError, AttributeError) as e:
+        raise ConfigError(
+            f"router.policy={router.policy!r} needs {ROUTER_CLASS}, which is not available ({e}); "
+            "allowed now: 'pow2'"
+        ) from None
+    return RequestRouterConfig(
+        request_router_class=ROUTER_CLASS,
+        request_router_kwargs=router.model_dump(),
+        request_routing_stats_period_s=router.stats_period_s,
+    )
+
+
+def preprocess_app(config: ServeConfig) -> Application | None:
+    """The Preprocess deployment, for models that take media (not the text-only presets)."""
+    if config.model.spec in TEXT_ONLY_PRESETS:
+        return None
+    deployment = serve.deployment(PreprocessDeployment, name="Preprocess")
+    options = config.deployments.preprocess.to_serve_options()
+    return deployment.options(**options).bind(config.preprocess.model_dump())
+
+
+def build_app(config: ServeConfig) -> Application:
+    as_dict = config.model_dump(mode="json")
+    model_options = config.deployments.model.to_serve_options()
+    routing = router_config(config.router)
+    if routing is not None:
+        model_options["request_router_config"] = routing
+    # The engine loads in the background; the gateway answers 503 until it is ready.
+    model = serve.deployment(ModelDeployment, name="Model").options(**model_options).bind(as_dict)
+    gateway_cls = serve.ingress()(Gateway)
+    gateway = serve.deployment(gateway_cls, name="Gateway").options(
+        **config.deployments.gateway.to_serve_options()
+    )
+    return gateway.bind(as_dict, model, preprocess_app(config))
+
+
+def app_builder(args: dict[str, Any]) -> Application:
+    """Ray Serve application builder: `args` is a ServeConfig as a dict (serveConfigV2 `args`)."""
+    return build_app(ServeConfig.from_dict(dict(args)))

@@ -1,0 +1,64 @@
+"""OpenAI chat messages → the prompt text the model's chat template renders.
+
+Tool definitions become a system message, assistant tool calls and tool results are written in the
+Hermes format (`tools.py`), and content parts are flattened to text. Media parts (image_url,
+video_url) are collected for the preprocess hook; a deployment without one answers 400.
+"""
+
+from typing import Any
+
+from msaserve.platform.errors import APIError
+from msaserve.platform.openai_types import ChatCompletionRequest, ChatMessage, ContentPart
+from msaserve.platform.tools import forced_prefix, render_tool_call, render_tool_result, tools_system_prompt
+
+
+def _text_of(message: ChatMessage, index: int, media: list[ContentPart]) -> str:
+    if message.content is None:
+        return ""
+    if isinstance(message.content, str):
+        return message.content
+    texts = []
+    for part in message.content:
+        if part.type == "text":
+            if part.text is None:
+                raise APIError(
+                    400,
+                    f"messages[{index}].content: a text part needs 'text'",
+                    param=f"messages[{index}].content",
+                    code="invalid_value",
+                )
+            texts.append(part.text)
+        else:
+            media.append(part)
+    return "".join(texts)
+
+
+def template_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[ContentPart]]:
+    """([{"role", "content": str}], media parts in order)."""
+    media: list[ContentPart] = []
+    out: list[dict[str, Any]] = []
+    use_tools = bool(request.tools) and request.tool_choice != "none"
+    if use_tools:
+        out.append({"role": "system", "content": tools_system_prompt(request.tools or [])})
+    for i, message in enumerate(request.messages):
+        text = _text_of(message, i, media)
+        role = "system" if message.role == "developer" else message.role
+        if role == "assistant" and message.tool_calls:
+            calls = "\n".join(render_tool_call(c) for c in message.tool_calls)
+            text = (text + "\n" + calls) if text else calls
+        elif role == "tool":
+            role, text = "user", render_tool_result(text)
+        if role == "system" and out and out[0]["role"] == "system" and len(out) == 1 and use_tools:
+            # Keep a single leading system message: the client's, followed by the tool list.
+            out[0]["content"] = text + "\n\n" + out[0]["content"]
+            continue
+        out.append({"role": role, "content": text})
+    return out, media
+
+
+def render_prompt(tokenizer: Any, request: ChatCompletionRequest) -> tuple[str, str, list[ContentPart]]:
+    """(prompt text, assistant prefix already in it, media parts)."""
+    messages, media = template_messages(request)
+    prefix = forced_prefix(request)
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    return text + prefix, prefix, media

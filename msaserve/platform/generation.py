@@ -1,0 +1,185 @@
+"""Gateway side of one generation, shared by chat and text completions.
+
+`start_generation` validates sampling, checks the context length, calls the model deployment with a
+streaming handle and waits for its first item, so that engine refusals (bad parameter, queue full,
+context too long) become HTTP errors before any response bytes are sent. `Generation` then yields
+the engine's outputs; closing it (client gone, or done) cancels the model-side generator, which
+aborts the request in the engine and frees its pages.
+"""
+
+import json
+import logging
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from msaserve.engine.types import (
+    ContextTooLong,
+    GenerateOutput,
+    GenerateRequest,
+    InvalidParameter,
+    RequestStats,
+    SamplingParams,
+    TokenLogprob,
+)
+from msaserve.platform.errors import APIError, bad_parameter, from_engine_error
+from msaserve.platform.model_messages import ModelError, ModelInfo
+from msaserve.platform.openai_types import TokenLogprobEntry, TopLogprob, Usage, _SamplingFields
+
+logger = logging.getLogger("ray.serve.msaserve.gateway")
+
+
+def sampling_from(
+    body: _SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int, extra_stop: list[str]
+) -> tuple[SamplingParams, bool]:
+    """SamplingParams from an OpenAI body; the bool says whether the client chose max_tokens."""
+    if body.n != 1:
+        raise bad_parameter("n", body.n, "1 (one choice per request)")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name) != 0.0:
+            raise bad_parameter(name, getattr(body, name), "0 (penalties are not supported)")
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    params = SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else 1,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        seed=body.seed,
+        stop=stop + extra_stop,
+        ignore_eos=body.ignore_eos,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
+    )
+    try:
+        params.validate()
+    except InvalidParameter as e:
+        raise from_engine_error(e) from None
+    return params, max_tokens is not None
+
+
+def fit_max_tokens(params: SamplingParams, given: bool, num_prompt_tokens: int, info: ModelInfo) -> None:
+    """No max_tokens → as many as fit; too many → 400 with the token counts (OpenAI's behaviour)."""
+    limit = info.max_model_len or 0
+    room = limit - num_prompt_tokens
+    if not given:
+        if room < 1:
+            raise from_engine_error(ContextTooLong(num_prompt_tokens, 1, limit))
+        params.max_tokens = room
+    elif params.max_tokens > room:
+        raise from_engine_error(ContextTooLong(num_prompt_tokens, params.max_tokens, limit))
+
+
+@dataclass
+class Generation:
+    """The model deployment's stream for one request (first item already received)."""
+
+    request: GenerateRequest
+    first: GenerateOutput
+    stream: Any
+    """ray.serve DeploymentResponseGenerator of GenerateOutput."""
+    start_time: float
+    final_stats: RequestStats | None = None
+    num_output_tokens: int = 0
+    _done: bool = field(default=False)
+
+    async def outputs(self) -> AsyncIterator[GenerateOutput]:
+        try:
+            item: Any = self.first
+            while True:
+                if isinstance(item, ModelError):
+                    raise _api_error(item)
+                self.num_output_tokens += len(item.token_ids)
+                if item.finished:
+                    self.final_stats = item.stats
+                    self._done = True
+                yield item
+                if item.finished:
+                    return
+                item = await self.stream.__anext__()
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Cancel the model-side generator unless it finished (the engine then frees the pages)."""
+        if not self._done:
+            self._done = True
+            self.stream.cancel()
+            logger.info(
+                "[%s] client went away or request failed: generation cancelled", self.request.request_id
+            )
+
+
+async def start_generation(ctx: Any, request: GenerateRequest) -> Generation:
+    handle = ctx.model.options(stream=True)
+    if request.session_id:
+        handle = handle.options(session_id=request.session_id)
+    start = time.perf_counter()
+    stream = handle.generate.remote(request)
+    try:
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        raise APIError(500, "the model deployment ended the stream without output") from None
+    if isinstance(first, ModelError):
+        raise _api_error(first)
+    return Generation(request=request, first=first, stream=stream, start_time=start)
+
+
+def _api_error(e: ModelError) -> APIError:
+    return APIError(e.status, e.message, param=e.param, code=e.code, retry_after_s=e.retry_after_s)
+
+
+def usage_of(stats: RequestStats | None, num_prompt_tokens: int, num_output_tokens: int) -> Usage:
+    prompt = stats.num_prompt_tokens if stats else num_prompt_tokens
+    output = stats.num_output_tokens if stats else num_output_tokens
+    cached = stats.num_cached_tokens if stats else 0
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=output,
+        total_tokens=prompt + output,
+        prompt_tokens_details={"cached_tokens": cached},
+    )
+
+
+def record_metrics(ctx: Any, gen: Generation, route: str) -> None:
+    stats, name = gen.final_stats, ctx.model_name
+    ctx.metrics.observe("e2e_latency_seconds", time.perf_counter() - gen.start_time, model=name, route=route)
+    if stats is None:
+        return
+    if stats.ttft_s is not None:
+        ctx.metrics.observe("ttft_seconds", stats.ttft_s, model=name)
+    if stats.tpot_s is not None:
+        ctx.metrics.observe("tpot_seconds", stats.tpot_s, model=name)
+    ctx.metrics.inc("prompt_tokens", stats.num_prompt_tokens, model=name)
+    ctx.metrics.inc("output_tokens", stats.num_output_tokens, model=name)
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def logprob_entries(tokenizer: Any, logprobs: list[TokenLogprob] | None) -> list[TokenLogprobEntry]:
+    entries = []
+    for lp in logprobs or []:
+        text = token_text(tokenizer, lp.token_id)
+        top = [
+            TopLogprob(token=(t := token_text(tokenizer, tid)), logprob=v, bytes=list(t.encode()))
+            for tid, v in lp.top
+        ]
+        entries.append(
+            TokenLogprobEntry(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top)
+        )
+    return entries
+
+
+def sse(payload: Any) -> str:
+    """One server-sent event; payload is a pydantic model or a dict."""
+    data = (
+        payload.model_dump_json(exclude_none=True)
+        if hasattr(payload, "model_dump_json")
+        else json.dumps(payload)
+    )
+    return f"data: {data}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"

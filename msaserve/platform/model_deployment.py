@@ -1,0 +1,173 @@
+"""The Model deployment: one `AsyncEngine` per replica (CPU locally, a GPU on clusters).
+
+The engine loads in the background after the replica starts, so the gateway can answer 503 with
+Retry-After while it warms up instead of the whole application looking dead. `generate` streams the
+engine's outputs to the gateway; when the gateway cancels the stream (client gone), closing the
+engine's iterator aborts the request and frees its pages. `record_routing_stats` is what Ray Serve
+hands the request router as this replica's load and cached page hashes.
+"""
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+
+from ray import serve
+
+from msaserve.engine.config import EngineConfig
+from msaserve.engine.types import EngineError, EngineStats, GenerateOutput, GenerateRequest
+from msaserve.platform.config import ServeConfig
+from msaserve.platform.errors import from_engine_error
+from msaserve.platform.metrics import get_metrics
+from msaserve.platform.model_messages import ModelError, ModelInfo, SessionInfo
+from msaserve.platform.sessions import SessionTable
+from msaserve.router.stats import RoutingStatsRecorder, routing_stats_payload
+
+logger = logging.getLogger("ray.serve.msaserve.model")
+
+
+def engine_config_from(config: ServeConfig) -> EngineConfig:
+    """The engine's dataclass from the user-facing pydantic config (STYLE §6)."""
+    model, engine = config.model, config.engine
+    dtype = model.dtype if model.dtype != "auto" else ("bfloat16" if model.device == "cuda" else "float32")
+    kwargs: dict = {
+        "model": model.spec,
+        "device": model.device,
+        "dtype": dtype,
+        "attention_backend": model.attention_backend,
+        "num_pages": engine.num_pages,
+        "gpu_memory_utilization": engine.gpu_memory_utilization,
+        "max_num_seqs": engine.max_num_seqs,
+        "max_num_batched_tokens": engine.max_num_batched_tokens,
+        "max_waiting": engine.max_waiting,
+        "enable_prefix_caching": engine.enable_prefix_caching,
+        "kv_cache_dtype": engine.kv_cache_dtype,
+        "index_cache_dtype": engine.index_cache_dtype,
+        "cuda_graphs": engine.enable_cuda_graphs,
+    }
+    if engine.max_model_len is not None:
+        kwargs["max_model_len"] = engine.max_model_len
+    if engine.kv_cache_memory_bytes is not None:
+        kwargs["cpu_kv_cache_bytes"] = engine.kv_cache_memory_bytes
+    return EngineConfig(**kwargs)
+
+
+def _replica_id() -> str:
+    try:
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (benchmarks construct the class directly)
+        return "local"
+
+
+class ModelDeployment:
+    async def __init__(self, config: dict) -> None:
+        logging.getLogger("ray.serve.msaserve").setLevel(logging.INFO)
+        self.config = ServeConfig.from_dict(config)
+        self.name = self.config.model.resolved_name()
+        self.replica_id = _replica_id()
+        self.engine = None
+        self.error: str | None = None
+        self.sessions = SessionTable()
+        self.routing = RoutingStatsRecorder()
+        self.metrics = get_metrics()
+        self._output_tokens = 0
+        self._tasks = [asyncio.create_task(self._load()), asyncio.create_task(self._report_loop())]
+
+    async def _load(self) -> None:
+        from msaserve.engine.async_engine import AsyncEngine
+
+        start = time.perf_counter()
+        try:
+            engine_config = engine_config_from(self.config)
+            # Loading weights is blocking CPU work: keep the replica's event loop free for info().
+            engine = await asyncio.to_thread(AsyncEngine, engine_config)
+            await engine.start()
+            self.engine = engine
+            logger.info("engine for %s ready in %.1fs", self.name, time.perf_counter() - start)
+        except Exception as e:
+            self.error = f"{type(e).__name__}: {e}"
+            logger.exception("engine for %s failed to load", self.name)
+
+    async def info(self) -> ModelInfo:
+        if self.engine is None:
+            return ModelInfo(name=self.name, ready=False, error=self.error)
+        return ModelInfo(
+            name=self.name,
+            ready=True,
+            max_model_len=self.engine.max_model_len,
+            page_size=self.engine.page_size,
+            tokenizer=self.engine.tokenizer,
+        )
+
+    async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput | ModelError]:
+        """Stream the engine's outputs; a refusal before the first output comes as one ModelError."""
+        if self.engine is None:
+            yield ModelError(
+                503, f"model {self.name!r} is warming up; retry shortly", code="warming_up", retry_after_s=5.0
+            )
+            return
+        self.routing.note_session(request.session_id)
+        self.sessions.begin(request.session_id, self.replica_id)
+        stream = self.engine.generate(request)
+        last: GenerateOutput | None = None
+        try:
+            try:
+                first = await stream.__anext__()
+            except EngineError as e:
+                api = from_engine_error(e)
+                yield ModelError(api.status, api.message, api.param, api.code, api.retry_after_s)
+                return
+            last = first
+            yield first
+            if not first.finished:
+                async for out in stream:
+                    last = out
+                    yield out
+        finally:
+            # Normal end, client gone (Serve cancels this generator), or failure: closing the
+            # engine's iterator aborts an unfinished request and frees its pages.
+            await stream.aclose()
+            self.sessions.end(request.session_id, last.stats if last else None)
+            if last is not None and last.stats is not None:
+                self._output_tokens += last.stats.num_output_tokens
+
+    def record_routing_stats(self) -> dict:
+        if self.engine is None:
+            return {}
+        return routing_stats_payload(self.engine.stats(), self.engine.drain_kv_events(), self.routing)
+
+    async def stats(self) -> EngineStats | None:
+        """The engine's load now (tests and `msaserve bench` read it)."""
+        return None if self.engine is None else self.engine.stats()
+
+    async def session_info(self, session_id: str) -> SessionInfo | None:
+        return self.sessions.get(session_id)
+
+    async def delete_session(self, session_id: str) -> bool:
+        return self.sessions.delete(session_id)
+
+    async def _report_loop(self) -> None:
+        """Replica gauges for the dashboard: load, pages, prefix hits, tokens/s."""
+        period = self.config.router.stats_period_s
+        last_tokens, last_time = 0, time.perf_counter()
+        while True:
+            await asyncio.sleep(period)
+            if self.engine is None:
+                continue
+            s = self.engine.stats()
+            now = time.perf_counter()
+            tags = {"model": self.name}
+            self.metrics.set("running_requests", s.num_running, **tags)
+            self.metrics.set("waiting_requests", s.num_waiting, **tags)
+            self.metrics.set("pages_free", s.num_free_pages, **tags)
+            self.metrics.set("pages_used", s.num_total_pages - s.num_free_pages, **tags)
+            self.metrics.set("prefix_hit_rate", s.prefix_hit_rate, **tags)
+            rate = (self._output_tokens - last_tokens) / max(now - last_time, 1e-9)
+            self.metrics.set("tokens_per_second", rate, **tags)
+            last_tokens, last_time = self._output_tokens, now
+
+    async def __del__(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        if self.engine is not None:
+            await self.engine.shutdown()

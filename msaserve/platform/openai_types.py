@@ -1,0 +1,261 @@
+"""OpenAI-compatible request and response bodies (the subset msaserve implements).
+
+Requests forbid unknown fields, so a misspelt or unsupported parameter is a 400 that names it rather
+than being silently ignored. Responses are plain pydantic models (they document the OpenAPI schema).
+"""
+
+import time
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class _Response(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class ImageURL(_Request):
+    url: str = Field(description="data: URL, or http(s):// / file:// when the server allows them.")
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class VideoURL(_Request):
+    url: str
+
+
+class ContentPart(_Request):
+    type: Literal["text", "image_url", "video_url"]
+    text: str | None = None
+    image_url: ImageURL | None = None
+    video_url: VideoURL | None = None
+
+
+class FunctionCall(_Request):
+    name: str
+    arguments: str = Field(description="JSON-encoded arguments, as the model wrote them.")
+
+
+class ToolCall(_Request):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class ChatMessage(_Request):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+
+class FunctionDefinition(_Request):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = Field(None, description="JSON Schema of the arguments.")
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class ResponseFormat(_Request):
+    type: Literal["text"] = Field("text", description="Only plain text output is supported.")
+
+
+class _SamplingFields(_Request):
+    """Sampling parameters shared by chat and text completions. Ranges are checked by
+    `SamplingParams.validate()` so that both endpoints report them the same way."""
+
+    model: str
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = Field(None, description="0.0 to 2.0 (0 = greedy); default 1.0.")
+    top_p: float | None = Field(None, description="Greater than 0.0 and at most 1.0; default 1.0.")
+    top_k: int | None = Field(None, description="msaserve extension: 0 (off) or a positive integer.")
+    max_tokens: int | None = Field(None, description="Output tokens; default: up to the context length.")
+    stop: str | list[str] | None = Field(None, description="Up to 16 strings that end the output.")
+    seed: int | None = Field(None, description="Same seed and request → same output.")
+    n: int = Field(1, description="Only 1 is supported.")
+    presence_penalty: float = Field(0.0, description="Only 0 is supported.")
+    frequency_penalty: float = Field(0.0, description="Only 0 is supported.")
+    ignore_eos: bool = Field(False, description="msaserve extension: keep going past end-of-sequence.")
+    user: str | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(
+        None, description="Preferred over max_tokens when both are set."
+    )
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, description="0 to 20; needs logprobs=true.")
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[int] | list[str] = Field(description="Text, or token ids; a list of one string.")
+    logprobs: int | None = Field(None, description="0 to 20 alternatives per token (legacy completions).")
+    echo: bool = Field(False, description="Only false is supported.")
+    suffix: str | None = Field(None, description="Not supported (must be unset).")
+
+
+# ----------------------------------------------------------------------------- responses
+
+
+class Usage(_Response):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class TopLogprob(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprobEntry(_Response):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(_Response):
+    content: list[TokenLogprobEntry] | None = None
+
+
+class ResponseFunctionCall(_Response):
+    name: str
+    arguments: str
+
+
+class ResponseToolCall(_Response):
+    id: str
+    type: Literal["function"] = "function"
+    function: ResponseFunctionCall
+
+
+class AssistantMessage(_Response):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+    tool_calls: list[ResponseToolCall] | None = None
+
+
+class ChatChoice(_Response):
+    index: int = 0
+    message: AssistantMessage
+    finish_reason: str | None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletion(_Response):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class DeltaToolCall(_Response):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ResponseFunctionCall | None = None
+
+
+class ChatDelta(_Response):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
+
+
+class ChatChunkChoice(_Response):
+    index: int = 0
+    delta: ChatDelta
+    finish_reason: str | None = None
+    logprobs: ChoiceLogprobs | None = None
+
+
+class ChatCompletionChunk(_Response):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionLogprobs(_Response):
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float]] | None = None
+    text_offset: list[int] = Field(default_factory=list)
+
+
+class CompletionChoice(_Response):
+    index: int = 0
+    text: str
+    finish_reason: str | None
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(_Response):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(_Response):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "msaserve"
+    max_model_len: int | None = None
+
+
+class ModelList(_Response):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(_Response):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(_Response):
+    error: ErrorDetail

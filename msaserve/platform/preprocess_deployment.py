@@ -1,0 +1,30 @@
+"""The Preprocess deployment: CPU replicas running `msaserve.preprocess.Preprocessor`.
+
+Scaled apart from the model replicas so that GPUs never decode media; items travel to the model
+deployment through the Ray object store inside the GenerateRequest.
+"""
+
+import asyncio
+import time
+
+from msaserve.platform.config import PreprocessLimits
+from msaserve.platform.model_messages import ModelError
+
+
+class PreprocessDeployment:
+    def __init__(self, limits: dict) -> None:
+        from msaserve.preprocess.config import PreprocessConfig
+        from msaserve.preprocess.pipeline import Preprocessor
+
+        self.preprocessor = Preprocessor(PreprocessConfig(**PreprocessLimits(**limits).model_dump()))
+
+    async def process(self, parts: list[dict]) -> tuple[list[object], float] | ModelError:
+        """(media items, seconds spent) or a ModelError carrying the 4xx to return."""
+        from msaserve.preprocess.errors import MediaError
+
+        start = time.perf_counter()
+        try:
+            result = await asyncio.to_thread(self.preprocessor.process, parts)
+        except MediaError as e:
+            return ModelError(e.status, e.message, param=e.param, code=e.code)
+        return list(result.media), time.perf_counter() - start

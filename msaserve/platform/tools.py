@@ -1,0 +1,150 @@
+"""Tool calling in the Hermes format (documented in docs/api.md).
+
+The tools are described to the model in a system message; the model calls one by writing
+`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`; tool results go back as
+`<tool_response>...</tool_response>`. `tool_choice` "required" or a named function is enforced by
+starting the assistant's reply with the opening of a call, which the model then completes.
+"""
+
+import json
+import secrets
+from dataclasses import dataclass
+
+from msaserve.platform.errors import APIError
+from msaserve.platform.openai_types import ChatCompletionRequest, NamedToolChoice, Tool, ToolCall
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+_SYSTEM_TEMPLATE = """You may call one or more functions to help with the user's request.
+The functions are described, as JSON schemas, inside <tools></tools>:
+<tools>
+{tools}
+</tools>
+To call a function, reply with a JSON object inside <tool_call></tool_call> tags, one per call:
+<tool_call>
+{{"name": "<function name>", "arguments": {{<arguments as a JSON object>}}}}
+</tool_call>"""
+
+
+def tools_system_prompt(tools: list[Tool]) -> str:
+    return _SYSTEM_TEMPLATE.format(tools="\n".join(t.model_dump_json(exclude_none=True) for t in tools))
+
+
+def forced_prefix(request: ChatCompletionRequest) -> str:
+    """The start of the reply that forces a call: "required" → any tool, named → that tool."""
+    choice = request.tool_choice
+    if not request.tools or choice in (None, "none", "auto"):
+        return ""
+    if choice == "required":
+        return OPEN + '\n{"name": "'
+    assert isinstance(choice, NamedToolChoice)
+    names = {t.function.name for t in request.tools}
+    if choice.function.name not in names:
+        raise APIError(
+            400,
+            f"tool_choice names function {choice.function.name!r}, which is not among tools: {sorted(names)}",
+            param="tool_choice",
+            code="invalid_value",
+        )
+    return OPEN + '\n{"name": ' + json.dumps(choice.function.name) + ', "arguments": '
+
+
+def render_tool_call(call: ToolCall) -> str:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except json.JSONDecodeError:
+        arguments = call.function.arguments
+    return OPEN + "\n" + json.dumps({"name": call.function.name, "arguments": arguments}) + "\n" + CLOSE
+
+
+def render_tool_result(content: str) -> str:
+    return "<tool_response>\n" + content + "\n</tool_response>"
+
+
+@dataclass
+class ParsedToolCall:
+    id: str
+    name: str
+    arguments: str
+
+
+def _parse_one(block: str, known: set[str]) -> ParsedToolCall | None:
+    """One call's JSON; tolerant of trailing text after the object (small models ramble)."""
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(block.strip())
+    except json.JSONDecodeError:
+        return None
+    if not isinstance(obj, dict) or obj.get("name") not in known:
+        return None
+    arguments = obj.get("arguments", obj.get("parameters", {}))
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return ParsedToolCall(id="call_" + secrets.token_hex(12), name=obj["name"], arguments=text)
+
+
+def parse_tool_calls(text: str, known: set[str]) -> tuple[str | None, list[ParsedToolCall]]:
+    """Split a complete reply into (content before the first call, calls). A block that does not
+    parse as a call of a known tool stays in the content, so nothing the model wrote is lost."""
+    start = text.find(OPEN)
+    if start < 0:
+        return text, []
+    calls: list[ParsedToolCall] = []
+    rest = text[start:]
+    while rest.startswith(OPEN):
+        end = rest.find(CLOSE)
+        block, rest = (
+            (rest[len(OPEN) : end], rest[end + len(CLOSE) :]) if end >= 0 else (rest[len(OPEN) :], "")
+        )
+        call = _parse_one(block, known)
+        if call is None:
+            return text, []
+        calls.append(call)
+        rest = rest.lstrip()
+    content = text[:start].strip()
+    return (content or None), calls
+
+
+class StreamingToolParser:
+    """Streams content until a `<tool_call>` may be starting, then holds everything back; `finish()`
+    parses the held text. `feed` returns the content that is safe to send now."""
+
+    def __init__(self, known: set[str], prefix: str = "") -> None:
+        self.known = known
+        self._held = ""
+        self._in_call = False
+        self._sent_content = False
+        if prefix:
+            self.feed(prefix)
+
+    def feed(self, text: str) -> str:
+        if self._in_call:
+            self._held += text
+            return ""
+        buffer = self._held + text
+        start = buffer.find(OPEN)
+        if start >= 0:
+            self._in_call = True
+            self._held = buffer[start:]
+            return self._emit(buffer[:start])
+        keep = _partial_marker_len(buffer)
+        self._held = buffer[len(buffer) - keep :] if keep else ""
+        return self._emit(buffer[: len(buffer) - keep])
+
+    def _emit(self, text: str) -> str:
+        self._sent_content = self._sent_content or bool(text)
+        return text
+
+    def finish(self) -> tuple[str, list[ParsedToolCall]]:
+        """(content not yet sent, parsed calls); an unparsable held block is returned as content."""
+        held, self._held = self._held, ""
+        if not self._in_call:
+            return held, []
+        _, calls = parse_tool_calls(held, self.known)
+        return ("", calls) if calls else (held, [])
+
+
+def _partial_marker_len(text: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of OPEN."""
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
