@@ -1,0 +1,220 @@
+{{/* Names, labels and the pieces every Ray pod template shares. */}}
+
+{{- define "msaserve.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Kept to 40 characters: KubeRay appends a hash and suffixes (-head-svc, -serve-svc) to it. */}}
+{{- define "msaserve.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "msaserve.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "msaserve.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "msaserve.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{ include "msaserve.selectorLabels" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "msaserve.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{- define "msaserve.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "msaserve.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "msaserve.apiKeysSecretName" -}}
+{{- default (printf "%s-api-keys" (include "msaserve.fullname" .)) .Values.apiKeys.existingSecret -}}
+{{- end -}}
+
+{{- define "msaserve.rayTokenSecretName" -}}
+{{- default (printf "%s-ray-token" (include "msaserve.fullname" .)) .Values.rayAuth.existingSecret -}}
+{{- end -}}
+
+{{- define "msaserve.apiServiceName" -}}
+{{- printf "%s-api" (include "msaserve.fullname" .) -}}
+{{- end -}}
+
+{{- define "msaserve.dashboardServiceName" -}}
+{{- printf "%s-dashboard" (include "msaserve.fullname" .) -}}
+{{- end -}}
+
+{{- define "msaserve.kvcacheClaimName" -}}
+{{- default (printf "%s-kvcache" (include "msaserve.fullname" .)) .Values.kvcache.storage.existingClaim -}}
+{{- end -}}
+
+{{/* The Serve HTTP port: serve.http.port (ServeConfig's default is 8000). */}}
+{{- define "msaserve.servePort" -}}
+{{- dig "http" "port" 8000 .Values.serve | int -}}
+{{- end -}}
+
+{{/* Container ports every Ray container exposes. */}}
+{{- define "msaserve.workerPorts" -}}
+- name: serve
+  containerPort: {{ include "msaserve.servePort" . }}
+  protocol: TCP
+- name: metrics
+  containerPort: {{ .Values.metrics.port }}
+  protocol: TCP
+{{- end -}}
+
+{{/* Environment of every Ray container. Ray reads HOME for caches: /tmp keeps the root fs read-only. */}}
+{{- define "msaserve.env" -}}
+- name: HOME
+  value: /tmp
+- name: XDG_CACHE_HOME
+  value: /tmp/.cache
+- name: TRITON_CACHE_DIR
+  value: /tmp/.triton
+- name: HF_HOME
+  value: /tmp/.cache/huggingface
+- name: RAY_USAGE_STATS_ENABLED
+  value: "0"
+{{- if .Values.apiKeys.enabled }}
+- name: MSASERVE_API_KEYS
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "msaserve.apiKeysSecretName" . }}
+      key: {{ .Values.apiKeys.secretKey }}
+{{- end }}
+{{- end -}}
+
+{{/* Volumes every Ray pod has; ctx: dict "root" $ "group" <group values>. */}}
+{{- define "msaserve.baseVolumes" -}}
+- name: tmp
+  emptyDir:
+    sizeLimit: {{ .root.Values.tmpVolume.sizeLimit }}
+- name: dshm
+  emptyDir:
+    medium: Memory
+    sizeLimit: {{ .group.shmSize }}
+{{- end -}}
+
+{{- define "msaserve.baseVolumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+- name: dshm
+  mountPath: /dev/shm
+{{- end -}}
+
+{{/* The model volume (absent when the model is inside the image). */}}
+{{- define "msaserve.modelVolume" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "pvc" }}
+- name: model
+  persistentVolumeClaim:
+    claimName: {{ $m.pvc.claimName }}
+    readOnly: true
+{{- else if eq $m.source "hostPath" }}
+- name: model
+  hostPath:
+    path: {{ $m.hostPath.path }}
+    type: {{ $m.hostPath.type }}
+{{- else if eq $m.source "download" }}
+- name: model
+  emptyDir:
+    sizeLimit: {{ $m.download.sizeLimit }}
+{{- end }}
+{{- end -}}
+
+{{- define "msaserve.modelVolumeMount" -}}
+{{- $m := .Values.model -}}
+{{- if ne $m.source "image" }}
+- name: model
+  mountPath: {{ $m.mountPath }}
+  readOnly: true
+  {{- if and (eq $m.source "pvc") $m.pvc.subPath }}
+  subPath: {{ $m.pvc.subPath }}
+  {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* Init container that downloads the model repository (model.source: download). */}}
+{{- define "msaserve.modelInitContainers" -}}
+{{- $m := .Values.model -}}
+{{- if eq $m.source "download" }}
+- name: download-model
+  image: {{ include "msaserve.image" . }}
+  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  command: ["python", "-c"]
+  args:
+    - |
+      import os
+      from huggingface_hub import snapshot_download
+      snapshot_download(repo_id=os.environ["REPO_ID"], revision=os.environ["REVISION"],
+                        local_dir=os.environ["TARGET"])
+  env:
+    - name: REPO_ID
+      value: {{ $m.download.repoId | quote }}
+    - name: REVISION
+      value: {{ $m.download.revision | quote }}
+    - name: TARGET
+      value: {{ printf "%s/%s" $m.mountPath $m.download.targetDir | quote }}
+    - name: HOME
+      value: /tmp
+    - name: HF_HOME
+      value: /tmp/.cache/huggingface
+    {{- if $m.download.tokenSecret.name }}
+    - name: HF_TOKEN
+      valueFrom:
+        secretKeyRef:
+          name: {{ $m.download.tokenSecret.name }}
+          key: {{ $m.download.tokenSecret.key }}
+    {{- end }}
+  resources:
+    {{- toYaml $m.download.resources | nindent 4 }}
+  securityContext:
+    {{- toYaml .Values.containerSecurityContext | nindent 4 }}
+  volumeMounts:
+    - name: tmp
+      mountPath: /tmp
+    - name: model
+      mountPath: {{ $m.mountPath }}
+{{- end }}
+{{- end -}}
+
+{{/* Scheduling and security fields of a pod spec; ctx: dict "root" $ "group" <group values>. */}}
+{{- define "msaserve.podScheduling" -}}
+serviceAccountName: {{ include "msaserve.serviceAccountName" .root }}
+automountServiceAccountToken: false
+securityContext:
+  {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
+{{- with .root.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .group.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .group.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .group.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
