@@ -82,7 +82,7 @@ class SessionStore:
             raise SessionNotFound(f"session {session_id!r} is not in the KV cache service")
         return record
 
-    def list(self) -> list[str]:
+    def session_ids(self) -> list[str]:
         return sorted(self._records)
 
     def put(self, record: SessionRecord) -> None:

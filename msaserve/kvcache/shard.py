@@ -114,11 +114,11 @@ class KVCacheShard:
         return record
 
     def session_list(self) -> list[str]:
-        return self.sessions.list()
+        return self.sessions.session_ids()
 
     # ---- observability -----------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
-        out: dict[str, object] = {"shard": self.shard_id, "sessions": len(self.sessions.list()),
+        out: dict[str, object] = {"shard": self.shard_id, "sessions": len(self.sessions.session_ids()),
                                   "session_corruptions": self.sessions.corruptions}
         for name, store in self.stores.items():
             out[name] = {
@@ -139,7 +139,7 @@ class KVCacheShard:
             return
         for name, store in self.stores.items():
             self.metrics.publish(name, store)
-        self.metrics.publish_sessions(len(self.sessions.list()))
+        self.metrics.publish_sessions(len(self.sessions.session_ids()))
 
 
 # Shards are I/O- and memcpy-bound: no CPU reservation, so they co-locate with anything.

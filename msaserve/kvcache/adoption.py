@@ -1,0 +1,170 @@
+"""Adopting a session on a replica that has never seen it: the index first, K/V on demand.
+
+1. `load_index` fetches the index-K of every stored page (all layers) into the caches; decode can
+   select blocks from then on. Pages after the first missing or corrupt index page are not adopted:
+   the caller recomputes them from the record's token ids (never serving a bad page).
+2. Each step, the wrapped indexer ops (`wrap_ops`) learn which pages layer l selected and fetch
+   the K+V of those not yet resident, for layer l only, before attention reads them. The
+   selection always contains the local page and the init pages (DESIGN §2), so these come too.
+3. `prefetch` keeps a bounded number of background reads in flight for the rest, and `poll`
+   imports the ones that arrived, so lazily fetched steps become rare and then stop.
+
+One fetcher serves one sequence: its block table is row 0 of the step's metadata.
+"""
+
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import torch
+
+from msaserve.kernels import AttentionOps
+from msaserve.kvcache.client import KVCacheClient, PendingFetch
+from msaserve.kvcache.pages import PageCodec
+from msaserve.kvcache.session import SessionRecord
+from msaserve.models.cache import LayerKVCache
+from msaserve.models.metadata import AttentionMetadata
+
+
+class PageLost(RuntimeError):
+    """A page the session needs is missing or corrupt in the service: recompute from tokens."""
+
+
+@dataclasses.dataclass
+class AdoptionStats:
+    index_bytes: int = 0
+    kv_bytes_on_demand: int = 0
+    kv_bytes_prefetched: int = 0
+    kv_pages_on_demand: int = 0
+    on_demand_fetches: int = 0
+    on_demand_seconds: float = 0.0
+    index_seconds: float = 0.0
+
+
+class LazyPageFetcher:
+    def __init__(
+        self,
+        client: KVCacheClient,
+        record: SessionRecord,
+        caches: Sequence[LayerKVCache],
+        block_table: Sequence[int],
+    ) -> None:
+        """block_table: logical → physical page for this sequence, covering every stored page."""
+        self.client, self.record, self.caches = client, record, list(caches)
+        self.codec = PageCodec(client.model)
+        self.block_table = list(block_table)
+        self.num_pages = 0  # adopted pages (set by load_index)
+        self.resident = torch.zeros(len(caches), 0, dtype=torch.bool)  # [L, num_pages]
+        self._layer_of = {c.index_cache.data_ptr(): layer for layer, c in enumerate(caches)}
+        self._pending: list[tuple[PendingFetch, list[tuple[int, int]]]] = []
+        self.stats = AdoptionStats()
+
+    # ---- 1. the index ------------------------------------------------------------------------
+    def load_index(self) -> int:
+        """Load the index of every stored page; returns the number of tokens now covered
+        (adopted pages × page size); the caller prefills the rest of the record's tokens."""
+        start = time.perf_counter()
+        hashes = self.record.page_hashes
+        payloads = self.client.get_index(hashes)
+        usable = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
+        self.codec.import_index(self.caches, self.block_table[:usable], payloads[:usable])
+        self.num_pages = usable
+        self.resident = torch.zeros(len(self.caches), usable, dtype=torch.bool)
+        self.stats.index_bytes = sum(p.nbytes for p in payloads[:usable])
+        self.stats.index_seconds = time.perf_counter() - start
+        return usable * self.record.page_size
+
+    # ---- 2. on demand ------------------------------------------------------------------------
+    def ensure(self, layer: int, logical_pages: Sequence[int]) -> None:
+        """Make the K+V of these adopted pages resident in `layer` (fetching what is missing)."""
+        need = sorted({p for p in logical_pages if 0 <= p < self.num_pages and not self.resident[layer, p]})
+        if not need:
+            return
+        start = time.perf_counter()
+        payloads = self.client.get_kv([(self.record.page_hashes[p], layer) for p in need])
+        lost = [p for p, payload in zip(need, payloads, strict=True) if payload is None]
+        if lost:
+            raise PageLost(f"session {self.record.session_id!r}: K/V of pages {lost} in layer {layer} "
+                           "are missing or corrupt in the KV cache service")
+        self.codec.import_kv(self.caches[layer], [self.block_table[p] for p in need], payloads)
+        self.resident[layer, need] = True
+        self.stats.on_demand_fetches += 1
+        self.stats.kv_pages_on_demand += len(need)
+        self.stats.kv_bytes_on_demand += sum(p.nbytes for p in payloads)
+        self.stats.on_demand_seconds += time.perf_counter() - start
+
+    def wrap_ops(self, ops: AttentionOps) -> AttentionOps:
+        """The same ops, whose indexers fetch the selected pages of their layer before returning."""
+
+        def fetching(indexer):
+            def run(q_index, index_cache, block_tables, *args, **kwargs):
+                selected = indexer(q_index, index_cache, block_tables, *args, **kwargs)
+                layer = self._layer_of.get(index_cache.data_ptr())
+                if layer is not None:
+                    self.ensure(layer, torch.unique(selected[selected >= 0]).tolist())
+                return selected
+
+            return run
+
+        return dataclasses.replace(
+            ops, indexer_decode=fetching(ops.indexer_decode), indexer_prefill=fetching(ops.indexer_prefill)
+        )
+
+    # ---- 3. background -----------------------------------------------------------------------
+    def prefetch(self, max_pages: int) -> None:
+        """Keep up to max_pages (page, layer) reads in flight for pages not yet resident, newest
+        pages first (decode selects recent pages more often)."""
+        in_flight = sum(len(items) for _, items in self._pending)
+        budget = max_pages - in_flight
+        if budget <= 0:
+            return
+        wanted = []
+        requested = {item for _, items in self._pending for item in items}
+        for page in range(self.num_pages - 1, -1, -1):
+            for layer in range(len(self.caches)):
+                if not self.resident[layer, page] and (page, layer) not in requested:
+                    wanted.append((page, layer))
+                    if len(wanted) == budget:
+                        break
+            if len(wanted) == budget:
+                break
+        if wanted:
+            fetch = self.client.get_kv_async([(self.record.page_hashes[p], layer) for p, layer in wanted])
+            self._pending.append((fetch, wanted))
+
+    def poll(self, wait: bool = False) -> int:
+        """Import the background reads that have arrived (all of them if wait); returns pages."""
+        imported, still = 0, []
+        for fetch, items in self._pending:
+            if not (wait or fetch.done()):
+                still.append((fetch, items))
+                continue
+            by_layer: dict[int, tuple[list[int], list]] = {}
+            for (page, layer), payload in zip(items, fetch.result(), strict=True):
+                if payload is not None and not self.resident[layer, page]:
+                    pages, payloads = by_layer.setdefault(layer, ([], []))
+                    pages.append(page)
+                    payloads.append(payload)
+                    self.stats.kv_bytes_prefetched += payload.nbytes
+            for layer, (pages, payloads) in by_layer.items():
+                self.codec.import_kv(self.caches[layer], [self.block_table[p] for p in pages], payloads)
+                self.resident[layer, pages] = True
+                imported += len(pages)
+        self._pending = still
+        return imported
+
+    @property
+    def complete(self) -> bool:
+        return bool(self.resident.all())
+
+
+@torch.inference_mode()
+def forward_with_ops(model, input_ids: torch.Tensor, meta: AttentionMetadata,
+                     caches: list[LayerKVCache], ops: AttentionOps) -> torch.Tensor:
+    """`MSATransformer.forward` with the attention ops given instead of looked up (the model has no
+    hook for them yet): input_ids [T] → hidden [T, H]."""
+    x = model.embed_tokens(input_ids)
+    rotary = model._rotary(meta.positions, x.dtype)
+    for layer, cache in zip(model.layers, caches, strict=True):
+        x = layer(x, meta, cache, rotary, ops)
+    return model.norm(x)
