@@ -1,0 +1,127 @@
+"""The router's logic without Ray: request view from the call's argument, stats refresh, ranking,
+bookkeeping. `serve_router.MSARequestRouter` is a thin adapter from Serve's hooks to this class.
+
+The request is read from the deployment call's first positional argument (or keyword `request`):
+- a `GenerateRequest` (prompt_token_ids, session_id, sampling.max_tokens), or
+- a mapping with `prompt_token_ids` (list of ints) and optionally `session_id` and `max_tokens`.
+Anything else (another method, a request without token ids) is routed on load alone with an
+empty prefix: the policy still works, it just predicts no cache hits.
+"""
+
+import math
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from msaserve.kvcache.page_hash import page_hashes
+from msaserve.router.kv_aware import KVAwareConfig, make_policy
+from msaserve.router.policies import Decision
+from msaserve.router.state import RequestView, RouterState
+from msaserve.router.stats import parse_routing_stats
+
+DEFAULT_MAX_TOKENS = 256
+
+
+def request_view(args: Sequence[Any], kwargs: Mapping[str, Any], page_size: int, request_id: str,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS) -> RequestView:
+    """What the router sees of a call (see the module docstring for the accepted shapes)."""
+    arg = args[0] if args else kwargs.get("request")
+    if isinstance(arg, Mapping):
+        token_ids, session_id = arg.get("prompt_token_ids"), arg.get("session_id")
+        max_tokens = arg.get("max_tokens", default_max_tokens)
+    else:
+        token_ids, session_id = getattr(arg, "prompt_token_ids", None), getattr(arg, "session_id", None)
+        max_tokens = getattr(getattr(arg, "sampling", None), "max_tokens", default_max_tokens)
+    if not isinstance(token_ids, Sequence) or isinstance(token_ids, str | bytes):
+        return RequestView(request_id, (), 1, session_id if isinstance(session_id, str) else None)
+    hashes = page_hashes(token_ids, page_size)
+    num_pages = max(1, math.ceil((len(token_ids) + int(max_tokens or 0)) / page_size))
+    return RequestView(request_id, hashes, num_pages, session_id if isinstance(session_id, str) else None)
+
+
+@dataclass
+class DecisionLog:
+    """Counts the router keeps; `serve_router.RayMetrics` also exports them through Ray."""
+
+    decisions: Counter = field(default_factory=Counter)
+    predicted_hit_pages: int = 0
+    routed_prompt_pages: int = 0
+    reported_hit_rate: dict[str, float] = field(default_factory=dict)
+    load_imbalance: float = 1.0
+
+    def decision(self, policy: str, decision: Decision, prompt_pages: int) -> None:
+        self.decisions[decision.reason] += 1
+        self.predicted_hit_pages += decision.predicted_hit_pages
+        self.routed_prompt_pages += prompt_pages
+
+    def spilled(self, policy: str) -> None:
+        """Serve sent the request to a lower-ranked replica (the first one's queue was full)."""
+        self.decisions["spilled"] += 1
+
+    def replica_hit_rate(self, replica_id: str, hit_rate: float) -> None:
+        self.reported_hit_rate[replica_id] = hit_rate
+
+    def imbalance(self, value: float) -> None:
+        self.load_imbalance = value
+
+
+class RouterCore:
+    def __init__(self, policy: str = "kv_aware", page_size: int = 128, *, log: DecisionLog | None = None,
+                 kv_aware: KVAwareConfig | None = None, estimate_expiry_s: float = 30.0,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS, seed: int | None = None,
+                 clock: Callable[[], float] = time.time) -> None:
+        import random
+
+        if page_size < 1:
+            raise ValueError(f"page_size={page_size} is invalid: allowed an integer ≥ 1")
+        self.state = RouterState(estimate_expiry_s)
+        self.policy = make_policy(policy, self.state, random.Random(seed), kv_aware=kv_aware)
+        self.page_size = page_size
+        self.default_max_tokens = default_max_tokens
+        self.log = log or DecisionLog()
+        self.clock = clock
+        self._decided: OrderedDict[str, Decision] = OrderedDict()
+        """internal request id -> first decision (retries re-rank but are recorded once)."""
+
+    def refresh(self, replicas: Sequence[tuple[str, Mapping]]) -> None:
+        """Fold in each candidate's latest routing-stats payload (Serve re-sends the same one
+        until the next poll; `ReplicaState.apply_stats` ignores repeats)."""
+        now = self.clock()
+        for replica_id, payload in replicas:
+            stats = parse_routing_stats(payload)
+            self.state.replica(replica_id)
+            if stats is not None:
+                self.state.apply_stats(replica_id, stats, now)
+                self.log.replica_hit_rate(replica_id, stats.prefix_hit_rate)
+        loads = [self.state.replicas[rid].load for rid, _ in replicas]
+        if loads and sum(loads):
+            self.log.imbalance(max(loads) / (sum(loads) / len(loads)))
+
+    def rank(self, args: Sequence[Any], kwargs: Mapping[str, Any], request_key: str,
+             replica_ids: Sequence[str]) -> list[Decision]:
+        """Candidates in preference order. The first decision for a request is recorded (state +
+        metrics); a retry (all queues were full) only re-ranks."""
+        now = self.clock()
+        view = request_view(args, kwargs, self.page_size, request_key, self.default_max_tokens)
+        ranking = self.policy.rank(view, [self.state.replica(rid) for rid in replica_ids], now)
+        if request_key not in self._decided:
+            first = ranking[0]
+            self._decided[request_key] = first
+            if len(self._decided) > 10_000:
+                self._decided.popitem(last=False)
+            self.state.on_routed(view, first.replica_id, now)
+            self.log.decision(self.policy.name, first, len(view.page_hashes))
+        return ranking
+
+    def routed(self, request_key: str, replica_id: str) -> None:
+        first = self._decided.pop(request_key, None)
+        if first is not None and first.replica_id != replica_id:
+            self.log.spilled(self.policy.name)
+
+    def sync(self, replica_ids: Sequence[str]) -> None:
+        self.state.sync_replicas(replica_ids)
+
+    def replica_died(self, replica_id: str) -> None:
+        self.state.remove_replica(replica_id)

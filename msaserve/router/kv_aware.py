@@ -1,0 +1,148 @@
+"""The KV-aware policy (DESIGN §4, router): send a request where its pages are, keep sessions
+together, and keep load balanced.
+
+    cost(r) = w_prefill · prefill_pages(r) + w_decode · active_pages(r)
+              − affinity_credit   [r is the session's home and not overloaded]
+              − index_credit      [the session's MSA index is resident on r]
+
+`prefill_pages(r)` is the work r must do before this request's first token: the request's pages
+that r does not hold (leading-prefix match on chained hashes) plus the prefill pages already
+queued on r. `active_pages(r)` is pages held by r's live sequences (decode cost per step grows
+with it, and it is KV pressure that evicts cached prefixes).
+
+Overloaded replicas (they cannot fit the request in their free pages, or their load is past the
+imbalance thresholds against the others) are skipped while another can take the request. A
+session stays on its home replica unless that replica is overloaded, draining or dead; then the
+request goes to the cheapest other replica and the decision says `session_moved`. When load
+across replicas is imbalanced (both thresholds crossed, `policies.is_imbalanced`), the policy
+falls back to power of two choices: the state it reasons about is then likely stale.
+"""
+
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from msaserve.router.policies import (
+    Decision,
+    Policy,
+    Pow2Policy,
+    PrefixAffinityPolicy,
+    Reason,
+    RoundRobinPolicy,
+    is_imbalanced,
+    pow2_choice,
+    usable,
+)
+from msaserve.router.state import ReplicaState, RequestView, RouterState
+
+
+@dataclass(frozen=True)
+class KVAwareConfig:
+    w_prefill: float = 1.0
+    """Cost per page to prefill (the unit of cost)."""
+    w_decode: float = 0.02
+    """Cost per active page on the replica."""
+    w_queue: float = 0.5
+    """Weight of the prefill pages already queued on the replica, relative to this request's own
+    (below 1: a miss adds work for everyone, queued work only delays; 0.5 chosen on the Mooncake
+    trace in benchmarks/router/simulate.py)."""
+    affinity_credit: float = 16.0
+    """Pages of prefill a session's home replica is credited with."""
+    index_credit: float = 16.0
+    """Pages credited where the session's MSA index is resident (KV cache service)."""
+    imbalance_abs: float = 16.0
+    """Sequences: the guard needs max − min load above this…"""
+    imbalance_rel: float = 2.0
+    """…and max load above this multiple of the mean."""
+
+    def __post_init__(self) -> None:
+        for name in ("w_prefill", "w_decode", "w_queue", "affinity_credit", "index_credit", "imbalance_abs"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}={getattr(self, name)} is invalid: allowed a number ≥ 0")
+        if self.imbalance_rel < 1.0:
+            raise ValueError(f"imbalance_rel={self.imbalance_rel} is invalid: allowed a number ≥ 1.0")
+
+
+class KVAwarePolicy(Policy):
+    name = "kv_aware"
+
+    def __init__(self, state: RouterState, rng: random.Random | None = None,
+                 config: KVAwareConfig | None = None) -> None:
+        super().__init__(state, rng)
+        self.config = config or KVAwareConfig()
+
+    def overloaded(self, r: ReplicaState, request: RequestView, candidates: Sequence[ReplicaState]) -> bool:
+        """Too full to take this request without waiting, or far more loaded than the others."""
+        if r.num_total_pages and r.free_pages < request.num_pages:
+            return True
+        others = [c.load for c in candidates if c.replica_id != r.replica_id]
+        if not others:
+            return False
+        mean = (sum(others) + r.load) / (len(others) + 1)
+        cfg = self.config
+        return r.load - min(others) > cfg.imbalance_abs and r.load > cfg.imbalance_rel * mean
+
+    def cost(self, r: ReplicaState, request: RequestView, now: float, home_ok: bool) -> tuple[float, int]:
+        """(cost, predicted hit pages) of sending `request` to `r`."""
+        cfg = self.config
+        hit = r.hit_pages(request.page_hashes, now)
+        miss = len(request.page_hashes) - hit
+        prefill = miss + cfg.w_queue * r.queued_prefill_pages(self.state.mean_miss_pages)
+        cost = cfg.w_prefill * prefill + cfg.w_decode * r.active_pages
+        if home_ok:
+            cost -= cfg.affinity_credit
+        if request.session_id is not None and request.session_id in r.resident_sessions:
+            cost -= cfg.index_credit
+        return cost, hit
+
+    def choose(self, request: RequestView, replicas: Sequence[ReplicaState], now: float) -> Decision:
+        candidates = usable(replicas)
+        if not candidates:
+            raise ValueError("no live replica to route to: candidates were empty or all dead")
+        home_id = self.state.sessions.get(request.session_id) if request.session_id else None
+        home = next((r for r in candidates if r.replica_id == home_id), None)
+        home_ok = home is not None and not home.draining and not self.overloaded(home, request, candidates)
+        if is_imbalanced(candidates, self.config.imbalance_abs, self.config.imbalance_rel):
+            if home_ok and home is not None:
+                return Decision(home.replica_id, "session_affinity", home.hit_pages(request.page_hashes, now))
+            chosen = pow2_choice(candidates, self.rng)
+            reason: Reason = "session_moved" if home_id is not None else "imbalance_pow2"
+            return Decision(chosen.replica_id, reason, chosen.hit_pages(request.page_hashes, now))
+        # Spill-over: a replica that cannot take the request now is not considered while another can.
+        eligible = [r for r in candidates if not self.overloaded(r, request, candidates)] or candidates
+        scored = []
+        for r in eligible:
+            is_home = home_ok and r.replica_id == home_id
+            cost, hit = self.cost(r, request, now, is_home)
+            scored.append((cost, r.load, r.replica_id, hit))
+        cost, _, chosen_id, hit = min(scored)
+        return Decision(chosen_id, self._reason(home_id, chosen_id, hit), hit)
+
+    @staticmethod
+    def _reason(home_id: str | None, chosen_id: str, hit: int) -> Reason:
+        if home_id is not None:
+            return "session_affinity" if chosen_id == home_id else "session_moved"
+        return "prefix_hit" if hit > 0 else "least_cost"
+
+
+POLICIES = ("round_robin", "pow2", "prefix_affinity", "kv_aware")
+
+
+def make_policy(name: str, state: RouterState, rng: random.Random | None = None, *,
+                kv_aware: KVAwareConfig | None = None, imbalance_abs: float | None = None,
+                imbalance_rel: float | None = None) -> Policy:
+    """The policy named in ServeConfig's `router.policy`."""
+    if name == "round_robin":
+        return RoundRobinPolicy(state, rng)
+    if name == "pow2":
+        return Pow2Policy(state, rng)
+    if name == "prefix_affinity":
+        cfg = kv_aware or KVAwareConfig()
+        return PrefixAffinityPolicy(
+            state, rng,
+            imbalance_abs=cfg.imbalance_abs if imbalance_abs is None else imbalance_abs,
+            imbalance_rel=cfg.imbalance_rel if imbalance_rel is None else imbalance_rel,
+        )
+    if name == "kv_aware":
+        return KVAwarePolicy(state, rng, kv_aware)
+    raise ValueError(f"router.policy={name!r} is invalid: allowed {', '.join(POLICIES)}")

@@ -1,0 +1,193 @@
+"""What the router knows about each replica: cached page hashes, load, sessions.
+
+Pure state, no Ray and no engine objects, so that the live router (`serve_router.py`) and the
+trace simulator (`benchmarks/router/simulate.py`) run the same policies over the same object.
+
+Two sources feed a replica's view:
+- reported: the replica's routing-stats payloads (`stats.py`) — page hashes from its KV events,
+  running/waiting sequences, free pages. Authoritative but up to one stats period old.
+- estimated: requests this router sent since the last report. Their page hashes are inserted
+  optimistically with an expiry (the replica will prefill them, so the next request sharing the
+  prefix should follow them), and their sequences and pages count as load until the next report.
+"""
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+from msaserve.router.stats import RoutingStats
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """The part of a request the router looks at."""
+
+    request_id: str
+    page_hashes: Sequence[int]
+    """Chained hashes of the prompt's full pages (`kvcache.page_hash.page_hashes`), in order."""
+    num_pages: int
+    """Pages the request will occupy (prompt incl. a partial last page, plus expected output)."""
+    session_id: str | None = None
+
+
+@dataclass
+class _Routed:
+    """A request routed here since the replica's last report: counted as load until then."""
+
+    time: float
+    pages: int
+    miss_pages: int
+
+
+@dataclass
+class ReplicaState:
+    replica_id: str
+    cached: set[int] = field(default_factory=set)
+    """Page hashes the replica reported holding (from its KV events)."""
+    estimated: dict[int, float] = field(default_factory=dict)
+    """Page hashes of requests routed here, not yet confirmed by a report: hash -> expiry time."""
+    num_running: int = 0
+    num_waiting: int = 0
+    num_free_pages: int = 0
+    num_total_pages: int = 0
+    waiting_prefill_pages: int | None = None
+    """Pages the waiting queue still has to prefill, when the replica reports it."""
+    draining: bool = False
+    alive: bool = True
+    resident_sessions: set[str] = field(default_factory=set)
+    """Sessions whose MSA index is resident here (filled from the KV cache service when it exists)."""
+    stats_epoch: str | None = None
+    stats_seq: int = -1
+    synced: bool = False
+    """False after a missed delta, until the next full snapshot replaces the hash set."""
+    routed: list[_Routed] = field(default_factory=list)
+
+    # ---- prefix view -------------------------------------------------------------------------
+    def holds(self, page_hash: int, now: float) -> bool:
+        if page_hash in self.cached:
+            return True
+        expiry = self.estimated.get(page_hash)
+        return expiry is not None and expiry > now
+
+    def hit_pages(self, page_hashes: Sequence[int], now: float) -> int:
+        """Leading pages of the prompt held here. Hashes are chained, so the first miss ends the
+        prefix: a later page with the same hash cannot exist without its parents."""
+        n = 0
+        for h in page_hashes:
+            if not self.holds(h, now):
+                break
+            n += 1
+        return n
+
+    # ---- load --------------------------------------------------------------------------------
+    @property
+    def load(self) -> int:
+        """Sequences running or waiting, including those routed since the last report."""
+        return self.num_running + self.num_waiting + len(self.routed)
+
+    @property
+    def active_pages(self) -> int:
+        """Pages in use (not free) plus pages of requests routed since the last report. The engine
+        counts evictable prefix-cache pages as free, so these are pages of live sequences."""
+        used = max(0, self.num_total_pages - self.num_free_pages)
+        return used + sum(r.pages for r in self.routed)
+
+    @property
+    def free_pages(self) -> int:
+        return max(0, self.num_free_pages - sum(r.pages for r in self.routed))
+
+    def queued_prefill_pages(self, mean_miss_pages: float) -> float:
+        """Prefill work ahead of a new request: reported, else waiting × the mean miss size; plus
+        what was routed here since the report."""
+        if self.waiting_prefill_pages is not None:
+            reported = float(self.waiting_prefill_pages)
+        else:
+            reported = self.num_waiting * mean_miss_pages
+        return reported + sum(r.miss_pages for r in self.routed)
+
+    # ---- updates -----------------------------------------------------------------------------
+    def on_routed(self, request: RequestView, miss_pages: int, now: float, expiry_s: float) -> None:
+        until = now + expiry_s
+        for h in request.page_hashes:
+            if h not in self.cached:
+                self.estimated[h] = max(until, self.estimated.get(h, 0.0))
+        self.routed.append(_Routed(now, request.num_pages, miss_pages))
+
+    def apply_stats(self, stats: RoutingStats, now: float) -> None:
+        """Fold one payload in. A payload is a delta against the previous one from the same
+        replica process (epoch); a gap in `seq` means a delta was missed, so the hash set stays
+        approximate (marked unsynced) until the next full snapshot."""
+        if stats.epoch == self.stats_epoch and stats.seq <= self.stats_seq:
+            return  # the same payload seen again (Serve re-broadcasts unchanged replica info)
+        contiguous = stats.epoch == self.stats_epoch and stats.seq == self.stats_seq + 1
+        if stats.full:
+            self.cached = set(stats.stored)
+            self.synced = True
+        else:
+            self.cached.update(stats.stored)
+            self.cached.difference_update(stats.removed)
+            self.synced = self.synced and contiguous
+        self.stats_epoch, self.stats_seq = stats.epoch, stats.seq
+        self.num_running, self.num_waiting = stats.num_running, stats.num_waiting
+        self.num_free_pages, self.num_total_pages = stats.num_free_pages, stats.num_total_pages
+        self.waiting_prefill_pages = stats.waiting_prefill_pages
+        self.draining = stats.draining
+        if stats.resident_sessions is not None:
+            self.resident_sessions = set(stats.resident_sessions)
+        # The report covers what was routed before it was taken (clocks of one cluster agree to
+        # well under a stats period; `min` keeps a replica clock ahead of ours harmless).
+        taken = min(now, stats.timestamp)
+        self.routed = [r for r in self.routed if r.time > taken]
+        self.estimated = {h: t for h, t in self.estimated.items() if t > now and h not in self.cached}
+
+
+class RouterState:
+    """All replicas plus the session -> replica map. One per router (per Serve handle)."""
+
+    def __init__(self, estimate_expiry_s: float = 30.0) -> None:
+        self.replicas: dict[str, ReplicaState] = {}
+        self.sessions: dict[str, str] = {}
+        self.estimate_expiry_s = estimate_expiry_s
+        self._miss_pages_sum = 0.0
+        self._miss_pages_count = 0
+
+    def replica(self, replica_id: str) -> ReplicaState:
+        state = self.replicas.get(replica_id)
+        if state is None:
+            state = self.replicas[replica_id] = ReplicaState(replica_id)
+        return state
+
+    def sync_replicas(self, replica_ids: Iterable[str]) -> None:
+        """Keep exactly these replicas (Serve's current set); forget the others."""
+        keep = set(replica_ids)
+        for rid in keep:
+            self.replica(rid)
+        for rid in [r for r in self.replicas if r not in keep]:
+            self.remove_replica(rid)
+
+    def remove_replica(self, replica_id: str) -> None:
+        """A dead replica: its pages are gone; its sessions get a new home on their next turn."""
+        state = self.replicas.pop(replica_id, None)
+        if state is not None:
+            state.alive = False
+
+    @property
+    def mean_miss_pages(self) -> float:
+        return self._miss_pages_sum / self._miss_pages_count if self._miss_pages_count else 0.0
+
+    def on_routed(self, request: RequestView, replica_id: str, now: float) -> int:
+        """Record a decision; returns the predicted prefix-hit pages on that replica."""
+        replica = self.replica(replica_id)
+        hit = replica.hit_pages(request.page_hashes, now)
+        miss = max(0, len(request.page_hashes) - hit)
+        replica.on_routed(request, miss, now, self.estimate_expiry_s)
+        self._miss_pages_sum += miss
+        self._miss_pages_count += 1
+        if request.session_id is not None:
+            self.sessions[request.session_id] = replica_id
+        return hit
+
+    def apply_stats(self, replica_id: str, stats: RoutingStats, now: float) -> None:
+        self.replica(replica_id).apply_stats(stats, now)
+        # Sessions another router placed: learn their home, never override our own decisions.
+        for session_id in stats.sessions:
+            self.sessions.setdefault(session_id, replica_id)

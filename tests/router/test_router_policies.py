@@ -1,0 +1,182 @@
+"""Every policy on constructed states: which replica, and the reason it gives."""
+
+import random
+
+import pytest
+
+from msaserve.router.kv_aware import KVAwareConfig, KVAwarePolicy, make_policy
+from msaserve.router.policies import Pow2Policy, PrefixAffinityPolicy, RoundRobinPolicy, is_imbalanced
+from msaserve.router.state import RequestView, RouterState
+
+NOW = 100.0
+
+
+def make_state(*specs: dict) -> RouterState:
+    """specs: per replica r0, r1, ...: cached (hashes), running, waiting, free, total, draining."""
+    state = RouterState(estimate_expiry_s=10.0)
+    for i, spec in enumerate(specs):
+        r = state.replica(f"r{i}")
+        r.cached = set(spec.get("cached", ()))
+        r.num_running, r.num_waiting = spec.get("running", 0), spec.get("waiting", 0)
+        r.num_total_pages = spec.get("total", 1000)
+        r.num_free_pages = spec.get("free", r.num_total_pages)
+        r.waiting_prefill_pages = spec.get("queued", 0)
+        r.draining = spec.get("draining", False)
+    return state
+
+
+def req(hashes=(), session=None, pages=None, rid="q"):
+    return RequestView(rid, list(hashes), pages if pages is not None else max(1, len(hashes) + 1), session)
+
+
+def choose(policy, state, request):
+    return policy.choose(request, list(state.replicas.values()), NOW)
+
+
+PREFIX = list(range(1000, 1040))  # a 40-page prompt
+
+
+def test_round_robin_cycles_and_skips_draining():
+    state = make_state({}, {"draining": True}, {})
+    policy = RoundRobinPolicy(state)
+    picks = [choose(policy, state, req()).replica_id for _ in range(4)]
+    assert picks == ["r0", "r2", "r0", "r2"]
+    assert choose(policy, state, req()).reason == "round_robin"
+
+
+def test_pow2_takes_the_less_loaded_of_two_and_is_seeded():
+    state = make_state({"running": 5}, {"running": 1})
+    assert {choose(Pow2Policy(state, random.Random(s)), state, req()).replica_id for s in range(10)} == {"r1"}
+    state3 = make_state({"running": 3}, {"running": 2}, {"running": 1})
+    a = [choose(Pow2Policy(state3, random.Random(7)), state3, req()).replica_id for _ in range(5)]
+    b = [choose(Pow2Policy(state3, random.Random(7)), state3, req()).replica_id for _ in range(5)]
+    assert a == b and "r0" not in a  # the most loaded never wins a pair
+
+
+def test_pow2_single_candidate_and_no_candidates():
+    state = make_state({})
+    assert choose(Pow2Policy(state), state, req()).reason == "only_candidate"
+    state.replicas["r0"].alive = False
+    with pytest.raises(ValueError, match="no live replica"):
+        choose(Pow2Policy(state), state, req())
+
+
+def test_hit_pages_stop_at_the_first_miss_of_the_chain():
+    state = make_state({"cached": PREFIX[:10] + PREFIX[11:]})
+    assert state.replicas["r0"].hit_pages(PREFIX, NOW) == 10
+
+
+def test_prefix_affinity_prefers_longest_prefix_then_guard():
+    state = make_state({"cached": PREFIX[:5]}, {"cached": PREFIX[:30], "running": 3}, {})
+    policy = PrefixAffinityPolicy(state, random.Random(0), imbalance_abs=8, imbalance_rel=1.5)
+    d = choose(policy, state, req(PREFIX))
+    assert (d.replica_id, d.reason, d.predicted_hit_pages) == ("r1", "prefix_hit", 30)
+    state.replicas["r1"].num_waiting = 40  # now imbalanced: 43 vs 0 vs 0
+    assert choose(policy, state, req(PREFIX)).reason == "imbalance_pow2"
+    assert choose(policy, make_state({"running": 2}, {}), req([1, 2])).reason == "least_load"
+
+
+def test_kv_aware_goes_where_the_prefix_is():
+    state = make_state({}, {"cached": PREFIX}, {})
+    d = choose(KVAwarePolicy(state), state, req(PREFIX))
+    assert (d.replica_id, d.reason, d.predicted_hit_pages) == ("r1", "prefix_hit", 40)
+
+
+def test_kv_aware_spills_when_the_holder_has_more_queued_prefill_than_the_prefix_saves():
+    state = make_state({}, {"cached": PREFIX, "queued": 500, "waiting": 3}, {"queued": 10, "waiting": 1})
+    d = choose(KVAwarePolicy(state), state, req(PREFIX))
+    assert d.replica_id == "r0" and d.reason == "least_cost"
+
+
+def test_kv_aware_decode_weight_breaks_ties_toward_fewer_active_pages():
+    state = make_state({"free": 200}, {"free": 900})
+    assert choose(KVAwarePolicy(state), state, req([7, 8])).replica_id == "r1"
+
+
+def test_kv_aware_session_stays_home_against_a_slightly_cheaper_replica():
+    state = make_state({"queued": 8}, {"queued": 0})
+    state.sessions["s1"] = "r0"
+    d = choose(KVAwarePolicy(state), state, req([5, 6], session="s1"))
+    assert (d.replica_id, d.reason) == ("r0", "session_affinity")
+    state.replicas["r0"].waiting_prefill_pages = 100  # past the credit: the session spills
+    assert choose(KVAwarePolicy(state), state, req([5, 6], session="s1")).reason == "session_moved"
+
+
+@pytest.mark.parametrize("how", ["full", "draining", "dead", "overloaded"])
+def test_kv_aware_moves_a_session_off_a_bad_home(how):
+    state = make_state({"cached": PREFIX}, {}, {})
+    state.sessions["s1"] = "r0"
+    home = state.replicas["r0"]
+    if how == "full":
+        home.num_free_pages = 5  # the request needs 41 pages
+    elif how == "draining":
+        home.draining = True
+    elif how == "dead":
+        state.remove_replica("r0")
+    else:
+        home.num_running = 60  # 60 vs 0, 0: past 16 absolute and 2× mean
+        state.replicas["r1"].num_running = 1
+    d = choose(KVAwarePolicy(state), state, req(PREFIX, session="s1"))
+    assert d.replica_id != "r0" and d.reason == "session_moved"
+
+
+def test_kv_aware_guard_falls_back_to_pow2_when_imbalanced():
+    state = make_state({"cached": PREFIX, "running": 40}, {"running": 2}, {"running": 3})
+    assert is_imbalanced(list(state.replicas.values()), 16, 2.0)
+    d = choose(KVAwarePolicy(state, random.Random(1)), state, req(PREFIX))
+    assert d.reason == "imbalance_pow2"
+    picks = {choose(KVAwarePolicy(state, random.Random(s)), state, req(PREFIX)).replica_id for s in range(20)}
+    assert "r0" not in picks  # pow2 never prefers the 40-sequence replica over a 2- or 3-sequence one
+
+
+def test_guard_needs_both_thresholds():
+    light = make_state({"running": 3}, {"running": 0})  # 3× the mean but only 3 apart
+    heavy = make_state({"running": 120}, {"running": 100})  # 20 apart but 1.09× the mean
+    assert not is_imbalanced(list(light.replicas.values()), 16, 2.0)
+    assert not is_imbalanced(list(heavy.replicas.values()), 16, 2.0)
+
+
+def test_kv_aware_prefers_where_the_session_index_is_resident():
+    state = make_state({"queued": 5}, {})
+    state.replicas["r0"].resident_sessions.add("s9")
+    assert choose(KVAwarePolicy(state), state, req([1], session="s9")).replica_id == "r0"
+    cfg = KVAwareConfig(index_credit=0.0)
+    assert choose(KVAwarePolicy(state, config=cfg), state, req([1], session="s9")).replica_id == "r1"
+
+
+def test_routed_requests_are_followed_before_any_report_and_expire():
+    state = make_state({}, {}, {})
+    policy = KVAwarePolicy(state)
+    first = choose(policy, state, req(PREFIX, rid="a"))
+    state.on_routed(req(PREFIX, rid="a"), first.replica_id, NOW)
+    state.replicas[first.replica_id].routed.clear()  # same load everywhere: only the prefix differs
+    second = policy.choose(req(PREFIX, rid="b"), list(state.replicas.values()), NOW + 1)
+    assert second.replica_id == first.replica_id and second.predicted_hit_pages == 40
+    late = policy.choose(req(PREFIX, rid="c"), list(state.replicas.values()), NOW + 11)
+    assert late.predicted_hit_pages == 0
+
+
+def test_routed_load_counts_until_the_next_report():
+    state = make_state({}, {})
+    policy = KVAwarePolicy(state)
+    for i in range(4):
+        d = choose(policy, state, req([i], rid=str(i)))
+        state.on_routed(req([i], rid=str(i)), d.replica_id, NOW)
+    assert sorted(r.load for r in state.replicas.values()) == [2, 2]
+
+
+def test_rank_lists_every_candidate_once_choice_first():
+    state = make_state({"running": 4}, {"cached": PREFIX}, {"running": 1})
+    ranking = KVAwarePolicy(state).rank(req(PREFIX), list(state.replicas.values()), NOW)
+    assert [d.replica_id for d in ranking] == ["r1", "r2", "r0"]
+
+
+def test_config_and_factory_errors_name_the_field():
+    with pytest.raises(ValueError, match="w_decode=-1"):
+        KVAwareConfig(w_decode=-1)
+    with pytest.raises(ValueError, match=r"imbalance_rel=0\.5"):
+        KVAwareConfig(imbalance_rel=0.5)
+    with pytest.raises(ValueError, match=r"router\.policy='fastest'"):
+        make_policy("fastest", RouterState())
+    for name in ("round_robin", "pow2", "prefix_affinity", "kv_aware"):
+        assert make_policy(name, RouterState()).name == name
