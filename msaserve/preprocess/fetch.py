@@ -163,7 +163,7 @@ class Fetcher:
                     raise _timeout(cfg.fetch_timeout_s, param) from None
                 except httpx.HTTPError as e:
                     raise MediaError(400, "fetch_failed", f"fetching {host!r} failed: {e}", param) from None
-                with response:
+                try:
                     if response.is_redirect:
                         url = str(httpx.URL(url).join(response.headers["location"]))
                         continue
@@ -172,6 +172,8 @@ class Fetcher:
                             400, "fetch_failed", f"{host!r} answered HTTP {response.status_code}", param
                         )
                     return _read_body(response, max_bytes, deadline, cfg.fetch_timeout_s, param)
+                finally:
+                    response.close()
         raise MediaError(400, "fetch_failed", f"more than max_redirects={cfg.max_redirects} redirects", param)
 
 

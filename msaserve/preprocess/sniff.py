@@ -50,11 +50,13 @@ def expect_kind(data: bytes, kind: MediaKind, param: str | None = None) -> str:
     found_kind, fmt = sniff(data)
     allowed = IMAGE_FORMATS if kind == "image" else VIDEO_FORMATS
     if found_kind != kind:
-        what = f"an {found_kind} ({fmt})" if found_kind else f"'{fmt}' data"
+        article = {"image": "an", "video": "a"}
+        what = f"{article[found_kind]} {found_kind} ({fmt})" if found_kind else f"'{fmt}' data"
         raise MediaError(
             415,
             "unsupported_media_type",
-            f"expected an {kind} but the bytes are {what}; supported {kind} formats: {', '.join(allowed)}",
+            f"expected {article[kind]} {kind} but the bytes are {what}; "
+            f"supported {kind} formats: {', '.join(allowed)}",
             param,
         )
     return fmt
