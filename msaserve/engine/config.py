@@ -1,6 +1,7 @@
 """The engine's configuration: one checked dataclass (STYLE §6: pydantic at the edges, here not)."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 ATTENTION_BACKENDS = ("naive", "triton", "dense", "msa")
 KV_CACHE_DTYPES = ("auto", "fp8")
@@ -15,6 +16,8 @@ class EngineConfig:
     model: str = "tiny"
     """Model spec passed to `msaserve.models.loader.load_model` (a preset name, a checkpoint
     directory, or a GGUF file)."""
+    model_overrides: dict[str, Any] = field(default_factory=dict)
+    """Config fields passed to the loader (m3-proxy needs num_layers; GGUF takes page_size, top_k)."""
     device: str = "cpu"
     """torch device: "cpu", "cuda", "cuda:1", ..."""
     dtype: str = "float32"

@@ -33,7 +33,10 @@ def load_engine_model(config: EngineConfig) -> tuple[MSATransformer, object]:
     from msaserve.models.loader import load_model  # the loader pulls in GGUF/safetensors readers
 
     device = torch.device(config.device)
-    loaded = load_model(config.model, device, model_dtype(config), config.attention_backend)
+    loaded = load_model(
+        config.model, device, model_dtype(config), config.attention_backend, progress=False,
+        seed=config.seed, **config.model_overrides,
+    )
     return loaded.model, loaded.tokenizer
 
 

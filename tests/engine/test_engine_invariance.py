@@ -1,0 +1,88 @@
+"""Greedy tokens do not depend on how the engine gets them (DESIGN §2, property 2): chunk size,
+batch composition, prefix-cache hit or miss, preemption by swap or by recompute. Prompts are
+longer than K·P = 64 tokens of the tiny preset, so the MSA selection is really sparse."""
+
+import pytest
+from conftest import greedy, make_engine, random_prompt, run_to_completion
+
+from msaserve.engine.types import GenerateRequest
+from msaserve.models import reference_decode
+
+LENGTHS = [150, 71, 97, 20, 130, 66]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return [random_prompt(n, seed=i) for i, n in enumerate(LENGTHS)]
+
+
+@pytest.fixture(scope="module")
+def expected(tiny_model, prompts) -> list[list[int]]:
+    """The single-sequence reference decoder, prompt in one chunk."""
+    return [reference_decode.generate(tiny_model, p, MAX_TOKENS) for p in prompts]
+
+
+def requests(prompts: list[list[int]], prefix: str = "r") -> list[GenerateRequest]:
+    return [GenerateRequest(f"{prefix}{i}", p, greedy(MAX_TOKENS)) for i, p in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("budget", [5, 16, 33, 1024])
+def test_any_chunk_size_gives_the_reference_tokens(tiny_model, prompts, expected, budget):
+    engine = make_engine(tiny_model, max_num_batched_tokens=budget, max_num_seqs=1)
+    outputs = run_to_completion(engine, requests(prompts[:3]))
+    assert [outputs[f"r{i}"] for i in range(3)] == expected[:3]
+
+
+def test_batched_requests_match_each_run_alone(tiny_model, prompts, expected):
+    engine = make_engine(tiny_model, max_num_batched_tokens=48, max_num_seqs=6)
+    outputs = run_to_completion(engine, requests(prompts))
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
+
+
+def test_requests_joining_a_running_batch_match(tiny_model, prompts, expected):
+    engine = make_engine(tiny_model, max_num_batched_tokens=40)
+    reqs = requests(prompts)
+    outputs: dict[str, list[int]] = {}
+    for request in reqs:  # one new request per step while earlier ones decode
+        engine.add_request(request)
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.token_ids)
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.token_ids)
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_prefix_cache_hit_or_miss_gives_the_same_tokens(tiny_model, prefix_caching):
+    shared = random_prompt(96, seed=100)
+    first, second = shared + random_prompt(9, seed=101), shared + random_prompt(23, seed=102)
+    want = [reference_decode.generate(tiny_model, p, MAX_TOKENS) for p in (first, second)]
+    engine = make_engine(tiny_model, enable_prefix_caching=prefix_caching)
+    got_first = run_to_completion(engine, [GenerateRequest("a", first, greedy(MAX_TOKENS))])["a"]
+    engine.add_request(GenerateRequest("b", second, greedy(MAX_TOKENS)))
+    got_second = []
+    stats = None
+    while engine.has_unfinished():
+        for output in engine.step():
+            got_second += output.token_ids
+            stats = output.stats or stats
+    assert [got_first, got_second] == want
+    assert stats.num_cached_tokens == (96 if prefix_caching else 0)
+
+
+@pytest.mark.parametrize("swap_space_bytes", [1 << 30, 0], ids=["swap", "recompute"])
+def test_preemption_and_resume_give_the_same_tokens(tiny_model, swap_space_bytes):
+    # Four 80-token prompts fill 4 × 5 of the 21 pages; their first decode steps need a sixth
+    # page each, so the newest sequences are preempted and resumed.
+    prompts = [random_prompt(80, seed=200 + i) for i in range(4)]
+    want = [reference_decode.generate(tiny_model, p, MAX_TOKENS) for p in prompts]
+    engine = make_engine(
+        tiny_model, num_pages=21, max_num_batched_tokens=400, swap_space_bytes=swap_space_bytes
+    )
+    outputs = run_to_completion(engine, requests(prompts))
+    assert engine.scheduler.num_preemptions > 0
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == want
+    assert engine.block_manager.num_free_pages == 21
+    assert len(engine.swapper.store) == 0
