@@ -10,12 +10,12 @@ empty prefix: the policy still works, it just predicts no cache hits.
 
 import math
 import time
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from msaserve.kvcache.page_hash import page_hashes
+from msaserve.kvcache.page_hash import ROOT_HASH, hash_page, page_hashes
 from msaserve.router.kv_aware import KVAwareConfig, make_policy
 from msaserve.router.policies import Decision
 from msaserve.router.state import RequestView, RouterState
@@ -24,9 +24,13 @@ from msaserve.router.stats import parse_routing_stats
 DEFAULT_MAX_TOKENS = 256
 
 
-def request_view(args: Sequence[Any], kwargs: Mapping[str, Any], page_size: int, request_id: str,
-                 default_max_tokens: int = DEFAULT_MAX_TOKENS) -> RequestView:
-    """What the router sees of a call (see the module docstring for the accepted shapes)."""
+CANDIDATE_PAGE_SIZES = (16, 32, 64, 128, 256)
+"""Page sizes the router tries when no payload has told it the engine's (see RouterCore)."""
+
+
+def read_prompt(args: Sequence[Any], kwargs: Mapping[str, Any],
+                default_max_tokens: int = DEFAULT_MAX_TOKENS) -> tuple[Sequence[int] | None, str | None, int]:
+    """(prompt token ids or None, session id or None, max tokens) of a call."""
     arg = args[0] if args else kwargs.get("request")
     if isinstance(arg, Mapping):
         token_ids, session_id = arg.get("prompt_token_ids"), arg.get("session_id")
@@ -35,10 +39,19 @@ def request_view(args: Sequence[Any], kwargs: Mapping[str, Any], page_size: int,
         token_ids, session_id = getattr(arg, "prompt_token_ids", None), getattr(arg, "session_id", None)
         max_tokens = getattr(getattr(arg, "sampling", None), "max_tokens", default_max_tokens)
     if not isinstance(token_ids, Sequence) or isinstance(token_ids, str | bytes):
-        return RequestView(request_id, (), 1, session_id if isinstance(session_id, str) else None)
+        token_ids = None
+    return token_ids, session_id if isinstance(session_id, str) else None, int(max_tokens or 0)
+
+
+def request_view(args: Sequence[Any], kwargs: Mapping[str, Any], page_size: int, request_id: str,
+                 default_max_tokens: int = DEFAULT_MAX_TOKENS) -> RequestView:
+    """What the router sees of a call (see the module docstring for the accepted shapes)."""
+    token_ids, session_id, max_tokens = read_prompt(args, kwargs, default_max_tokens)
+    if token_ids is None:
+        return RequestView(request_id, (), 1, session_id)
     hashes = page_hashes(token_ids, page_size)
-    num_pages = max(1, math.ceil((len(token_ids) + int(max_tokens or 0)) / page_size))
-    return RequestView(request_id, hashes, num_pages, session_id if isinstance(session_id, str) else None)
+    num_pages = max(1, math.ceil((len(token_ids) + max_tokens) / page_size))
+    return RequestView(request_id, hashes, num_pages, session_id)
 
 
 @dataclass
@@ -68,17 +81,25 @@ class DecisionLog:
 
 
 class RouterCore:
-    def __init__(self, policy: str = "kv_aware", page_size: int = 128, *, log: DecisionLog | None = None,
+    """page_size: the engine's. None = learn it: from the `page_size` key of a routing-stats
+    payload, else by matching reported page hashes against the first page of recently routed
+    prompts hashed at each of CANDIDATE_PAGE_SIZES. Until then prompts are hashed at 128 tokens
+    (predictions may miss; routing still balances load)."""
+
+    def __init__(self, policy: str = "kv_aware", page_size: int | None = None, *,
+                 log: DecisionLog | None = None,
                  kv_aware: KVAwareConfig | None = None, estimate_expiry_s: float = 30.0,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, seed: int | None = None,
                  clock: Callable[[], float] = time.time) -> None:
         import random
 
-        if page_size < 1:
+        if page_size is not None and page_size < 1:
             raise ValueError(f"page_size={page_size} is invalid: allowed an integer ≥ 1")
         self.state = RouterState(estimate_expiry_s)
         self.policy = make_policy(policy, self.state, random.Random(seed), kv_aware=kv_aware)
         self.page_size = page_size
+        self._configured_page_size = page_size is not None
+        self._probes: deque[dict[int, int]] = deque(maxlen=64)
         self.default_max_tokens = default_max_tokens
         self.log = log or DecisionLog()
         self.clock = clock
@@ -93,18 +114,41 @@ class RouterCore:
             stats = parse_routing_stats(payload)
             self.state.replica(replica_id)
             if stats is not None:
+                self._learn_page_size(stats.page_size, stats.stored)
                 self.state.apply_stats(replica_id, stats, now)
                 self.log.replica_hit_rate(replica_id, stats.prefix_hit_rate)
         loads = [self.state.replicas[rid].load for rid, _ in replicas]
         if loads and sum(loads):
             self.log.imbalance(max(loads) / (sum(loads) / len(loads)))
 
+    def _learn_page_size(self, reported: int | None, stored: Sequence[int]) -> None:
+        if self._configured_page_size:
+            return
+        if reported is not None:
+            self.page_size = reported
+        elif self.page_size is None and stored:
+            held = set(stored)
+            for probe in self._probes:
+                match = next((size for h, size in probe.items() if h in held), None)
+                if match is not None:
+                    self.page_size = match
+                    return
+
+    def _probe(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
+        token_ids, _, _ = read_prompt(args, kwargs)
+        if token_ids:
+            self._probes.append({hash_page(ROOT_HASH, token_ids[:size]): size
+                                 for size in CANDIDATE_PAGE_SIZES if len(token_ids) >= size})
+
     def rank(self, args: Sequence[Any], kwargs: Mapping[str, Any], request_key: str,
              replica_ids: Sequence[str]) -> list[Decision]:
         """Candidates in preference order. The first decision for a request is recorded (state +
         metrics); a retry (all queues were full) only re-ranks."""
         now = self.clock()
-        view = request_view(args, kwargs, self.page_size, request_key, self.default_max_tokens)
+        if self.page_size is None:
+            self._probe(args, kwargs)
+        page_size = self.page_size or 128
+        view = request_view(args, kwargs, page_size, request_key, self.default_max_tokens)
         ranking = self.policy.rank(view, [self.state.replica(rid) for rid in replica_ids], now)
         if request_key not in self._decided:
             first = ranking[0]

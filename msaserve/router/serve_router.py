@@ -1,34 +1,39 @@
 """The Ray Serve request router of the model deployment (Ray Serve 2.60 public API).
 
-Use it through `request_router_config(...)`, which maps ServeConfig's `router` section:
+Class path: `msaserve.router.serve_router.MSARequestRouter` (ROUTER_CLASS_PATH). Serve passes
+`RequestRouterConfig.request_router_kwargs` to `initialize_state`; it accepts ServeConfig's
+`router` section as is (`RouterConfig.model_dump()`, what `platform/app.py` passes):
 
-    ServeConfig router field       -> where it goes
-    policy                         -> request_router_kwargs["policy"]
-                                      (round_robin | pow2 | prefix_affinity | kv_aware)
-    w_prefill, w_decode            -> request_router_kwargs["w_prefill"], ["w_decode"]
-    affinity_credit                -> request_router_kwargs["affinity_credit"]
-    imbalance_abs, imbalance_rel   -> request_router_kwargs["imbalance_abs"], ["imbalance_rel"]
-    stats_period_s                 -> RequestRouterConfig.request_routing_stats_period_s, and
-                                      request_router_kwargs["estimate_expiry_s"] = 4 × stats_period_s
-    (engine) page_size             -> request_router_kwargs["page_size"]  (must equal the engine's)
+    ServeConfig router field  -> effect
+    policy                    -> round_robin | pow2 | prefix_affinity | kv_aware (policies.py, kv_aware.py)
+    w_prefill                 -> KVAwareConfig.w_prefill: cost per page to prefill on the replica
+    w_decode                  -> KVAwareConfig.w_decode: cost per active page on the replica
+    affinity_credit           -> KVAwareConfig.affinity_credit: pages credited to a session's home
+    imbalance_min_load        -> KVAwareConfig.imbalance_abs: the guard needs max − min load (running +
+                                 waiting sequences) above this ...
+    imbalance_ratio           -> KVAwareConfig.imbalance_rel: ... and max load above this × the mean
+    stats_period_s            -> estimate_expiry_s = 4 × stats_period_s (how long a routed request's
+                                 pages count as cached without a KV event); the caller also sets
+                                 RequestRouterConfig.request_routing_stats_period_s = stats_period_s
 
-    deployment.options(request_router_config=request_router_config(page_size=..., **router_section))
-
-Class path: `msaserve.router.serve_router.MSARequestRouter` (ROUTER_CLASS_PATH). Other kwargs
-`initialize_state` accepts: w_queue, index_credit, default_max_tokens, seed.
+Also accepted: the KVAwareConfig names themselves (imbalance_abs, imbalance_rel, w_queue,
+index_credit), page_size (the engine's; when absent it is learned from the payloads, see
+core.RouterCore), estimate_expiry_s, default_max_tokens, seed. Unknown keys fail at config time.
+`request_router_config(router_section)` builds the whole RequestRouterConfig.
 
 The model deployment must (a) take the request as the first positional argument of its
 generate method (`GenerateRequest`, or a dict with prompt_token_ids / session_id / max_tokens —
 see `core.request_view`), and (b) define `record_routing_stats()` returning
-`stats.routing_stats_payload(...)`. Without payloads the router still works from its own
-estimates of what it sent where.
+`stats.routing_stats_payload(...)` (with `page_size=engine.page_size`). Without payloads the
+router still works from its own estimates of what it sent where.
 
-Metrics (ray.util.metrics, visible as `ray_<name>`): msaserve_router_decisions{policy,reason},
+Metrics (ray.util.metrics, exported as `ray_<name>`): msaserve_router_decisions{policy,reason},
 msaserve_router_predicted_hit_pages / msaserve_router_prompt_pages (predicted hit rate = ratio),
 msaserve_router_replica_prefix_hit_rate{replica} (actual, as the engine reports it),
 msaserve_router_load_imbalance (max / mean load over replicas).
 """
 
+from collections.abc import Mapping
 from typing import Any
 
 from ray.serve.config import RequestRouterConfig
@@ -43,32 +48,36 @@ from msaserve.router.state import RequestView
 ROUTER_CLASS_PATH = "msaserve.router.serve_router.MSARequestRouter"
 
 
-def request_router_config(*, page_size: int, policy: str = "kv_aware", w_prefill: float = 1.0,
-                          w_decode: float = 0.02, affinity_credit: float = 16.0, imbalance_abs: float = 16.0,
-                          imbalance_rel: float = 2.0, stats_period_s: float = 1.0,
-                          **extra: Any) -> RequestRouterConfig:
-    """The deployment's router config from ServeConfig's router section (see module docstring)."""
-    kwargs = {"policy": policy, "page_size": page_size, "w_prefill": w_prefill, "w_decode": w_decode,
-              "affinity_credit": affinity_credit, "imbalance_abs": imbalance_abs,
-              "imbalance_rel": imbalance_rel, "estimate_expiry_s": 4 * stats_period_s, **extra}
-    _validate_kwargs(kwargs)
+def request_router_config(router: Mapping[str, Any], page_size: int | None = None) -> RequestRouterConfig:
+    """The model deployment's RequestRouterConfig from ServeConfig's router section (a dict)."""
+    kwargs = dict(router)
+    if page_size is not None:
+        kwargs["page_size"] = page_size
+    build_core(kwargs)  # fail at config time, naming the field
     return RequestRouterConfig(request_router_class=ROUTER_CLASS_PATH, request_router_kwargs=kwargs,
-                               request_routing_stats_period_s=stats_period_s)
+                               request_routing_stats_period_s=float(kwargs.get("stats_period_s", 1.0)))
 
 
-def _validate_kwargs(kwargs: dict[str, Any]) -> tuple[RouterCore, dict[str, Any]]:
+PLATFORM_ALIASES = {"imbalance_ratio": "imbalance_rel", "imbalance_min_load": "imbalance_abs"}
+"""ServeConfig's RouterConfig field names (app.router_config passes `router.model_dump()`)."""
+
+
+def build_core(kwargs: Mapping[str, Any]) -> RouterCore:
     """Build the core once so that a bad value fails at config time, naming the field."""
+    kwargs = {PLATFORM_ALIASES.get(k, k): v for k, v in kwargs.items()}
+    if "stats_period_s" in kwargs:
+        kwargs.setdefault("estimate_expiry_s", 4 * float(kwargs.pop("stats_period_s")))
     known = {"policy", "page_size", "estimate_expiry_s", "default_max_tokens", "seed"}
     cfg_fields = set(KVAwareConfig.__dataclass_fields__)
     unknown = set(kwargs) - known - cfg_fields
     if unknown:
         raise ValueError(f"request_router_kwargs has unknown keys {sorted(unknown)}: allowed "
-                         f"{sorted(known | cfg_fields)}")
-    cfg = KVAwareConfig(**{k: v for k, v in kwargs.items() if k in cfg_fields})
-    core = RouterCore(kwargs.get("policy", "kv_aware"), kwargs.get("page_size", 128), kv_aware=cfg,
+                         f"{sorted(known | cfg_fields | set(PLATFORM_ALIASES) | {'stats_period_s'})}")
+    cfg = KVAwareConfig(**{k: float(v) for k, v in kwargs.items() if k in cfg_fields})
+    core = RouterCore(kwargs.get("policy", "kv_aware"), kwargs.get("page_size"), kv_aware=cfg,
                       estimate_expiry_s=kwargs.get("estimate_expiry_s", 30.0),
                       default_max_tokens=kwargs.get("default_max_tokens", 256), seed=kwargs.get("seed"))
-    return core, kwargs
+    return core
 
 
 class RayMetrics(DecisionLog):
@@ -120,7 +129,7 @@ class MSARequestRouter(RequestRouter):
     serve that request (Serve's default out-of-order matching by internal request id)."""
 
     def initialize_state(self, **kwargs: Any) -> None:
-        core, _ = _validate_kwargs(kwargs)
+        core = build_core(kwargs)
         core.log = RayMetrics(self._deployment_id.name)
         self._core = core
 

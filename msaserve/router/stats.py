@@ -20,7 +20,9 @@ hashes `str(routing_stats)` on every update, so a compact string is cheaper than
 Payload keys (version 1): v, epoch, seq, t (replica wall clock, s), full, stored, removed
 (base64 uint64), running, waiting, free_pages, total_pages, cached_pages, prefix_hit_rate,
 draining, waiting_prefill_pages (int or None), sessions (session ids first seen since the
-previous payload), resident_sessions (list or None: sessions whose MSA index is resident).
+previous payload), resident_sessions (list or None: sessions whose MSA index is resident),
+page_size (int or None: the engine's page size, so that the router hashes prompts the same way;
+pass `page_size=engine.page_size` or set `recorder.page_size`).
 """
 
 import base64
@@ -47,11 +49,14 @@ def decode_hashes(text: str) -> list[int]:
 class RoutingStatsRecorder:
     """Lives in the model deployment: folds KV events into the replica's hash set and emits deltas."""
 
-    def __init__(self, full_every: int = 30, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, full_every: int = 30, clock: Callable[[], float] = time.time,
+                 page_size: int | None = None) -> None:
         if full_every < 1:
             raise ValueError(f"full_every={full_every} is invalid: allowed an integer ≥ 1")
         self.full_every = full_every
         self.clock = clock
+        self.page_size = page_size
+        """The engine's page size: the router hashes prompts with it (set it once the engine is up)."""
         self.epoch = uuid.uuid4().hex[:12]
         self.seq = -1
         self.held: set[int] = set()
@@ -108,6 +113,7 @@ def routing_stats_payload(
     draining: bool = False,
     waiting_prefill_pages: int | None = None,
     resident_sessions: Iterable[str] | None = None,
+    page_size: int | None = None,
 ) -> dict:
     """The dict `record_routing_stats()` returns. `events`: KV events since the previous call."""
     recorder.apply(events)
@@ -130,6 +136,7 @@ def routing_stats_payload(
         "waiting_prefill_pages": waiting_prefill_pages,
         "sessions": sessions,
         "resident_sessions": None if resident_sessions is None else sorted(resident_sessions),
+        "page_size": page_size if page_size is not None else recorder.page_size,
     }
 
 
@@ -153,6 +160,7 @@ class RoutingStats:
     waiting_prefill_pages: int | None = None
     sessions: tuple[str, ...] = ()
     resident_sessions: tuple[str, ...] | None = None
+    page_size: int | None = None
 
 
 def parse_routing_stats(payload: Mapping) -> RoutingStats | None:
@@ -182,6 +190,7 @@ def parse_routing_stats(payload: Mapping) -> RoutingStats | None:
             waiting_prefill_pages=None if waiting_prefill is None else int(waiting_prefill),
             sessions=tuple(payload.get("sessions", ())),
             resident_sessions=None if resident is None else tuple(resident),
+            page_size=None if payload.get("page_size") is None else int(payload["page_size"]),
         )
     except KeyError as e:
         raise ValueError(f"routing_stats is missing key {e.args[0]!r} (payload version 1)") from None

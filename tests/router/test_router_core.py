@@ -54,17 +54,32 @@ def test_refresh_applies_payloads_and_the_next_turn_follows_the_pages():
     assert core.rank([{"prompt_token_ids": PROMPT}], {}, "q2", ["a"])[0].replica_id == "a"
 
 
-def test_request_router_config_maps_the_serve_config_router_section():
+def test_request_router_config_takes_the_serve_config_router_section():
     serve_router = pytest.importorskip("msaserve.router.serve_router")
-    cfg = serve_router.request_router_config(page_size=64, policy="prefix_affinity", w_prefill=2.0,
-                                             w_decode=0.1, affinity_credit=8, imbalance_abs=4,
-                                             imbalance_rel=1.5, stats_period_s=0.5)
+    section = {"policy": "kv_aware", "w_prefill": 2.0, "w_decode": 0.1, "affinity_credit": 8.0,
+               "imbalance_ratio": 1.5, "imbalance_min_load": 4, "stats_period_s": 0.5}
+    cfg = serve_router.request_router_config(section, page_size=64)
     assert cfg.request_router_class == serve_router.ROUTER_CLASS_PATH
     assert cfg.request_routing_stats_period_s == 0.5
-    assert cfg.request_router_kwargs == {
-        "policy": "prefix_affinity", "page_size": 64, "w_prefill": 2.0, "w_decode": 0.1,
-        "affinity_credit": 8, "imbalance_abs": 4, "imbalance_rel": 1.5, "estimate_expiry_s": 2.0}
-    with pytest.raises(ValueError, match="unknown keys \\['w_prefil'\\]"):
-        serve_router.request_router_config(page_size=64, w_prefil=1.0)
+    core = serve_router.build_core(cfg.request_router_kwargs)
+    policy_cfg = core.policy.config
+    assert (policy_cfg.w_prefill, policy_cfg.w_decode, policy_cfg.affinity_credit) == (2.0, 0.1, 8.0)
+    assert (policy_cfg.imbalance_rel, policy_cfg.imbalance_abs) == (1.5, 4.0)
+    assert core.state.estimate_expiry_s == 2.0 and core.page_size == 64
+    with pytest.raises(ValueError, match=r"unknown keys \['w_prefil'\]"):
+        serve_router.request_router_config({"w_prefil": 1.0})
     with pytest.raises(ValueError, match=r"router\.policy='lru'"):
-        serve_router.request_router_config(page_size=64, policy="lru")
+        serve_router.request_router_config({"policy": "lru"})
+
+
+def test_page_size_is_learned_from_a_payload_or_from_matching_hashes():
+    stats = EngineStats(num_running=0, num_waiting=0, num_free_pages=10, num_total_pages=10)
+    told = RouterCore("kv_aware")
+    told.refresh([("a", routing_stats_payload(stats, [], RoutingStatsRecorder(page_size=32)))])
+    assert told.page_size == 32
+    guessed = RouterCore("kv_aware")
+    guessed.rank([{"prompt_token_ids": PROMPT}], {}, "q", ["a"])  # routed before any report
+    events = [KVEvent("stored", page_hashes(PROMPT, PAGE))]  # the engine used 16-token pages
+    guessed.refresh([("a", routing_stats_payload(stats, events, RoutingStatsRecorder()))])
+    assert guessed.page_size == PAGE
+    assert guessed.rank([{"prompt_token_ids": PROMPT}], {}, "q2", ["a"])[0].predicted_hit_pages == 5
