@@ -35,7 +35,7 @@ from msaserve.platform.openai_types import (
     ResponseFunctionCall,
     ResponseToolCall,
 )
-from msaserve.platform.tools import CLOSE, StreamingToolParser, parse_tool_calls
+from msaserve.platform.tools import CLOSE, StreamingToolParser, forced_name, parse_reply
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
@@ -114,7 +114,7 @@ async def _complete(
         finish_reason = out.finish_reason
     record_metrics(ctx, gen, "/v1/chat/completions")
     text = prefix + "".join(texts)
-    content, calls = parse_tool_calls(text, known) if known else (text, [])
+    content, calls = parse_reply(text, known, forced_name(body)) if known else (text, [])
     tool_calls = None
     if calls:
         finish_reason = "tool_calls"
@@ -152,7 +152,7 @@ async def _stream(
         choice = ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
         return sse(ChatCompletionChunk(id=chunk_id, model=ctx.model_name, choices=[choice]))
 
-    parser = StreamingToolParser(known, prefix) if known else None
+    parser = StreamingToolParser(known, prefix, forced_name(body)) if known else None
     yield chunk(ChatDelta(role="assistant", content=""))
     finish_reason = None
     try:

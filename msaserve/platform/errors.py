@@ -67,13 +67,12 @@ def from_engine_error(e: EngineError) -> APIError:
 
 
 def error_response(error: APIError, request_id: str | None) -> JSONResponse:
+    """The error body; the X-Request-ID header itself is added by Serve's proxy to every response."""
     message = error.message if not request_id else f"{error.message} (request id {request_id})"
     body = {"error": {"message": message, "type": error.type, "param": error.param, "code": error.code}}
     headers = {}
     if error.retry_after_s is not None:
         headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
-    if request_id:
-        headers["X-Request-Id"] = request_id
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 

@@ -58,17 +58,22 @@ def values_snippet_yaml(config: ServeConfig) -> str:
     return yaml.safe_dump({"serve": serve_args(config)}, sort_keys=False)
 
 
+def _quoted(value: str | None) -> str:
+    """A value quoted as Helm's %q quotes it, so both tools print the same message."""
+    return json.dumps(value or "")
+
+
 def cluster_problems(config: ServeConfig, *, api_keys_enabled: bool = True) -> list[str]:
     """Why this config would not work behind the chart (empty when it would); mirrors _validate.tpl."""
     problems = []
     if config.http.host in LOOPBACK_HOSTS:
         problems.append(
-            f"serve.http.host is {config.http.host!r}: the Serve proxy would only listen inside its pod "
+            f"serve.http.host is {_quoted(config.http.host)}: the Serve proxy would only listen inside its pod "
             "and KubeRay's API Service would get no traffic; set serve.http.host: 0.0.0.0"
         )
     if api_keys_enabled and config.auth.api_keys_env != API_KEYS_ENV:
         problems.append(
-            f"apiKeys.enabled is true but serve.auth.api_keys_env is {config.auth.api_keys_env!r}: the "
+            f"apiKeys.enabled is true but serve.auth.api_keys_env is {_quoted(config.auth.api_keys_env)}: the "
             f"chart's API-key Secret reaches the gateway as {API_KEYS_ENV} and would be ignored (the API "
             f"would be open); set serve.auth.api_keys_env: {API_KEYS_ENV}"
         )

@@ -81,6 +81,33 @@ def _parse_one(block: str, known: set[str]) -> ParsedToolCall | None:
     return ParsedToolCall(id="call_" + secrets.token_hex(12), name=obj["name"], arguments=text)
 
 
+def forced_name(request: ChatCompletionRequest) -> str | None:
+    choice = request.tool_choice
+    return choice.function.name if request.tools and isinstance(choice, NamedToolChoice) else None
+
+
+def _forced_call(text: str, name: str) -> ParsedToolCall:
+    """tool_choice named `name`: the reply is that call whatever the model wrote as arguments
+    (OpenAI documents that arguments may not be valid JSON; callers must check)."""
+    head = OPEN + '\n{"name": ' + json.dumps(name) + ', "arguments": '
+    body = text[len(head) :] if text.startswith(head) else text
+    body = body.split(CLOSE)[0].strip()
+    try:
+        obj, _ = json.JSONDecoder().raw_decode(body)
+        arguments = json.dumps(obj)
+    except json.JSONDecodeError:
+        arguments = body.removesuffix("}").strip()
+    return ParsedToolCall(id="call_" + secrets.token_hex(12), name=name, arguments=arguments)
+
+
+def parse_reply(text: str, known: set[str], forced: str | None) -> tuple[str | None, list[ParsedToolCall]]:
+    """(content, calls) of a complete reply; with a named tool_choice there is always one call."""
+    content, calls = parse_tool_calls(text, known)
+    if forced and not calls:
+        return None, [_forced_call(text, forced)]
+    return content, calls
+
+
 def parse_tool_calls(text: str, known: set[str]) -> tuple[str | None, list[ParsedToolCall]]:
     """Split a complete reply into (content before the first call, calls). A block that does not
     parse as a call of a known tool stays in the content, so nothing the model wrote is lost."""
@@ -107,8 +134,9 @@ class StreamingToolParser:
     """Streams content until a `<tool_call>` may be starting, then holds everything back; `finish()`
     parses the held text. `feed` returns the content that is safe to send now."""
 
-    def __init__(self, known: set[str], prefix: str = "") -> None:
+    def __init__(self, known: set[str], prefix: str = "", forced: str | None = None) -> None:
         self.known = known
+        self.forced = forced
         self._held = ""
         self._in_call = False
         self._sent_content = False
@@ -138,7 +166,7 @@ class StreamingToolParser:
         held, self._held = self._held, ""
         if not self._in_call:
             return held, []
-        _, calls = parse_tool_calls(held, self.known)
+        _, calls = parse_reply(held, self.known, self.forced)
         return ("", calls) if calls else (held, [])
 
 
