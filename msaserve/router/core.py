@@ -141,16 +141,22 @@ class RouterCore:
                                  for size in CANDIDATE_PAGE_SIZES if len(token_ids) >= size})
 
     def rank(self, args: Sequence[Any], kwargs: Mapping[str, Any], request_key: str,
-             replica_ids: Sequence[str]) -> list[Decision]:
-        """Candidates in preference order. The first decision for a request is recorded (state +
-        metrics); a retry (all queues were full) only re-ranks."""
+             replica_ids: Sequence[str], session_id: str | None = None) -> list[Decision]:
+        """Candidates in preference order. `session_id`: the handle's `options(session_id=...)`,
+        used when the argument carries none (so GET /v1/sessions/{id} reaches the session's home).
+        The first decision for a generate call is recorded (state + metrics); a retry (all queues
+        were full) only re-ranks; calls without prompt tokens (info, stats, session_info) are not
+        counted as load."""
         now = self.clock()
         if self.page_size is None:
             self._probe(args, kwargs)
         page_size = self.page_size or 128
         view = request_view(args, kwargs, page_size, request_key, self.default_max_tokens)
+        if view.session_id is None and session_id:
+            view = RequestView(view.request_id, view.page_hashes, view.num_pages, session_id)
         ranking = self.policy.rank(view, [self.state.replica(rid) for rid in replica_ids], now)
-        if request_key not in self._decided:
+        is_generate = read_prompt(args, kwargs)[0] is not None
+        if is_generate and request_key not in self._decided:
             first = ranking[0]
             self._decided[request_key] = first
             if len(self._decided) > 10_000:

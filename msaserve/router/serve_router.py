@@ -153,8 +153,9 @@ class MSARequestRouter(RequestRouter):
         else:
             # One ranking covers every candidate: if all are full, back off before re-ranking.
             pending_request.routing_context.should_backoff = True
-            ranking = core.rank(pending_request.args, pending_request.kwargs,
-                                pending_request.metadata.internal_request_id, list(by_id))
+            metadata = pending_request.metadata
+            ranking = core.rank(pending_request.args, pending_request.kwargs, metadata.internal_request_id,
+                                list(by_id), session_id=getattr(metadata, "session_id", None) or None)
         return [[by_id[d.replica_id]] for d in ranking]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:

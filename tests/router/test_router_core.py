@@ -83,3 +83,14 @@ def test_page_size_is_learned_from_a_payload_or_from_matching_hashes():
     guessed.refresh([("a", routing_stats_payload(stats, events, RoutingStatsRecorder()))])
     assert guessed.page_size == PAGE
     assert guessed.rank([{"prompt_token_ids": PROMPT}], {}, "q2", ["a"])[0].predicted_hit_pages == 5
+
+
+def test_calls_without_tokens_follow_the_session_and_are_not_counted():
+    core = RouterCore("kv_aware", PAGE, clock=lambda: 1.0)
+    core.sync(["a", "b", "c"])
+    turn = core.rank([GenerateRequest("r", PROMPT, session_id="chat")], {}, "k1", ["a", "b", "c"])
+    home = turn[0].replica_id
+    for key in ("k2", "k3"):  # session_info("chat") with the handle's session_id option
+        assert core.rank(["chat"], {}, key, ["a", "b", "c"], session_id="chat")[0].replica_id == home
+    assert sum(core.log.decisions.values()) == 1
+    assert sum(r.load for r in core.state.replicas.values()) == 1
