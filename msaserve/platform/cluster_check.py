@@ -41,12 +41,18 @@ class Finding:
         return f"[{self.level.upper():5}] {self.check}: {self.message}"
 
 
-def _schema_child(props: V1JSONSchemaProps | None, name: str) -> V1JSONSchemaProps | None:
+def _schema_child(props: V1JSONSchemaProps | dict | None, name: str) -> V1JSONSchemaProps | dict | None:
+    """The sub-schema of field `name`, stepping into array items. The client deserializes `items`
+    (JSONSchemaPropsOrArray) as a plain dict, so both shapes are walked."""
     if props is None:
         return None
-    if props.items is not None and name not in (props.properties or {}):
-        props = props.items  # arrays: step into the item schema
-    return (props.properties or {}).get(name)
+    if isinstance(props, dict):
+        properties, items = props.get("properties") or {}, props.get("items")
+    else:
+        properties, items = props.properties or {}, props.items
+    if name not in properties and items is not None:
+        return _schema_child(items, name)
+    return properties.get(name)
 
 
 def _served_v1(crd: V1CustomResourceDefinition) -> Any:

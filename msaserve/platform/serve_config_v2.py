@@ -68,14 +68,15 @@ def cluster_problems(config: ServeConfig, *, api_keys_enabled: bool = True) -> l
     problems = []
     if config.http.host in LOOPBACK_HOSTS:
         problems.append(
-            f"serve.http.host is {_quoted(config.http.host)}: the Serve proxy would only listen inside its pod "
-            "and KubeRay's API Service would get no traffic; set serve.http.host: 0.0.0.0"
+            f"serve.http.host is {_quoted(config.http.host)}: the Serve proxy would only listen inside its "
+            "pod and KubeRay's API Service would get no traffic; set serve.http.host: 0.0.0.0"
         )
     if api_keys_enabled and config.auth.api_keys_env != API_KEYS_ENV:
         problems.append(
-            f"apiKeys.enabled is true but serve.auth.api_keys_env is {_quoted(config.auth.api_keys_env)}: the "
-            f"chart's API-key Secret reaches the gateway as {API_KEYS_ENV} and would be ignored (the API "
-            f"would be open); set serve.auth.api_keys_env: {API_KEYS_ENV}"
+            "apiKeys.enabled is true but serve.auth.api_keys_env is "
+            f"{_quoted(config.auth.api_keys_env)}: the chart's API-key Secret reaches the gateway as "
+            f"{API_KEYS_ENV} and would be ignored (the API would be open); "
+            f"set serve.auth.api_keys_env: {API_KEYS_ENV}"
         )
     num_gpus = config.deployments.model.ray_actor_options.num_gpus
     if config.model.device == "cuda" and num_gpus == 0:
