@@ -22,6 +22,8 @@ VALUES_FILES = {
     "all-features": CHART / "ci" / "all-features-values.yaml",
 }
 KUBE_VERSIONS = ("1.30.0", "1.33.0")
+# libyaml parses the ~1 MB CRDs ~10x faster than the pure-Python loader.
+_YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 INT32 = (-(2**31), 2**31 - 1)
 
 
@@ -90,7 +92,7 @@ def crd_documents() -> dict[str, dict[str, Any]]:
     """The CRD YAMLs as dicts, keyed by kind (parsed once: ~1 MB each)."""
     docs = {}
     for kind, file in (("RayService", "ray.io_rayservices.yaml"), ("RayCluster", "ray.io_rayclusters.yaml")):
-        docs[kind] = yaml.load((SCHEMAS / file).read_text(), Loader=yaml.CSafeLoader)
+        docs[kind] = yaml.load((SCHEMAS / file).read_text(), Loader=_YAML_LOADER)
         assert docs[kind]["spec"]["names"]["kind"] == kind
     return docs
 
