@@ -79,43 +79,44 @@ def sorted_selection(ids, EMPTY: tl.constexpr):
 
 @triton.jit
 def _lse_merge_kernel(
-    part_o, part_lse, valid_ptr, out,
+    part_o, part_lse, valid_ptr, out, num_rows,
     stride_po_row, stride_po_part, stride_pl_row, stride_pl_part, stride_v_row, stride_v_part,
     stride_out_row, heads_per_row, stride_out_head,
     NUM_PARTS: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+    ROWS: tl.constexpr,
 ):
-    """out[row, g] = Σ_k 2^(lse_k − lse) · o_k over the valid partials k of one row (lse in log2 units).
+    """out[row, g] = Σ_k 2^(lse_k − lse) · o_k over the valid partials k of ROWS rows (lse in log2 units).
 
     part_o: [R, NUM_PARTS, G, D]; part_lse: [R, NUM_PARTS, G]; valid: [R, NUM_PARTS] int32 (≥ 0 valid).
     A row maps to output head block (row % heads_per_row) · G of output row row // heads_per_row.
     """
-    row = tl.program_id(0)
-    offs_g = tl.arange(0, GP)
+    flat = tl.arange(0, ROWS * GP)  # (row-in-program, head-in-group)
+    row = tl.program_id(0) * ROWS + flat // GP
+    g = flat % GP
+    row_ok = (row < num_rows) & (g < G)
     offs_d = tl.arange(0, DP)
-    mask_g = offs_g < G
-    mask_gd = mask_g[:, None] & (offs_d[None, :] < D)
-    m = tl.full([GP], float("-inf"), tl.float32)
-    denom = tl.zeros([GP], tl.float32)
-    acc = tl.zeros([GP, DP], tl.float32)
+    mask_d = offs_d[None, :] < D
+    m = tl.full([ROWS * GP], float("-inf"), tl.float32)
+    denom = tl.zeros([ROWS * GP], tl.float32)
+    acc = tl.zeros([ROWS * GP, DP], tl.float32)
     for k in range(NUM_PARTS):
-        ok = tl.load(valid_ptr + row * stride_v_row + k * stride_v_part)
-        if ok >= 0:
-            lse = tl.load(part_lse + row * stride_pl_row + k * stride_pl_part + offs_g, mask=mask_g,
-                          other=float("-inf"))
-            o = tl.load(part_o + row * stride_po_row + k * stride_po_part + offs_g[:, None] * D
-                        + offs_d[None, :], mask=mask_gd, other=0.0).to(tl.float32)
-            m_new = tl.maximum(m, lse)
-            m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-            alpha = tl.exp2(m - m_safe)
-            beta = tl.exp2(lse - m_safe)
-            acc = acc * alpha[:, None] + o * beta[:, None]
-            denom = denom * alpha + beta
-            m = m_new
+        chosen = tl.load(valid_ptr + row * stride_v_row + k * stride_v_part, mask=row_ok, other=-1)
+        ok = row_ok & (chosen >= 0)
+        lse = tl.load(part_lse + row * stride_pl_row + k * stride_pl_part + g, mask=ok, other=float("-inf"))
+        o = tl.load(part_o + row[:, None] * stride_po_row + k * stride_po_part + g[:, None] * D
+                    + offs_d[None, :], mask=ok[:, None] & mask_d, other=0.0).to(tl.float32)
+        m_new = tl.maximum(m, lse)
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        beta = tl.exp2(lse - m_safe)
+        acc = acc * alpha[:, None] + o * beta[:, None]
+        denom = denom * alpha + beta
+        m = m_new
     result = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     out_row = row // heads_per_row
-    head0 = (row % heads_per_row) * G
-    ptrs = out + out_row * stride_out_row + (head0 + offs_g[:, None]) * stride_out_head + offs_d[None, :]
-    tl.store(ptrs, result.to(out.dtype.element_ty), mask=mask_gd)
+    head = (row % heads_per_row) * G + g
+    ptrs = out + out_row[:, None] * stride_out_row + head[:, None] * stride_out_head + offs_d[None, :]
+    tl.store(ptrs, result.to(out.dtype.element_ty), mask=row_ok[:, None] & mask_d)
 
 
 def lse_merge(
@@ -128,9 +129,12 @@ def lse_merge(
     """
     rows, parts, group, head_dim = part_o.shape
     heads_per_row = rows // out.shape[0]
-    _lse_merge_kernel[(rows,)](
-        part_o, part_lse, valid, out,
+    group_p2 = pow2(group)
+    rows_per_program = max(1, (2048 if INTERPRET else 64) // group_p2)
+    _lse_merge_kernel[(triton.cdiv(rows, rows_per_program),)](
+        part_o, part_lse, valid, out, rows,
         part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1),
         valid.stride(0), valid.stride(1), out.stride(0), heads_per_row, out.stride(1),
-        NUM_PARTS=parts, G=group, GP=pow2(group), D=head_dim, DP=pow2(head_dim),
+        NUM_PARTS=parts, G=group, GP=group_p2, D=head_dim, DP=pow2(head_dim), ROWS=rows_per_program,
+        num_warps=4,
     )

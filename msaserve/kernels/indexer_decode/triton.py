@@ -99,36 +99,39 @@ def _score_split_kernel(
 def _merge_splits_kernel(
     cand_val_ptr, cand_id_ptr, out_ptr, num_splits,
     stride_ob, stride_oq, stride_oh,
-    HPK: tl.constexpr, NR: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr, TOP_K: tl.constexpr,
+    HPK: tl.constexpr, NUM_ROWS: tl.constexpr, NR: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr,
+    TOP_K: tl.constexpr, RB: tl.constexpr,
 ):
-    """One (sequence, key head, row): top-K over the splits' candidates, value desc then id asc."""
+    """RB rows of one (sequence, key head): top-K over the splits' candidates, value desc then id asc."""
     b = tl.program_id(0)
     hk = tl.program_id(1)
-    row = tl.program_id(2)
-    offs_s = tl.arange(0, SP)
-    offs_k = tl.arange(0, KP)
-    base = ((b * tl.num_programs(1) + hk) * num_splits) * NR * KP + row * KP
-    offs = base + offs_s[:, None] * (NR * KP) + offs_k[None, :]
-    ok = offs_s[:, None] < num_splits
-    vals = tl.load(cand_val_ptr + offs, mask=ok, other=float("-inf"))  # [SP, KP]
+    rows = tl.program_id(2) * RB + tl.arange(0, RB)
+    row_ok = rows < NUM_ROWS
+    offs_c = tl.arange(0, SP * KP)  # candidate = split · KP + slot
+    split = offs_c // KP
+    base = ((b * tl.num_programs(1) + hk) * num_splits) * NR * KP
+    offs = base + split[None, :] * (NR * KP) + rows[:, None] * KP + (offs_c % KP)[None, :]
+    ok = row_ok[:, None] & (split[None, :] < num_splits)
+    vals = tl.load(cand_val_ptr + offs, mask=ok, other=float("-inf"))  # [RB, SP·KP]
     ids = tl.load(cand_id_ptr + offs, mask=ok, other=EMPTY_ID_BASE)
     real = ids < EMPTY_ID_BASE
     vals = tl.where(real, vals, float("-inf"))
-    chosen = tl.full([1, KP], EMPTY_ID_BASE, tl.int32)
+    offs_k = tl.arange(0, KP)
+    chosen = tl.full([RB, KP], EMPTY_ID_BASE, tl.int32)
     for k in range(TOP_K):
-        best = tl.max(tl.max(vals, axis=1), axis=0)
-        tied = (vals == best) & real
-        best_id = tl.min(tl.min(tl.where(tied, ids, EMPTY_ID_BASE), axis=1), axis=0)
+        best = tl.max(vals, axis=1)  # [RB]
+        tied = (vals == best[:, None]) & real
+        best_id = tl.min(tl.where(tied, ids, EMPTY_ID_BASE), axis=1)
         best_id = tl.where(best == float("-inf"), EMPTY_ID_BASE, best_id)
-        chosen = tl.where(offs_k[None, :] == k, best_id, chosen)
-        taken = ids == best_id
+        chosen = tl.where(offs_k[None, :] == k, best_id[:, None], chosen)
+        taken = ids == best_id[:, None]
         vals = tl.where(taken, float("-inf"), vals)
         real = real & ~taken
-    chosen = sorted_selection(chosen, EMPTY_ID_BASE)  # [1, KP]
-    q_i = row // HPK
-    h = hk * HPK + row % HPK
-    ptrs = out_ptr + b * stride_ob + q_i * stride_oq + h * stride_oh + offs_k[None, :]
-    tl.store(ptrs, chosen, mask=offs_k[None, :] < TOP_K)
+    chosen = sorted_selection(chosen, EMPTY_ID_BASE)  # [RB, KP]
+    q_i = rows // HPK
+    h = hk * HPK + rows % HPK
+    ptrs = out_ptr + b * stride_ob + q_i[:, None] * stride_oq + h[:, None] * stride_oh + offs_k[None, :]
+    tl.store(ptrs, chosen, mask=row_ok[:, None] & (offs_k[None, :] < TOP_K))
 
 
 # ---------------------------------------------------------------- launcher
@@ -180,9 +183,12 @@ def _launch(
         HAS_SCALE=index_scale is not None, UPCAST=INTERPRET,
     )
     out = torch.empty((batch, num_q, num_heads, top_k), device=q_index.device, dtype=torch.int32)
-    _merge_splits_kernel[(batch, key_heads, num_q * heads_per_key)](
+    # One row per program on the GPU (registers); all rows at once under the interpreter.
+    rows_per_program = num_rows if INTERPRET else 1
+    _merge_splits_kernel[(batch, key_heads, triton.cdiv(num_q * heads_per_key, rows_per_program))](
         cand_val, cand_id, out, splits, out.stride(0), out.stride(1), out.stride(2),
-        HPK=heads_per_key, NR=num_rows, KP=kp, SP=pow2(splits), TOP_K=top_k,
+        HPK=heads_per_key, NUM_ROWS=num_q * heads_per_key, NR=num_rows, KP=kp, SP=pow2(splits),
+        TOP_K=top_k, RB=rows_per_program,
     )
     return out
 

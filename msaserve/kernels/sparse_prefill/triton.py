@@ -29,8 +29,8 @@ _LOG2E = 1.4426950408889634
 
 
 def _block_rows(group: int) -> int:
-    """MMA rows per tile: 128 on the GPU (64 under the interpreter), at least one query's heads."""
-    return max(64 if INTERPRET else 128, pow2(group))
+    """MMA rows per tile: 128, at least one query's heads."""
+    return max(128, pow2(group))
 
 
 def _invert_selection(
