@@ -1,0 +1,139 @@
+"""`msaserve serve`: a local Ray on loopback, the default app (SmolLM2 on CPU), until Ctrl-C."""
+
+import argparse
+import os
+import signal
+import socket
+import time
+from pathlib import Path
+
+import httpx
+
+from msaserve.platform.config import ConfigError, ServeConfig
+
+DASHBOARD_PORT = 8265
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("serve", help="Serve the OpenAI-compatible API on a local Ray cluster.")
+    p.add_argument("--config", type=Path, help="ServeConfig YAML (default: SmolLM2 on CPU, 127.0.0.1:8000).")
+    p.add_argument("--model", help="Override model.spec: smollm2, tiny, m3-proxy or a checkpoint path.")
+    p.add_argument("--host", help="Override http.host (default 127.0.0.1).")
+    p.add_argument("--port", type=int, help="Override http.port (default 8000).")
+    p.add_argument("--dashboard-port", type=int, default=DASHBOARD_PORT, help="Ray dashboard port.")
+    p.add_argument("--metrics-port", type=int, default=0, help="Prometheus export port (0 = any free).")
+    p.add_argument("--num-cpus", type=int, default=None, help="CPUs Ray may schedule (default: all).")
+    p.add_argument("--verbose", action="store_true", help="Stream Ray and replica logs to this terminal.")
+    p.set_defaults(func=run)
+
+
+def load_config(args: argparse.Namespace) -> ServeConfig:
+    data = ServeConfig.from_yaml(args.config).model_dump() if args.config else {}
+    if args.model:
+        data.setdefault("model", {})["spec"] = args.model
+    for name in ("host", "port"):
+        if getattr(args, name) is not None:
+            data.setdefault("http", {})[name] = getattr(args, name)
+    return ServeConfig.from_dict(data)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def dashboard_auth_hint() -> str:
+    """How to get past the dashboard's token auth (on by default since Ray 2.52)."""
+    mode = os.environ.get("RAY_AUTH_MODE", "token").lower()
+    if mode == "disabled":
+        return "token auth is disabled (RAY_AUTH_MODE=disabled): anyone who can reach the port can use it"
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        source = "the value of $RAY_AUTH_TOKEN"
+        curl = 'curl -H "Authorization: Bearer $RAY_AUTH_TOKEN" ...'
+    else:
+        path = os.environ.get("RAY_AUTH_TOKEN_PATH") or str(Path.home() / ".ray" / "auth_token")
+        source = f"the token in {path} (`ray get-auth-token` prints it)"
+        curl = f'curl -H "Authorization: Bearer $(cat {path})" ...'
+    return f"token auth is on: paste {source} when the dashboard asks; from scripts: {curl}"
+
+
+def wait_until_ready(base_url: str, timeout_s: float = 600.0) -> float:
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        try:
+            response = httpx.get(base_url + "/health", timeout=10)
+            if response.status_code == 200:
+                return time.monotonic() - start
+            error = response.json().get("error", {})
+            if error.get("code") == "model_failed":
+                raise RuntimeError(error.get("message"))
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"{base_url}/health did not answer 200 within {timeout_s:.0f}s")
+
+
+def banner(config: ServeConfig, base_url: str, dashboard_url: str, metrics_url: str) -> str:
+    auth = (
+        "API keys required: send 'Authorization: Bearer <key>'"
+        if config.auth.resolve_keys()
+        else "no API key needed (set auth.api_keys in --config to require one)"
+    )
+    return "\n".join([
+        f"msaserve is serving {config.model.resolved_name()!r}",
+        f"  API (OpenAI-compatible): {base_url}/v1      ({auth})",
+        f"  API docs:                {base_url}/docs",
+        f"  Ray dashboard:           {dashboard_url}",
+        f"    {dashboard_auth_hint()}",
+        f"  Prometheus metrics:      {metrics_url}",
+        f"  Try: msaserve chat --url {base_url}/v1",
+        "Press Ctrl-C to stop.",
+    ])  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        config = load_config(args)
+    except ConfigError as e:
+        print(f"msaserve serve: {e}")
+        return 2
+    import ray
+    from ray import serve
+
+    from msaserve.platform.app import APP_NAME, build_app
+
+    metrics_port = args.metrics_port or _free_port()
+    ray.init(
+        address="local",
+        num_cpus=args.num_cpus,
+        include_dashboard=True,
+        dashboard_host="127.0.0.1",
+        dashboard_port=args.dashboard_port,
+        _metrics_export_port=metrics_port,
+        log_to_driver=args.verbose,
+    )
+    stop = {"now": False}
+    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    try:
+        host = config.http.host
+        serve.start(http_options={"host": host, "port": config.http.port,
+                                  "request_timeout_s": config.http.request_timeout_s})  # fmt: skip
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        base_url = f"http://{shown_host}:{config.http.port}"
+        dashboard = ray.get_runtime_context().dashboard_url or f"127.0.0.1:{args.dashboard_port}"
+        print(banner(config, base_url, f"http://{dashboard}", f"http://127.0.0.1:{metrics_port}/metrics"))
+        print(
+            f"Loading {config.model.resolved_name()} (the API answers 503 until it is ready) ...", flush=True
+        )
+        print(f"Ready in {wait_until_ready(base_url):.1f}s.", flush=True)
+        while not stop["now"]:
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        print("\nShutting down ...", flush=True)
+        serve.shutdown()
+        ray.shutdown()
+    return 0
