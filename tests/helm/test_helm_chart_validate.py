@@ -11,7 +11,7 @@ from typing import Any
 import helm_python
 import kubernetes_validate
 import pytest
-from conftest import CHART, KUBE_VERSIONS, VALUES_FILES, load_values
+from helm_chart import CHART, KUBE_VERSIONS, VALUES_FILES, load_values
 
 CRD_KINDS = {"RayService"}
 NO_SCHEMA_KINDS = {"ServiceMonitor"}  # monitoring.coreos.com: neither in kubernetes-validate nor shared/

@@ -9,7 +9,7 @@ from typing import Any
 
 import helm_python
 import pytest
-from conftest import load_values
+from helm_chart import load_values
 
 
 def _one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:

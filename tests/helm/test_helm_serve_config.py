@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import yaml
-from conftest import CHART, VALUES_FILES, load_values
+from helm_chart import CHART, VALUES_FILES, load_values
 
 from msaserve.platform.cli import main
 from msaserve.platform.config import ConfigError, ServeConfig
