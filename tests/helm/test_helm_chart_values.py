@@ -5,10 +5,12 @@ value at a time) or by templates/_validate.tpl (rules over several values), with
 names the values.
 """
 
+import re
 from typing import Any
 
 import helm_python
 import pytest
+import yaml
 from helm_chart import load_values
 
 
@@ -234,3 +236,22 @@ def test_notes_say_how_to_reach_api_and_dashboard(chart) -> None:
     assert "port-forward svc/demo-msaserve-dashboard 8265:8265" in notes
     assert "secret demo-msaserve-ray-token -o jsonpath='{.data.auth_token}'" in notes
     assert "secret demo-msaserve-api-keys" in notes
+
+
+def test_names_fit_kubernetes_limits_for_the_longest_release_name(chart) -> None:
+    """Helm allows 53-character release names; KubeRay appends a suffix to the RayService name."""
+    release = "r" * 53
+    out = chart.render(values={}, name=release, namespace="ml", is_install=True)
+    docs = [
+        d
+        for path, text in out.items()
+        if not path.endswith("NOTES.txt")
+        for d in yaml.safe_load_all(text)
+        if d
+    ]
+    dns_label = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    names = [d["metadata"]["name"] for d in docs]
+    names.append(_one(docs, "RayService")["spec"]["serveService"]["metadata"]["name"])
+    for name in names:
+        assert len(name) <= 63 and dns_label.match(name), name
+    assert len(_one(docs, "RayService")["metadata"]["name"]) <= 40

@@ -9,8 +9,7 @@ One entry of workerGroupSpecs. ctx: dict "root" $ "group" <group values> "groupN
   replicas: {{ $g.replicas }}
   minReplicas: {{ $g.minReplicas }}
   maxReplicas: {{ $g.maxReplicas }}
-  rayStartParams:
-    {{- toYaml $g.rayStartParams | nindent 4 }}
+  rayStartParams: {{- if $g.rayStartParams }}{{ toYaml $g.rayStartParams | nindent 4 }}{{ else }} {}{{ end }}
   {{- with $g.rayResources }}
   resources:
     {{- toYaml . | nindent 4 }}
@@ -27,7 +26,7 @@ One entry of workerGroupSpecs. ctx: dict "root" $ "group" <group values> "groupN
     spec:
       {{- include "msaserve.podScheduling" . | nindent 6 }}
       {{- if .model }}
-      {{- with include "msaserve.modelInitContainers" $root }}
+      {{- with include "msaserve.modelInitContainers" $root | trim }}
       initContainers:
         {{- . | nindent 8 }}
       {{- end }}
@@ -60,7 +59,9 @@ One entry of workerGroupSpecs. ctx: dict "root" $ "group" <group values> "groupN
           volumeMounts:
             {{- include "msaserve.baseVolumeMounts" $root | nindent 12 }}
             {{- if .model }}
-            {{- include "msaserve.modelVolumeMount" $root | nindent 12 }}
+            {{- with include "msaserve.modelVolumeMount" $root | trim }}
+            {{- . | nindent 12 }}
+            {{- end }}
             {{- end }}
             {{- with .mounts }}
             {{- . | nindent 12 }}
@@ -68,7 +69,9 @@ One entry of workerGroupSpecs. ctx: dict "root" $ "group" <group values> "groupN
       volumes:
         {{- include "msaserve.baseVolumes" . | nindent 8 }}
         {{- if .model }}
-        {{- include "msaserve.modelVolume" $root | nindent 8 }}
+        {{- with include "msaserve.modelVolume" $root | trim }}
+        {{- . | nindent 8 }}
+        {{- end }}
         {{- end }}
         {{- with .volumes }}
         {{- . | nindent 8 }}
