@@ -53,6 +53,8 @@ class LazyPageFetcher:
         self.client, self.record, self.caches = client, record, list(caches)
         self.codec = PageCodec(client.model)
         self.block_table = list(block_table)
+        # Logical page i is stored under hashes[i]: the full pages, then the partial tail if any.
+        self.hashes = list(record.page_hashes) + ([record.tail_hash] if record.tail_hash is not None else [])
         self.num_pages = 0  # adopted pages (set by load_index)
         self.resident = torch.zeros(len(caches), 0, dtype=torch.bool)  # [L, num_pages]
         self._layer_of = {c.index_cache.data_ptr(): layer for layer, c in enumerate(caches)}
@@ -64,14 +66,16 @@ class LazyPageFetcher:
         """Load the index of every stored page; returns the number of tokens now covered
         (adopted pages × page size); the caller prefills the rest of the record's tokens."""
         start = time.perf_counter()
-        hashes = self.record.page_hashes
-        payloads = self.client.get_index(hashes)
+        payloads = self.client.get_index(self.hashes)
         usable = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
         self.codec.import_index(self.caches, self.block_table[:usable], payloads[:usable])
         self.num_pages = usable
         self.resident = torch.zeros(len(self.caches), usable, dtype=torch.bool)
         self.stats.index_bytes = sum(p.nbytes for p in payloads[:usable])
         self.stats.index_seconds = time.perf_counter() - start
+        num_full = len(self.record.page_hashes)
+        if usable > num_full:  # the tail page came too
+            return num_full * self.record.page_size + self.record.tail_tokens
         return usable * self.record.page_size
 
     # ---- 2. on demand ------------------------------------------------------------------------
@@ -81,7 +85,7 @@ class LazyPageFetcher:
         if not need:
             return
         start = time.perf_counter()
-        payloads = self.client.get_kv([(self.record.page_hashes[p], layer) for p in need])
+        payloads = self.client.get_kv([(self.hashes[p], layer) for p in need])
         lost = [p for p, payload in zip(need, payloads, strict=True) if payload is None]
         if lost:
             raise PageLost(f"session {self.record.session_id!r}: K/V of pages {lost} in layer {layer} "
@@ -129,7 +133,7 @@ class LazyPageFetcher:
             if len(wanted) == budget:
                 break
         if wanted:
-            fetch = self.client.get_kv_async([(self.record.page_hashes[p], layer) for p, layer in wanted])
+            fetch = self.client.get_kv_async([(self.hashes[p], layer) for p, layer in wanted])
             self._pending.append((fetch, wanted))
 
     def poll(self, wait: bool = False) -> int:

@@ -113,6 +113,14 @@ class KVCacheClient:
             list(page_hashes), list(page_hashes),
         ).result()
 
+    def delete_pages(self, page_hashes: Sequence[int]) -> None:
+        """Remove pages from the service (e.g. a superseded session tail)."""
+        ray.get([
+            self.shards[shard].delete_pages.remote(
+                self.model_key, [page_hashes[i] for i in positions], self.model.num_layers)
+            for shard, positions in self._by_shard(page_hashes).items()
+        ])
+
     def pin_pages(self, page_hashes: Sequence[int], pin: bool = True) -> None:
         """Take (or with pin=False release) one pin per page: pinned pages are never evicted."""
         ray.get([
@@ -131,15 +139,13 @@ class KVCacheClient:
 
     def append_session(
         self, session_id: str, token_ids: Sequence[int], page_hashes: Sequence[int],
-        sampling_state: dict | None = None, pinned: bool = False,
+        sampling_state: dict | None = None, tail: tuple[int | None, int] | None = None,
     ) -> int:
-        """Record new tokens and newly filled pages (put their payloads first); returns the token
-        count. pinned: the session is pinned, so the new pages get a pin too."""
-        count = ray.get(self._session_shard(session_id).session_append.remote(
-            session_id, list(token_ids), list(page_hashes), sampling_state))
-        if pinned and page_hashes:
-            self.pin_pages(page_hashes)
-        return count
+        """Record new tokens and newly filled pages (put their payloads, and pin them for a pinned
+        session, first); tail = (hash, tokens) of a newly stored partial last page. Returns the
+        session's token count."""
+        return ray.get(self._session_shard(session_id).session_append.remote(
+            session_id, list(token_ids), list(page_hashes), sampling_state, tail))
 
     def get_session(self, session_id: str) -> SessionRecord:
         """The record; raises SessionNotFound, or IncompatibleModel if another model wrote it."""
@@ -150,8 +156,11 @@ class KVCacheClient:
     def delete_session(self, session_id: str) -> None:
         """Forget a session. Its pages stay (other sessions may share them) but lose its pins."""
         record = ray.get(self._session_shard(session_id).session_delete.remote(session_id))
-        if record is not None and record.pinned and record.model == self.model:
-            self.pin_pages(record.page_hashes, pin=False)
+        if record is not None and record.model == self.model:
+            if record.pinned:
+                self.pin_pages(record.page_hashes, pin=False)
+            if record.tail_hash is not None:  # the tail is this session's alone
+                self.delete_pages([record.tail_hash])
 
     def list_sessions(self) -> list[str]:
         return sorted(s for ids in ray.get([s.session_list.remote() for s in self.shards]) for s in ids)

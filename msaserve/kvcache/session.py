@@ -42,6 +42,16 @@ class SessionRecord:
     """JSON-able: sampling params, tokens generated, RNG state: whatever the engine needs."""
     pinned: bool = False
     updated_at: float = 0.0
+    tail_hash: int | None = None
+    """Key (a page hash, unique per write) of the partial last page's index-K and K/V, if stored."""
+    tail_tokens: int = 0
+    """Tokens of the partial last page held by the tail payload (the rest are recomputed)."""
+
+    @property
+    def num_stored_tokens(self) -> int:
+        """Tokens whose K/V the service holds: full pages plus the stored tail."""
+        tail = self.tail_tokens if self.tail_hash is not None else 0
+        return len(self.page_hashes) * self.page_size + tail
 
     @property
     def page_size(self) -> int:
@@ -51,7 +61,8 @@ class SessionRecord:
         return {
             "session_id": self.session_id, "model": self.model.as_dict(), "token_ids": list(self.token_ids),
             "page_hashes": list(self.page_hashes), "sampling_state": self.sampling_state,
-            "pinned": self.pinned, "updated_at": self.updated_at,
+            "pinned": self.pinned, "updated_at": self.updated_at, "tail_hash": self.tail_hash,
+            "tail_tokens": self.tail_tokens,
         }
 
     @classmethod
@@ -60,7 +71,8 @@ class SessionRecord:
             session_id=data["session_id"], model=ModelIdentity.from_dict(data["model"]),
             token_ids=list(data["token_ids"]), page_hashes=[int(h) for h in data["page_hashes"]],
             sampling_state=dict(data.get("sampling_state", {})), pinned=bool(data.get("pinned", False)),
-            updated_at=float(data.get("updated_at", 0.0)),
+            updated_at=float(data.get("updated_at", 0.0)), tail_hash=data.get("tail_hash"),
+            tail_tokens=int(data.get("tail_tokens", 0)),
         )
 
 
@@ -103,14 +115,18 @@ class SessionStore:
         token_ids: list[int],
         page_hashes: list[int],
         sampling_state: dict[str, object] | None = None,
+        tail: tuple[int | None, int] | None = None,
     ) -> SessionRecord:
-        """Add new tokens and newly filled pages; only these bytes are written."""
+        """Add new tokens and newly filled pages; only these bytes are written.
+        tail: (tail_hash, tail_tokens) replaces the stored partial last page, if given."""
         record = self.get(session_id)
         old_tokens, old_pages = len(record.token_ids), len(record.page_hashes)
         record.token_ids.extend(int(t) for t in token_ids)
         record.page_hashes.extend(int(h) for h in page_hashes)
         if sampling_state is not None:
             record.sampling_state = dict(sampling_state)
+        if tail is not None:
+            record.tail_hash, record.tail_tokens = tail
         record.updated_at = time.time()
         if self.path is not None:
             self._write(record, old_tokens, old_pages)
@@ -155,6 +171,7 @@ class SessionStore:
             "num_tokens": len(record.token_ids), "num_pages": len(record.page_hashes),
             "tokens_xxh3": xxhash.xxh3_64_intdigest(tokens), "pages_xxh3": xxhash.xxh3_64_intdigest(pages),
             "sampling_state": record.sampling_state, "pinned": record.pinned, "updated_at": record.updated_at,
+            "tail_hash": record.tail_hash, "tail_tokens": record.tail_tokens,
         }
         tmp = directory / ".meta.json.tmp"
         with open(tmp, "w") as f:
@@ -204,4 +221,5 @@ def _load_one(directory: Path) -> SessionRecord | None:
         token_ids=np.frombuffer(tokens, np.int64).tolist(),
         page_hashes=np.frombuffer(pages, np.uint64).tolist(),
         sampling_state=meta["sampling_state"], pinned=meta["pinned"], updated_at=meta["updated_at"],
+        tail_hash=meta.get("tail_hash"), tail_tokens=meta.get("tail_tokens", 0),
     )

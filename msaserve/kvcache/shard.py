@@ -74,6 +74,12 @@ class KVCacheShard:
             out.append(has_index and all(self.stores["kv"].contains(keys)))
         return out
 
+    def delete_pages(self, model_key: str, page_hashes: Sequence[int], num_layers: int) -> None:
+        """Remove pages (index and every layer's K+V) and any pins on them."""
+        self.stores["kv"].delete([kv_key(model_key, h, i) for h in page_hashes for i in range(num_layers)])
+        self.stores["index"].delete([index_key(model_key, h) for h in page_hashes])
+        self._publish()
+
     def pin_pages(
         self, model_key: str, page_hashes: Sequence[int], num_layers: int, pin: bool = True
     ) -> None:
@@ -97,10 +103,11 @@ class KVCacheShard:
         self._publish()
 
     def session_append(
-        self, session_id: str, token_ids: list[int], page_hashes: list[int], sampling_state: dict | None
+        self, session_id: str, token_ids: list[int], page_hashes: list[int], sampling_state: dict | None,
+        tail: tuple[int | None, int] | None = None,
     ) -> int:
         """Returns the session's token count after the append."""
-        return len(self.sessions.append(session_id, token_ids, page_hashes, sampling_state).token_ids)
+        return len(self.sessions.append(session_id, token_ids, page_hashes, sampling_state, tail).token_ids)
 
     def session_get(self, session_id: str) -> SessionRecord:
         return self.sessions.get(session_id)

@@ -5,11 +5,20 @@ import itertools
 import numpy as np
 import pytest
 import ray
+import torch
+import xxhash
 
+from msaserve.kernels import get_ops
+from msaserve.kvcache.adoption import LazyPageFetcher, PageLost, forward_with_ops
 from msaserve.kvcache.client import KVCacheClient, start_shards
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.keys import IncompatibleModel, ModelIdentity, shard_of_page
+from msaserve.kvcache.keys import IncompatibleModel, ModelIdentity, index_key, kv_key, shard_of_page
+from msaserve.kvcache.pages import identity_for
+from msaserve.kvcache.persist import SessionWriter
 from msaserve.kvcache.session import SessionNotFound, SessionRecord
+from msaserve.models.presets import get_preset
+from msaserve.models.reference_decode import SequenceState, generate, step_metadata
+from msaserve.models.transformer import MSATransformer, init_random_weights
 
 MODEL = ModelIdentity("tiny@test", num_layers=2, page_size=4, num_kv_heads=2, head_dim=8,
                       num_index_heads=1, index_dim=8, kv_dtype="float32", index_dtype="float32")
@@ -43,6 +52,18 @@ def service(ray_cluster, tmp_path):
         ray.kill(shard)
 
 
+@pytest.fixture(scope="module")
+def shared(ray_cluster, tmp_path_factory):
+    """One 3-shard service with a disk tier for the tests that need no restart (actors are slow to
+    start on a loaded 2-core machine). Tests use disjoint page hashes and session ids."""
+    config = ServiceConfig(num_shards=3, memory_bytes=8 << 20, disk_path=str(tmp_path_factory.mktemp("kv")),
+                           disk_bytes=32 << 20, actor_name_prefix="shared")
+    shards = start_shards(config)
+    yield config, shards
+    for shard in shards:
+        ray.kill(shard)
+
+
 def kv(seed: int) -> np.ndarray:
     return np.random.default_rng(seed).integers(0, 256, 2 * 4 * 2 * 8 * 4, dtype=np.uint8)
 
@@ -55,8 +76,8 @@ def upload(client: KVCacheClient, hashes: list[int]) -> None:
     client.put_pages([(h, [kv(h * 2 + layer) for layer in range(2)], index(h)) for h in hashes])
 
 
-def test_round_trip_and_shard_routing(service):
-    _, shards = service(num_shards=3)
+def test_round_trip_and_shard_routing(shared):
+    _, shards = shared
     client = KVCacheClient(shards, MODEL)
     hashes = [3 * i + r for i in range(4) for r in range(3)] + [(1 << 64) - 1]
     upload(client, hashes)
@@ -67,15 +88,14 @@ def test_round_trip_and_shard_routing(service):
         np.testing.assert_array_equal(payload, index(h))
     assert client.get_kv([(999, 0)]) == [None]
     assert client.has_pages([hashes[0], 999]) == [True, False]
-    stats = client.stats()
-    for shard_stats in stats:  # each page lives on exactly hash % num_shards
-        expected = sum(1 for h in hashes if shard_of_page(h, 3) == shard_stats["shard"])
-        assert shard_stats["index"]["memory_pages"] == expected
-        assert shard_stats["kv"]["memory_pages"] == 2 * expected
+    for shard in range(3):  # each page lives on exactly hash % num_shards
+        only = KVCacheClient([shards[shard]], MODEL)  # asks this one shard alone
+        for h in hashes:
+            assert only.has_pages([h]) == [shard_of_page(h, 3) == shard]
 
 
-def test_two_clients_share_a_prefix_page_by_hash(service):
-    config, shards = service(num_shards=2)
+def test_two_clients_share_a_prefix_page_by_hash(shared):
+    config, shards = shared
     replica_a = KVCacheClient(shards, MODEL)
     replica_b = KVCacheClient.connect(config, MODEL)  # another replica finds the shards by name
     upload(replica_a, [41, 42])
@@ -107,8 +127,8 @@ def test_sessions_survive_a_service_restart_with_the_disk_tier(service):
         client.get_session("chat-1")
 
 
-def test_incompatible_replica_refuses_a_session(service):
-    _, shards = service(num_shards=1, disk=False)
+def test_incompatible_replica_refuses_a_session(shared):
+    _, shards = shared
     KVCacheClient(shards, MODEL).put_session(SessionRecord("s", MODEL))
     other = ModelIdentity(**{**MODEL.as_dict(), "page_size": 8})
     with pytest.raises(IncompatibleModel, match="page_size"):
@@ -116,7 +136,7 @@ def test_incompatible_replica_refuses_a_session(service):
 
 
 def test_memory_cap_holds_under_load_through_the_service(service):
-    _, shards = service(num_shards=2, memory_bytes=64 * 1024, disk=False)
+    _, shards = service(num_shards=1, memory_bytes=64 * 1024, disk=False)
     client = KVCacheClient(shards, MODEL)
     for start in range(0, 400, 40):
         upload(client, list(range(start, start + 40)))
@@ -124,3 +144,103 @@ def test_memory_cap_holds_under_load_through_the_service(service):
             for store in ("kv", "index"):
                 assert s[store]["memory_bytes"] <= s[store]["memory_capacity"]
     assert sum(s["kv"]["evictions_dropped"] for s in client.stats()) > 0
+
+
+# ---- a session moved between two replicas (the tiny model, real ops) ----------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    config = get_preset("tiny")
+    model = init_random_weights(MSATransformer(config, attention_backend="naive"), seed=3)
+    model.eval().requires_grad_(False)
+    generator = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, config.vocab_size, (150,), generator=generator).tolist()
+    return model, prompt, identity_for(config, "tiny@seed3", torch.float32)
+
+
+def run_replica_a(client: KVCacheClient, model, prompt: list[int], num_new: int, capacity: int) -> list[int]:
+    """Generate num_new greedy tokens, persisting the session after every step, then 'die'."""
+    state = SequenceState(model, capacity)
+    writer = SessionWriter(client, "moved")
+    tokens = list(prompt)
+    with torch.inference_mode():
+        hidden = state.prefill(prompt)[-1:]
+        for _ in range(num_new):
+            tokens.append(int(torch.argmax(model.compute_logits(hidden)[0])))
+            writer.sync(tokens, state.caches, range(state.max_pages), len(tokens) - 1, {"temperature": 0.0},
+                        tail=True)
+            hidden = state.forward([tokens[-1]], len(tokens) - 1, decode=True)
+    assert writer.bytes_uploaded > 0
+    return tokens[len(prompt):]
+
+
+def run_replica_b(
+    client: KVCacheClient, model, num_new: int, capacity: int
+) -> tuple[list[int], LazyPageFetcher]:
+    """Adopt the session from the service (index first, K/V lazily) and generate num_new more.
+    A lost page (corrupt or missing) falls back to recomputing from the token ids."""
+    record = client.get_session("moved")
+    state = SequenceState(model, capacity)
+    fetcher = LazyPageFetcher(client, record, state.caches, list(range(state.max_pages)))
+    covered = fetcher.load_index()
+    ops = fetcher.wrap_ops(get_ops("naive"))
+    tokens = list(record.token_ids)
+    page_size = model.config.page_size
+
+    def forward(ids: list[int], start: int, decode: bool) -> torch.Tensor:
+        meta = step_metadata(start, len(ids), state.max_pages, page_size, decode, torch.device("cpu"))
+        return forward_with_ops(model, torch.tensor(ids), meta, state.caches, ops)[-1:]
+
+    try:
+        hidden = forward(tokens[covered:], covered, decode=False)  # the tail A had not stored
+        fetcher.pages_for_first_token = fetcher.stats.kv_pages_on_demand
+        out = []
+        for _ in range(num_new):
+            out.append(int(torch.argmax(model.compute_logits(hidden)[0])))
+            tokens.append(out[-1])
+            hidden = forward([out[-1]], len(tokens) - 1, decode=True)
+    except PageLost:
+        fetcher.num_pages = 0  # recompute everything from the token ids
+        hidden, out = forward(list(record.token_ids), 0, decode=False), []
+        tokens = list(record.token_ids)
+        for _ in range(num_new):
+            out.append(int(torch.argmax(model.compute_logits(hidden)[0])))
+            tokens.append(out[-1])
+            hidden = forward([out[-1]], len(tokens) - 1, decode=True)
+    return out, fetcher
+
+
+@pytest.mark.parametrize("corrupt", [None, "index", "kv"])
+def test_session_moved_mid_generation_gives_identical_greedy_tokens(service, shared, tiny, corrupt):
+    model, prompt, identity = tiny
+    reference = generate(model, prompt, 16)
+    if corrupt is None:
+        config, shards = shared
+    else:  # a service of its own, to restart
+        config, shards = service(num_shards=1, memory_bytes=8 << 20, prefix=f"move-{corrupt}")
+    client = KVCacheClient(shards, identity)
+    before = run_replica_a(client, model, prompt, 6, capacity=200)
+    record = client.get_session("moved")
+    assert len(record.token_ids) == 156 and len(record.page_hashes) == 155 // 16
+    assert record.tail_tokens == 155 - 9 * 16 and record.num_stored_tokens == 155
+    if corrupt is not None:  # restart (memory empty) and flip a byte in one page file on disk
+        for shard in shards:
+            ray.kill(shard)
+        config, shards = service(num_shards=1, memory_bytes=8 << 20, prefix=f"move-{corrupt}-restarted")
+        client = KVCacheClient(shards, identity)
+        victim = record.page_hashes[0 if corrupt == "kv" else 4]
+        key = kv_key(identity.key, victim, 0) if corrupt == "kv" else index_key(identity.key, victim)
+        name = xxhash.xxh3_128_hexdigest(key.encode()) + ".page"
+        file = config.shard_dir(0) / corrupt / name
+        raw = bytearray(file.read_bytes())
+        raw[-1] ^= 0x40
+        file.write_bytes(bytes(raw))
+    after, fetcher = run_replica_b(client, model, 10, capacity=200)
+    assert before + after == reference
+    corruptions = sum(s["kv"]["corruptions"] + s["index"]["corruptions"] for s in client.stats())
+    assert corruptions == (0 if corrupt is None else 1)
+    if corrupt is None:  # the index came whole; K/V only for the selected pages of each layer
+        assert fetcher.num_pages == 10 and fetcher.stats.index_bytes > 0  # 9 full pages + the tail
+        # The first token needed at most Hkv × top_k = 8 of the 10 pages per layer.
+        assert 0 < fetcher.pages_for_first_token <= 2 * 2 * 4 < 2 * 10
+    if corrupt == "index":
+        assert fetcher.num_pages == 4  # pages after the bad one were recomputed, not served
