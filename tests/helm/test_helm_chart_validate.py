@@ -6,6 +6,8 @@ RayCluster): the KubeRay CRD schemas in ../shared/schemas. ServiceMonitor has no
 wiring to the metrics Service is checked by hand.
 """
 
+import json
+import re
 from typing import Any
 
 import helm_python
@@ -150,3 +152,27 @@ def test_service_monitor_selects_the_metrics_service(rendered) -> None:
         assert metrics["spec"]["selector"].items() <= template["metadata"]["labels"].items(), name
         ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
         assert ports["metrics"] == metrics["spec"]["ports"][0]["port"], name
+
+
+def test_grafana_dashboard_plots_real_metric_names(rendered) -> None:
+    """Every series the dashboard queries is one msaserve exports (Ray prefixes `ray_`)."""
+    from msaserve.platform.metrics import METRIC_NAMES
+
+    [config_map] = [d for d in rendered["all-features"] if d["kind"] == "ConfigMap"]
+    dashboard = json.loads(config_map["data"]["msaserve.json"])
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {m.removesuffix("_bucket") for e in exprs for m in re.findall(r"ray_(msaserve_[a-z0-9_]+)", e)}
+    assert used <= set(METRIC_NAMES), used - set(METRIC_NAMES)
+    required = {
+        "ttft_seconds",
+        "tpot_seconds",
+        "e2e_latency_seconds",
+        "output_tokens",
+        "pages_used",
+        "prefix_hit_rate",
+        "index_load_latency_seconds",
+        "page_fetch_latency_seconds",
+        "router_decisions",
+        "preprocess_latency_seconds",
+    }
+    assert {f"msaserve_{name}" for name in required} <= used
