@@ -52,7 +52,7 @@ def _tile_map(cu_seqlens_q: torch.Tensor, queries_per_tile: int, max_tiles: int)
 
 # ---------------------------------------------------------------- autotune keyed on shapes
 
-_CONFIGS = configs([{}], [(4, 3), (8, 3), (4, 4), (8, 2)])
+_CONFIGS = configs([{}], [(8, 3), (4, 3)])
 
 
 # ---------------------------------------------------------------- jit kernel

@@ -1,0 +1,314 @@
+"""MSA kernels on one GPU at the M3 attention shape (issue 3, Measure): Hq=64, Hkv=4, D=128, HkI=1,
+DI=128, P=128, K=16, n_init=1, bf16. One layer. Every figure is a ratio against baselines timed in
+the same run (dense causal SDPA flash, flex_attention with the same selection, the naive ops), with
+the physical floors (bytes ÷ measured copy bandwidth, FLOPs ÷ measured bf16 GEMM rate) beside it.
+
+    python benchmarks/kernels/bench_msa.py --out DIR [--git-revision REV] [--skip-1m-prefill]
+
+Index queries are drawn per 128-query tile plus per-token noise, so neighbouring queries choose
+overlapping blocks as real ones do (a purely random index makes every tile's union dense).
+"""
+
+import argparse
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from msa_baselines import (
+    FlexMSA,
+    copy_bandwidth_tbps,
+    flex,
+    gemm_tflops,
+    sdpa_any,
+    time_graph_ms,
+    time_ms,
+)
+from msa_production import bench_production
+from msa_report import Report
+
+from msaserve.kernels.dispatch import get_ops
+
+HQ, HKV, D, HKI, DI, P, TOP_K, N_INIT = 64, 4, 128, 1, 128, 128, 16, 1
+BF16 = torch.bfloat16
+CHUNK = 16384
+TRITON = get_ops("triton", "cuda")
+NAIVE = get_ops("naive", "cuda")
+
+
+def index_queries(num_tokens: int, first_pos: int) -> torch.Tensor:
+    """[Tq, Hkv, DI]: one random direction per 128-position tile plus 0.5× per-token noise."""
+    tiles = (first_pos + num_tokens + P - 1) // P - first_pos // P
+    base = torch.randn(tiles, 1, HKV, DI, device="cuda")
+    tile_of = (torch.arange(first_pos, first_pos + num_tokens, device="cuda") // P) - first_pos // P
+    q = base[tile_of, 0] + 0.5 * torch.randn(num_tokens, HKV, DI, device="cuda")
+    return q.to(BF16)
+
+
+def paged_caches(num_pages: int, fp8: bool = False) -> dict:
+    caches = {
+        "k": torch.randn(num_pages, P, HKV, D, device="cuda", dtype=BF16),
+        "v": torch.randn(num_pages, P, HKV, D, device="cuda", dtype=BF16),
+        "index": torch.randn(num_pages, P, HKI, DI, device="cuda", dtype=BF16),
+    }
+    if fp8:
+        scale = caches["index"].float().abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+        caches["index_fp8"] = (caches["index"].float() / scale[..., None]).to(torch.float8_e4m3fn)
+        caches["index_scale"] = scale
+    return caches
+
+
+# ---------------------------------------------------------------- decode
+
+
+def bench_decode(report: Report, ceil: dict, context: int, batch: int, naive: bool = False) -> None:
+    pages_per_seq = context // P
+    num_pages = batch * pages_per_seq
+    tables = torch.randperm(num_pages, device="cuda").to(torch.int32).view(batch, pages_per_seq)
+    c = paged_caches(num_pages, fp8=True)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = torch.randn(batch, 1, HQ, D, device="cuda", dtype=BF16)
+    q_index = index_queries(batch, context - 1).view(batch, 1, HKV, DI)
+    ops = TRITON
+
+    def indexer(fp8: bool) -> torch.Tensor:
+        if fp8:
+            return ops.indexer_decode(q_index, c["index_fp8"], tables, seq_lens, TOP_K, N_INIT,
+                                      c["index_scale"])
+        return ops.indexer_decode(q_index, c["index"], tables, seq_lens, TOP_K, N_INIT)
+
+    selected = indexer(False)
+    t_idx = time_graph_ms(lambda: indexer(False))
+    t_idx8 = time_graph_ms(lambda: indexer(True))
+    t_sparse = time_graph_ms(lambda: ops.sparse_decode(q, c["k"], c["v"], tables, seq_lens, selected))
+    t_step = time_graph_ms(lambda: ops.sparse_decode(q, c["k"], c["v"], tables, seq_lens, indexer(False)))
+    t_step8 = time_graph_ms(lambda: ops.sparse_decode(q, c["k"], c["v"], tables, seq_lens, indexer(True)))
+    t_naive = float("nan")
+    if naive:
+        def naive_step() -> torch.Tensor:
+            sel = NAIVE.indexer_decode(q_index, c["index"], tables, seq_lens, TOP_K, N_INIT)
+            return NAIVE.sparse_decode(q, c["k"], c["v"], tables, seq_lens, sel)
+
+        t_naive = time_ms(naive_step, reps=1, warmup=1)
+    c.clear()  # free the paged caches before the dense baseline's copies
+    torch.cuda.empty_cache()
+    kv = {"k": torch.randn(batch, HKV, context, D, device="cuda", dtype=BF16)}
+    kv["v"] = torch.randn_like(kv["k"])
+    qd = q.view(batch, HQ, 1, D)
+    t_dense = time_graph_ms(lambda: sdpa_any(qd, kv["k"], kv["v"], causal=False))
+    kv.clear()
+    torch.cuda.empty_cache()
+    index_bytes = batch * context * HKI * DI * 2
+    index8_bytes = batch * context * HKI * (DI + 4)
+    kv_sel_bytes = batch * HKV * TOP_K * P * D * 2 * 2
+    dense_bytes = batch * context * HKV * D * 2 * 2
+    bw = ceil["copy_tbps"] * 1e12
+    report.row("decode", context=context, batch=batch, dense_ms=t_dense,
+               dense_tbps=dense_bytes / t_dense / 1e9,
+               indexer_ms=t_idx, indexer_tbps=index_bytes / t_idx / 1e9, indexer_fp8_ms=t_idx8,
+               indexer_fp8_tbps=index8_bytes / t_idx8 / 1e9, sparse_ms=t_sparse, step_ms=t_step,
+               step_fp8_ms=t_step8, naive_ms=t_naive, speedup=t_dense / t_step, speedup_fp8=t_dense / t_step8,
+               floor_ms=(index_bytes + kv_sel_bytes) / bw * 1e3,
+               floor_fp8_ms=(index8_bytes + kv_sel_bytes) / bw * 1e3, dense_floor_ms=dense_bytes / bw * 1e3)
+    if batch == 8:
+        report.plot.setdefault("decode", {}).setdefault("MSA (bf16 index)", {"tokens": [], "ms": []})
+        for name, t in (("MSA (bf16 index)", t_step), ("MSA (fp8 index)", t_step8), ("dense SDPA", t_dense)):
+            series = report.plot["decode"].setdefault(name, {"tokens": [], "ms": []})
+            series["tokens"].append(context)
+            series["ms"].append(t)
+
+
+# ---------------------------------------------------------------- prefill
+
+
+def useful_attention_flops(selected: torch.Tensor, positions: torch.Tensor) -> float:
+    """4·D·G · Σ over (query, KV head, selected block) of the keys ≤ t in the block."""
+    blocks = selected.long()
+    keys = (positions[:, None, None] - blocks * P + 1).clamp(min=0, max=P)
+    keys = torch.where(blocks >= 0, keys, 0)
+    return 4.0 * D * (HQ // HKV) * float(keys.sum())
+
+
+def _prefill_chunk(report: Report, c: dict, tables: torch.Tensor, start: int, context: int, reps: int,
+                   flex_frame: FlexMSA | None, totals: dict) -> None:
+    """Time one 16K-token chunk at positions start.. (indexer, sparse attention, flex, naive)."""
+    cu = torch.tensor([0, CHUNK], dtype=torch.int32, device="cuda")
+    seq_lens = torch.tensor([start + CHUNK], dtype=torch.int32, device="cuda")
+    q = torch.randn(CHUNK, HQ, D, device="cuda", dtype=BF16)
+    q_index = index_queries(CHUNK, start)
+    warm = 1 if start == 0 else 0
+
+    def indexer() -> torch.Tensor:
+        return TRITON.indexer_prefill(q_index, c["index"], tables, seq_lens, cu, TOP_K, N_INIT)
+
+    def sparse() -> torch.Tensor:
+        return TRITON.sparse_prefill(q, c["k"], c["v"], tables, seq_lens, cu, selected)
+
+    selected = indexer()
+    t_idx = time_ms(indexer, reps=reps, warmup=warm)
+    t_sp = time_ms(sparse, reps=reps, warmup=warm)
+    positions = torch.arange(start, start + CHUNK, device="cuda")
+    totals["useful_flops"] += useful_attention_flops(selected, positions)
+    totals["indexer_ms"] += t_idx
+    totals["sparse_ms"] += t_sp
+    totals["cumulative"].append((start + CHUNK, totals["indexer_ms"] + totals["sparse_ms"]))
+    last = start + CHUNK == context
+    if flex_frame is not None:
+        mask, union = flex_frame.block_mask(selected, start)
+        q_flex = q.transpose(0, 1)[None].contiguous()  # [1, Hq, Tq, D]
+        totals["flex_ms"] += time_ms(lambda: flex(q_flex, c["k_flat"], c["v_flat"], mask), reps=reps,
+                                     warmup=1)
+        totals["flex_union"].append(union)
+        if last:  # flex computes the same output as the KV-block-major kernel
+            theirs = flex(q_flex, c["k_flat"], c["v_flat"], mask)[0].transpose(0, 1)
+            totals["flex_max_abs_diff"] = float((sparse().float() - theirs.float()).abs().max())
+    if last and context <= 131072:
+        def naive_chunk() -> torch.Tensor:
+            sel = NAIVE.indexer_prefill(q_index, c["index"], tables, seq_lens, cu, TOP_K, N_INIT)
+            return NAIVE.sparse_prefill(q, c["k"], c["v"], tables, seq_lens, cu, sel)
+
+        t_naive = time_ms(naive_chunk, reps=1, warmup=0)
+        report.row("naive", op="prefill, last 16K chunk of 128K", naive_ms=t_naive, triton_ms=t_idx + t_sp,
+                   speedup=t_naive / (t_idx + t_sp))
+
+
+def bench_prefill(report: Report, context: int, reps: int, flex_frame: FlexMSA | None) -> dict:
+    """Chunked MSA prefill of one `context`-token sequence, 16K-token chunks as the engine runs it."""
+    num_pages = context // P
+    tables = torch.randperm(num_pages, device="cuda").to(torch.int32)[None]
+    c = paged_caches(num_pages)
+    if flex_frame is not None:  # contiguous copies in logical order, for flex only
+        for name in ("k", "v"):
+            pages = c[name][tables[0].long()]
+            c[f"{name}_flat"] = pages.reshape(1, context, HKV, D).transpose(1, 2).contiguous()
+    totals = {"indexer_ms": 0.0, "sparse_ms": 0.0, "flex_ms": 0.0, "useful_flops": 0.0, "flex_union": [],
+              "cumulative": []}
+    for start in range(0, context, CHUNK):
+        _prefill_chunk(report, c, tables, start, context, reps, flex_frame, totals)
+    c.clear()
+    torch.cuda.empty_cache()
+    return totals
+
+
+def dense_prefill_ms(context: int, reps: int) -> float:
+    t = {"q": torch.randn(1, HQ, context, D, device="cuda", dtype=BF16),
+         "k": torch.randn(1, HKV, context, D, device="cuda", dtype=BF16),
+         "v": torch.randn(1, HKV, context, D, device="cuda", dtype=BF16)}
+    ms = time_ms(lambda: sdpa_any(t["q"], t["k"], t["v"], causal=True), reps=reps, warmup=1)
+    t.clear()
+    torch.cuda.empty_cache()
+    return ms
+
+
+def indexer_flops(context: int) -> float:
+    """The prefill indexer's causal GEMM: Σ over chunks of 2·Tq·(keys to the chunk end)·DI per head."""
+    return sum(2.0 * CHUNK * (s + CHUNK) * DI * HKV for s in range(0, context, CHUNK))
+
+
+def section(name: str, fn, report: Report) -> None:
+    started = time.time()
+    try:
+        fn()
+    except Exception as exc:  # a failed section is reported, the others still run
+        report.notes.append(f"section {name} failed: {exc!r}")
+        traceback.print_exc()
+    print(f"[{name}] {time.time() - started:.1f}s", flush=True)
+
+
+def run_prefill(report: Report, ceil: dict, skip_1m: bool) -> None:
+    dense = {n: dense_prefill_ms(n, reps=2) for n in (16384, 32768, 65536, 131072, 262144)}
+    for n, t in dense.items():
+        flops = 2 * 2 * HQ * D * n * n / 2  # causal: half of QKᵀ and PV
+        report.row("dense_prefill", context=n, sdpa_ms=t, tflops=flops / (t * 1e-3) / 1e12)
+    frame = FlexMSA(HKV, CHUNK, 131072, HQ // HKV, P)
+    r = bench_prefill(report, 131072, reps=3, flex_frame=frame)
+    msa = r["indexer_ms"] + r["sparse_ms"]
+    gemm = ceil["gemm_tflops"] * 1e12
+    floor = (indexer_flops(131072) + r["useful_flops"]) / gemm * 1e3
+    report.row("prefill", context=131072, dense_ms=dense[131072], msa_ms=msa, indexer_ms=r["indexer_ms"],
+               sparse_ms=r["sparse_ms"], flex_ms=r["flex_ms"], speedup=dense[131072] / msa,
+               msa_floor_ms=floor,
+               dense_note="measured")
+    report.metric("prefill_speedup_128k", dense[131072] / msa, "x", ">= 12",
+                  msa_ms=msa, dense_ms=dense[131072], msa_floor_ms=floor)
+    report.metric("sparse_prefill_vs_flex", r["flex_ms"] / r["sparse_ms"], "x", ">= 1.5",
+                  flex_ms=r["flex_ms"], sparse_ms=r["sparse_ms"],
+                  flex_union_blocks_per_tile=sum(r["flex_union"]) / len(r["flex_union"]),
+                  max_abs_diff_vs_flex=r.get("flex_max_abs_diff"))
+    useful_tflops = r["useful_flops"] / (r["sparse_ms"] * 1e-3) / 1e12
+    report.metric("sparse_prefill_useful_tflops", useful_tflops, "TFLOP/s",
+                  ">= 350", useful_flops=r["useful_flops"],
+                  gemm_ceiling_tflops=ceil["gemm_tflops"])
+    report.plot["prefill"] = {"dense SDPA (measured)": {"tokens": list(dense), "ms": list(dense.values())}}
+    if skip_1m:
+        return
+    r1 = bench_prefill(report, 1 << 20, reps=1, flex_frame=None)
+    msa1 = r1["indexer_ms"] + r1["sparse_ms"]
+    dense1 = dense[262144] * 16  # causal cost grows as T²: extrapolated from the measured 256K
+    floor1 = (indexer_flops(1 << 20) + r1["useful_flops"]) / gemm * 1e3
+    report.row("prefill", context=1 << 20, dense_ms=dense1, msa_ms=msa1, indexer_ms=r1["indexer_ms"],
+               sparse_ms=r1["sparse_ms"], flex_ms=float("nan"), speedup=dense1 / msa1, msa_floor_ms=floor1,
+               dense_note="extrapolated T^2 from 256K")
+    report.metric("prefill_speedup_1m", dense1 / msa1, "x", ">= 20", msa_ms=msa1, dense_ms=dense1,
+                  dense_method="extrapolated: measured 256K causal SDPA x 16 (cost ∝ T²)",
+                  msa_floor_ms=floor1)
+    tokens, ms = zip(*r1["cumulative"], strict=True)
+    report.plot["prefill"]["MSA (indexer + sparse, 16K chunks)"] = {"tokens": list(tokens), "ms": list(ms)}
+    report.plot["prefill"]["dense SDPA (extrapolated)"] = {"tokens": [262144, 1 << 20],
+                                                         "ms": [dense[262144], dense1]}
+
+
+def run_decode(report: Report, ceil: dict) -> None:
+    for context, batch, naive in ((1 << 20, 8, False), (131072, 8, True), (32768, 8, False),
+                                  (262144, 8, False), (131072, 32, False), (131072, 64, False)):
+        section(f"decode {context}x{batch}", lambda c=context, b=batch, n=naive: bench_decode(
+            report, ceil, c, b, naive=n), report)
+    rows = {(r["context"], r["batch"]): r for r in report.tables.get("decode", [])}
+    if (1 << 20, 8) in rows:
+        r = rows[(1 << 20, 8)]
+        report.metric("indexer_decode_tbps", r["indexer_tbps"], "TB/s", ">= 3.6",
+                      copy_ceiling_tbps=ceil["copy_tbps"], fp8_tbps=r["indexer_fp8_tbps"])
+        report.metric("decode_speedup_1m", r["speedup"], "x", ">= 7 (bf16 index)", step_ms=r["step_ms"],
+                      dense_ms=r["dense_ms"], floor_speedup=r["dense_ms"] / r["floor_ms"])
+        report.metric("decode_speedup_1m_fp8", r["speedup_fp8"], "x", ">= 14 (fp8 index)",
+                      step_ms=r["step_fp8_ms"], dense_ms=r["dense_ms"],
+                      floor_speedup=r["dense_ms"] / r["floor_fp8_ms"])
+    for (context, batch), r in rows.items():
+        if context == 131072:
+            report.metric(f"decode_speedup_128k_b{batch}", r["speedup"], "x", "report",
+                          speedup_fp8=r["speedup_fp8"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--git-revision", default="unknown")
+    parser.add_argument("--skip-1m-prefill", action="store_true")
+    parser.add_argument("--only", default="ceil,decode,prefill,production")
+    parser.add_argument("--cases", type=Path,
+                        default=Path("../shared/workloads/msa_prefill_benchmark_cases_v1.json"))
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    command = "python benchmarks/kernels/bench_msa.py --out benchmarks/results"
+    report = Report(command, torch.cuda.get_device_name(), args.git_revision)
+    ceil = {"copy_tbps": 4.27, "gemm_tflops": 686.0}
+
+    def ceilings() -> None:
+        ceil.update(copy_tbps=copy_bandwidth_tbps(), gemm_tflops=gemm_tflops())
+        report.row("ceilings", copy_tbps=ceil["copy_tbps"], bf16_gemm_tflops=ceil["gemm_tflops"])
+
+    steps = {"ceil": ceilings, "decode": lambda: run_decode(report, ceil),
+             "prefill": lambda: run_prefill(report, ceil, args.skip_1m_prefill),
+             "production": lambda: bench_production(report, TRITON, args.cases)}
+    for name in args.only.split(","):
+        section(name, steps[name], report)
+        report.write(args.out)
+    report.print_tables()
+
+
+if __name__ == "__main__":
+    main()

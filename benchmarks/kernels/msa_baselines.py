@@ -1,0 +1,118 @@
+"""Baselines and timing helpers for bench_msa.py: ceilings (copy bandwidth, bf16 GEMM), dense SDPA,
+and flex_attention computing the MSA output from a selection.
+
+flex_attention gets a BlockMask built from the union of each 128-query tile's selected blocks
+(per KV head, shared by the group's query heads) plus a mask_mod that reads the per-token
+selection and the causal limit, so it computes exactly the MSA output.
+"""
+
+import statistics
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+_flex = torch.compile(flex_attention, dynamic=False)
+
+
+def time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2) -> float:
+    """Median of `reps` event-timed calls after `warmup` calls."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def time_graph_ms(fn: Callable[[], object], reps: int = 20) -> float:
+    """Capture `fn` in a CUDA graph (after two eager warm-ups) and time its replays (median)."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay, reps=reps, warmup=3)
+
+
+def copy_bandwidth_tbps(gib: float = 4.0) -> float:
+    """Device-to-device copy, counting bytes read plus written."""
+    n = int(gib * 2**30) // 4
+    src = torch.randn(n, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src), reps=10)
+    return 2 * n * 4 / (ms * 1e-3) / 1e12
+
+
+def gemm_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = time_ms(lambda: a @ b, reps=10)
+    return 2 * n**3 / (ms * 1e-3) / 1e12
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """q [B, Hq, Tq, D]; k, v [B, Hkv, T, D] contiguous; flash backend."""
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+def sdpa_any(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
+    """Flash when it accepts the call, else whatever SDPA picks (reported by the caller)."""
+    try:
+        return sdpa(q, k, v, causal)
+    except RuntimeError:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
+
+
+class FlexMSA:
+    """flex_attention over a fixed (Tq, kv_len) frame; one mask_mod object, buffers updated in place,
+    so the compiled kernel is reused for every chunk (keys past a chunk's length are masked)."""
+
+    def __init__(self, num_kv_heads: int, num_tokens: int, kv_len: int, group: int, page_size: int):
+        self.group, self.page_size = group, page_size
+        self.num_tokens, self.kv_len = num_tokens, kv_len
+        self.num_blocks = (kv_len + page_size - 1) // page_size
+        self.token_sel = torch.zeros(num_kv_heads, num_tokens, self.num_blocks, dtype=torch.bool,
+                                     device="cuda")
+        self.first_pos = torch.zeros((), dtype=torch.int64, device="cuda")
+        token_sel, first_pos = self.token_sel, self.first_pos
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            allowed = token_sel[h // group, q_idx, kv_idx // page_size]
+            return allowed & (kv_idx <= q_idx + first_pos)
+
+        self.mask_mod = mask_mod
+
+    def block_mask(self, selected: torch.Tensor, first_pos: int) -> tuple[BlockMask, float]:
+        """selected: [Tq, Hkv, K] block ids (-1 pad) → (mask, mean union blocks per 128-query tile)."""
+        num_kv_heads = selected.shape[1]
+        nb, page = self.num_blocks, self.page_size
+        full = torch.zeros(num_kv_heads, self.num_tokens, nb + 1, dtype=torch.bool, device="cuda")
+        index = torch.where(selected < 0, nb, selected).long().permute(1, 0, 2)  # [Hkv, Tq, K]
+        full.scatter_(2, index, True)
+        self.token_sel.copy_(full[..., :nb])
+        self.first_pos.fill_(first_pos)
+        q_tiles = self.num_tokens // page
+        tile_union = self.token_sel.view(num_kv_heads, q_tiles, page, nb).any(dim=2)  # [Hkv, qt, nb]
+        counts = tile_union.sum(-1).to(torch.int32)
+        order = torch.argsort(tile_union.to(torch.int8), dim=-1, descending=True, stable=True)
+        kv_num_blocks = counts.repeat_interleave(self.group, dim=0)[None]  # [1, Hq, qt]
+        kv_indices = order.to(torch.int32).repeat_interleave(self.group, dim=0)[None]  # [1, Hq, qt, nb]
+        mask = BlockMask.from_kv_blocks(kv_num_blocks, kv_indices, BLOCK_SIZE=page, mask_mod=self.mask_mod,
+                                        seq_lengths=(self.num_tokens, self.kv_len))
+        return mask, float(counts.float().mean())
+
+
+def flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask) -> torch.Tensor:
+    """q [1, Hq, Tq, D]; k, v [1, Hkv, T, D]."""
+    return _flex(q, k, v, block_mask=mask, enable_gqa=True)
