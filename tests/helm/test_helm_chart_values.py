@@ -56,6 +56,8 @@ def test_default_groups_and_head_has_no_gpu(rendered) -> None:
     ports = {p["name"] for p in head["template"]["spec"]["containers"][0]["ports"]}
     assert {"dashboard", "gcs-server", "serve", "metrics"} <= ports
     assert groups["kvcache"]["resources"] == {"msaserve_kvcache_group": "1000"}
+    # API traffic stays off the head, which holds the GCS and the Serve controller.
+    assert _one(rendered["default"], "RayService")["spec"]["excludeHeadPodFromServeSvc"] is True
 
 
 def test_gpu_group_from_values(rendered) -> None:
