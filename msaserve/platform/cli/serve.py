@@ -92,6 +92,10 @@ def banner(config: ServeConfig, base_url: str, dashboard_url: str, metrics_url: 
     ])  # fmt: skip
 
 
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
@@ -104,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     from msaserve.platform.app import APP_NAME, build_app
 
     metrics_port = args.metrics_port or _free_port()
-    ray.init(
+    context = ray.init(
         address="local",
         num_cpus=args.num_cpus,
         include_dashboard=True,
@@ -113,8 +117,10 @@ def run(args: argparse.Namespace) -> int:
         _metrics_export_port=metrics_port,
         log_to_driver=args.verbose,
     )
-    stop = {"now": False}
-    signal.signal(signal.SIGTERM, lambda *_: stop.update(now=True))
+    # Ctrl-C and SIGTERM (e.g. from a process manager) both end in the clean shutdown below; SIGINT
+    # is installed explicitly because shells start background jobs with it ignored.
+    signal.signal(signal.SIGINT, _interrupt)
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         host = config.http.host
         serve.start(http_options={"host": host, "port": config.http.port,
@@ -122,14 +128,14 @@ def run(args: argparse.Namespace) -> int:
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         base_url = f"http://{shown_host}:{config.http.port}"
-        dashboard = ray.get_runtime_context().dashboard_url or f"127.0.0.1:{args.dashboard_port}"
+        dashboard = context.dashboard_url or f"127.0.0.1:{args.dashboard_port}"
         print(banner(config, base_url, f"http://{dashboard}", f"http://127.0.0.1:{metrics_port}/metrics"))
         print(
             f"Loading {config.model.resolved_name()} (the API answers 503 until it is ready) ...", flush=True
         )
         print(f"Ready in {wait_until_ready(base_url):.1f}s.", flush=True)
-        while not stop["now"]:
-            time.sleep(0.5)
+        while True:
+            time.sleep(3600)
     except KeyboardInterrupt:
         pass
     finally:
