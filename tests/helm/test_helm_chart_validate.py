@@ -152,6 +152,10 @@ def test_service_monitor_selects_the_metrics_service(rendered) -> None:
         assert metrics["spec"]["selector"].items() <= template["metadata"]["labels"].items(), name
         ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
         assert ports["metrics"] == metrics["spec"]["ports"][0]["port"], name
+    # ...and Ray exports on that port in every group.
+    cluster = rayservice["spec"]["rayClusterConfig"]
+    for group in [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]:
+        assert group["rayStartParams"]["metrics-export-port"] == str(metrics["spec"]["ports"][0]["port"])
 
 
 def test_grafana_dashboard_plots_real_metric_names(rendered) -> None:

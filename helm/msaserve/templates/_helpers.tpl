@@ -70,6 +70,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- dig "http" "port" 8000 .Values.serve | int -}}
 {{- end -}}
 
+{{/* A group's rayStartParams; Ray exports metrics on metrics.port unless the group says otherwise. */}}
+{{- define "msaserve.rayStartParams" -}}
+{{- toYaml (merge (deepCopy (.params | default dict)) (dict "metrics-export-port" (toString .root.Values.metrics.port))) -}}
+{{- end -}}
+
 {{/* Container ports every Ray container exposes. */}}
 {{- define "msaserve.workerPorts" -}}
 - name: serve

@@ -9,7 +9,8 @@ One entry of workerGroupSpecs. ctx: dict "root" $ "group" <group values> "groupN
   replicas: {{ $g.replicas }}
   minReplicas: {{ $g.minReplicas }}
   maxReplicas: {{ $g.maxReplicas }}
-  rayStartParams: {{- if $g.rayStartParams }}{{ toYaml $g.rayStartParams | nindent 4 }}{{ else }} {}{{ end }}
+  rayStartParams:
+    {{- include "msaserve.rayStartParams" (dict "root" $root "params" $g.rayStartParams) | nindent 4 }}
   {{- with $g.rayResources }}
   resources:
     {{- toYaml . | nindent 4 }}
