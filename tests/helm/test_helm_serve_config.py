@@ -70,9 +70,15 @@ def test_values_schema_serve_part_matches_serve_config() -> None:
     `msaserve deploy-config --write-values-schema helm/msaserve/values.schema.json`."""
     chart_schema = json.loads((CHART / "values.schema.json").read_text())
     generated = serve_values_schema()
-    assert chart_schema["properties"]["serve"] == generated["serve"], "values.schema.json is stale"
-    for name, body in generated["$defs"].items():
-        assert chart_schema["$defs"].get(name) == body, f"values.schema.json $defs.{name} is stale"
+    fix = "ServeConfig changed: run `msaserve deploy-config --write-values-schema helm/msaserve/values.schema.json`"
+    assert chart_schema["properties"]["serve"] == generated["serve"], fix
+    stale = [name for name, body in generated["$defs"].items() if chart_schema["$defs"].get(name) != body]
+    gone = [
+        name
+        for name in chart_schema["$defs"]
+        if name.startswith("ServeConfig.") and name not in generated["$defs"]
+    ]
+    assert stale == [] and gone == [], f"{fix} (stale: {stale}, removed: {gone})"
 
 
 def test_deploy_config_emits_serve_config_v2(tmp_path: Path, capsys) -> None:
