@@ -70,7 +70,10 @@ def test_values_schema_serve_part_matches_serve_config() -> None:
     `msaserve deploy-config --write-values-schema helm/msaserve/values.schema.json`."""
     chart_schema = json.loads((CHART / "values.schema.json").read_text())
     generated = serve_values_schema()
-    fix = "ServeConfig changed: run `msaserve deploy-config --write-values-schema helm/msaserve/values.schema.json`"
+    fix = (
+        "ServeConfig changed: run "
+        "`msaserve deploy-config --write-values-schema helm/msaserve/values.schema.json`"
+    )
     assert chart_schema["properties"]["serve"] == generated["serve"], fix
     stale = [name for name, body in generated["$defs"].items() if chart_schema["$defs"].get(name) != body]
     gone = [
