@@ -257,3 +257,31 @@ def test_names_fit_kubernetes_limits_for_the_longest_release_name(chart) -> None
     for name in names:
         assert len(name) <= 63 and dns_label.match(name), name
     assert len(_one(docs, "RayService")["metadata"]["name"]) <= 40
+
+
+@pytest.mark.parametrize(
+    ("model", "volume"),
+    [
+        (
+            {"source": "hostPath", "hostPath": {"path": "/mnt/models"}},
+            {"hostPath": {"path": "/mnt/models", "type": "Directory"}},
+        ),
+        (
+            {"source": "pvc", "pvc": {"claimName": "weights"}},
+            {"persistentVolumeClaim": {"claimName": "weights", "readOnly": True}},
+        ),
+    ],
+)
+def test_model_sources_mount_read_only_on_model_readers(
+    render, model: dict[str, Any], volume: dict[str, Any]
+) -> None:
+    docs = render({"model": model, "serve": {"model": {"spec": "/models/m"}}})
+    groups = _groups(docs)
+    for name in ("cpu", "gpu"):
+        spec = groups[name]["template"]["spec"]
+        assert {v["name"]: v for v in spec["volumes"]}["model"] == {"name": "model", **volume}, name
+        mount = {m["name"]: m for m in spec["containers"][0]["volumeMounts"]}["model"]
+        assert mount == {"name": "model", "mountPath": "/models", "readOnly": True}, name
+        assert "initContainers" not in spec
+    for name in ("head", "kvcache"):
+        assert "model" not in {v["name"] for v in groups[name]["template"]["spec"]["volumes"]}, name
