@@ -20,14 +20,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from msa_baselines import (
+    SDPA_BACKENDS_USED,
     FlexMSA,
     copy_bandwidth_tbps,
     flex,
     gemm_tflops,
+    index_keys,
     sdpa_any,
     time_graph_ms,
     time_ms,
 )
+from msa_baselines import index_queries as synthetic_queries
 from msa_production import bench_production
 from msa_report import Report
 
@@ -41,19 +44,14 @@ NAIVE = get_ops("naive", "cuda")
 
 
 def index_queries(num_tokens: int, first_pos: int) -> torch.Tensor:
-    """[Tq, Hkv, DI]: one random direction per 128-position tile plus 0.5× per-token noise."""
-    tiles = (first_pos + num_tokens + P - 1) // P - first_pos // P
-    base = torch.randn(tiles, 1, HKV, DI, device="cuda")
-    tile_of = (torch.arange(first_pos, first_pos + num_tokens, device="cuda") // P) - first_pos // P
-    q = base[tile_of, 0] + 0.5 * torch.randn(num_tokens, HKV, DI, device="cuda")
-    return q.to(BF16)
+    return synthetic_queries(num_tokens, first_pos, P, HKV, DI)
 
 
 def paged_caches(num_pages: int, fp8: bool = False) -> dict:
     caches = {
         "k": torch.randn(num_pages, P, HKV, D, device="cuda", dtype=BF16),
         "v": torch.randn(num_pages, P, HKV, D, device="cuda", dtype=BF16),
-        "index": torch.randn(num_pages, P, HKI, DI, device="cuda", dtype=BF16),
+        "index": index_keys(num_pages, P, HKI, DI),
     }
     if fp8:
         scale = caches["index"].float().abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
@@ -82,6 +80,8 @@ def bench_decode(report: Report, ceil: dict, context: int, batch: int, naive: bo
         return ops.indexer_decode(q_index, c["index"], tables, seq_lens, TOP_K, N_INIT)
 
     selected = indexer(False)
+    if context == 1 << 20:
+        _profile(lambda: indexer(True), "decode indexer fp8, 1M x 8")
     t_idx = time_graph_ms(lambda: indexer(False))
     t_idx8 = time_graph_ms(lambda: indexer(True))
     t_sparse = time_graph_ms(lambda: ops.sparse_decode(q, c["k"], c["v"], tables, seq_lens, selected))
@@ -166,6 +166,8 @@ def _prefill_chunk(report: Report, c: dict, tables: torch.Tensor, start: int, co
         if last:  # flex computes the same output as the KV-block-major kernel
             theirs = flex(q_flex, c["k_flat"], c["v_flat"], mask)[0].transpose(0, 1)
             totals["flex_max_abs_diff"] = float((sparse().float() - theirs.float()).abs().max())
+    if last and context == 131072:
+        _profile(lambda: (indexer(), sparse()), "128K last chunk: indexer + sparse prefill")
     if last and context <= 131072:
         def naive_chunk() -> torch.Tensor:
             sel = NAIVE.indexer_prefill(q_index, c["index"], tables, seq_lens, cu, TOP_K, N_INIT)
@@ -174,6 +176,17 @@ def _prefill_chunk(report: Report, c: dict, tables: torch.Tensor, start: int, co
         t_naive = time_ms(naive_chunk, reps=1, warmup=0)
         report.row("naive", op="prefill, last 16K chunk of 128K", naive_ms=t_naive, triton_ms=t_idx + t_sp,
                    speedup=t_naive / (t_idx + t_sp))
+
+
+def _profile(fn, title: str) -> None:
+    """Per-kernel GPU time of one call, printed to the log (where the time goes)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    print(f"--- profile: {title}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60))
 
 
 def bench_prefill(report: Report, context: int, reps: int, flex_frame: FlexMSA | None) -> dict:
@@ -306,6 +319,7 @@ def main() -> None:
              "production": lambda: bench_production(report, TRITON, args.cases)}
     for name in args.only.split(","):
         section(name, steps[name], report)
+        report.raw["sdpa_backends"] = sorted(SDPA_BACKENDS_USED)
         report.write(args.out)
     report.print_tables()
 

@@ -16,6 +16,30 @@ from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
 _flex = torch.compile(flex_attention, dynamic=False)
 
+# Synthetic index data with locality, as real index branches have: every page's keys share a random
+# direction (topic) and every 128-position tile of queries shares one; per-key and per-query noise
+# on top. Neighbouring queries then choose overlapping blocks, so the union per 128-query tile stays
+# small (reported as flex_union_blocks_per_tile). Purely random data makes every tile's union dense.
+PAGE_BIAS = 1.0
+QUERY_NOISE = 0.25
+
+
+def index_keys(num_pages: int, page_size: int, heads: int, dim: int) -> torch.Tensor:
+    """[num_pages, P, HkI, DI] bf16."""
+    keys = torch.randn(num_pages, page_size, heads, dim, device="cuda")
+    keys += PAGE_BIAS * torch.randn(num_pages, 1, heads, dim, device="cuda")
+    return keys.to(torch.bfloat16)
+
+
+def index_queries(num_tokens: int, first_pos: int, page_size: int, heads: int, dim: int) -> torch.Tensor:
+    """[Tq, H, DI] bf16 for positions first_pos..: one direction per position tile plus noise."""
+    tiles = (first_pos + num_tokens + page_size - 1) // page_size - first_pos // page_size
+    base = torch.randn(tiles, heads, dim, device="cuda")
+    positions = torch.arange(first_pos, first_pos + num_tokens, device="cuda")
+    tile_of = positions // page_size - first_pos // page_size
+    q = base[tile_of] + QUERY_NOISE * torch.randn(num_tokens, heads, dim, device="cuda")
+    return q.to(torch.bfloat16)
+
 
 def time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2) -> float:
     """Median of `reps` event-timed calls after `warmup` calls."""
@@ -66,11 +90,17 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> tor
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 
+SDPA_BACKENDS_USED: set[str] = set()
+
+
 def sdpa_any(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> torch.Tensor:
-    """Flash when it accepts the call, else whatever SDPA picks (reported by the caller)."""
+    """Flash when it accepts the call, else whatever SDPA picks (recorded in SDPA_BACKENDS_USED)."""
     try:
-        return sdpa(q, k, v, causal)
+        out = sdpa(q, k, v, causal)
+        SDPA_BACKENDS_USED.add(f"flash (q_len={q.shape[2]})")
+        return out
     except RuntimeError:
+        SDPA_BACKENDS_USED.add(f"default, flash refused (q_len={q.shape[2]})")
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=True)
 
 

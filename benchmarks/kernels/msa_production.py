@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 import torch
-from msa_baselines import time_ms
+from msa_baselines import index_keys, index_queries, time_ms
 from msa_report import Report
 
 HQ, HKV, D, HKI, DI, P, TOP_K, N_INIT = 64, 4, 128, 1, 128, 128, 16, 1
@@ -38,13 +38,6 @@ def useful_flops(queries: list[int], finals: list[int]) -> float:
     return 2.0 * P * P * total
 
 
-def _index_queries(num_tokens: int) -> torch.Tensor:
-    """Per-128-token tile direction plus noise (as in bench_msa.index_queries)."""
-    tiles = (num_tokens + P - 1) // P
-    base = torch.randn(tiles, HKV, DI, device="cuda").repeat_interleave(P, dim=0)[:num_tokens]
-    return (base + 0.5 * torch.randn(num_tokens, HKV, DI, device="cuda")).to(BF16)
-
-
 def _run_case(ops, pool: dict, case: dict, index: int) -> dict:
     queries, finals = case_lengths(case, index)
     pages = [(f + P - 1) // P for f in finals]
@@ -58,7 +51,7 @@ def _run_case(ops, pool: dict, case: dict, index: int) -> dict:
     cu = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     total_q = sum(queries)
     q = torch.randn(total_q, HQ, D, device="cuda", dtype=BF16)
-    q_index = _index_queries(total_q)
+    q_index = torch.cat([index_queries(q, f - q, P, HKV, DI) for q, f in zip(queries, finals, strict=True)])
 
     def indexer() -> torch.Tensor:
         return ops.indexer_prefill(q_index, pool["index"], tables, seq_lens, cu, TOP_K, N_INIT)
@@ -79,7 +72,7 @@ def bench_production(report: Report, ops, cases_path: Path) -> None:
     num_pages = max_tokens // P + 1
     pool = {"k": torch.randn(num_pages, P, HKV, D, device="cuda", dtype=BF16),
             "v": torch.randn(num_pages, P, HKV, D, device="cuda", dtype=BF16),
-            "index": torch.randn(num_pages, P, HKI, DI, device="cuda", dtype=BF16)}
+            "index": index_keys(num_pages, P, HKI, DI)}
     rows = [_run_case(ops, pool, c, i) for i, c in enumerate(cases)]
     rep = [r for r in rows if r["weight"]]
     weight = sum(r["weight"] for r in rep)

@@ -18,7 +18,6 @@ from msaserve.kernels.triton_common import (
     check,
     check_last_contiguous,
     check_shape,
-    configs,
     num_sms,
     pow2,
     sorted_selection,
@@ -36,7 +35,10 @@ def _num_splits(batch: int, key_heads: int, max_pages: int, device: torch.device
 
 # ---------------------------------------------------------------- autotune keyed on shapes
 
-_CONFIGS = configs([{}], [(4, 4), (8, 3)])
+# PAGES: pages per loop iteration (more bytes in flight, fewer reductions per byte).
+_CONFIGS = [triton.Config({"PAGES": pages}, num_warps=warps, num_stages=stages)
+            for pages, warps, stages in ((2, 4, 3), (1, 4, 4), (2, 8, 3), (4, 8, 2), (4, 4, 3))]
+_CONFIGS = _CONFIGS[:1] if INTERPRET else _CONFIGS
 
 
 # ---------------------------------------------------------------- jit kernels
@@ -52,6 +54,7 @@ def _score_split_kernel(
     stride_tb, pages_per_split, num_splits,
     NUM_Q: tl.constexpr, HPK: tl.constexpr, NR: tl.constexpr, P: tl.constexpr, DI: tl.constexpr,
     KP: tl.constexpr, N_INIT: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+    PAGES: tl.constexpr,
 ):
     """One (sequence, split, key head): running top-K of its pages for the NR = Q·HPK rows."""
     b = tl.program_id(0)
@@ -64,7 +67,6 @@ def _score_split_kernel(
     local = (seq_len - NUM_Q + q_i) // P  # [NR] local block c of each row
     last_page = (seq_len - 1) // P
     offs_d = tl.arange(0, DI)
-    offs_t = tl.arange(0, P)
     q = tl.load(
         q_ptr + b * stride_qb + q_i[:, None] * stride_qq + (hk * HPK + rows % HPK)[:, None] * stride_qh
         + offs_d[None, :], mask=row_ok[:, None], other=0.0,
@@ -74,21 +76,37 @@ def _score_split_kernel(
     ids = EMPTY_ID_BASE + tl.zeros([NR, KP], tl.int32) + tl.arange(0, KP)[None, :]
     first = split * pages_per_split
     end = tl.minimum(first + pages_per_split, last_page + 1)
-    for j in range(first, end):
-        page = tl.load(tables_ptr + b * stride_tb + j)
-        page = tl.maximum(page, 0)
-        keys = tl.load(cache_ptr + page.to(tl.int64) * stride_cp + hk * stride_ch
-                       + offs_t[:, None] * stride_ct + offs_d[None, :])  # [P, DI]
+    offs_r = tl.arange(0, PAGES * P)  # key row of this iteration's PAGES pages
+    page_of_row = offs_r // P
+    offs_t = offs_r % P
+    offs_pg = tl.arange(0, PAGES)
+    for j0 in range(first, end, PAGES):
+        in_range = j0 + page_of_row < end
+        page = tl.load(tables_ptr + b * stride_tb + j0 + page_of_row, mask=in_range, other=0)
+        page = tl.maximum(page, 0).to(tl.int64)
+        keys = tl.load(cache_ptr + page[:, None] * stride_cp + hk * stride_ch + offs_t[:, None] * stride_ct
+                       + offs_d[None, :], mask=in_range[:, None], other=0.0)  # [PAGES·P, DI]
         keys = keys.to(q_t.dtype)  # fp8 → bf16 in registers; no-op when the dtypes agree
-        logits = tl.dot(keys, q_t)  # [P, NR] fp32
+        logits = tl.dot(keys, q_t)  # [PAGES·P, NR] fp32
         if HAS_SCALE:
-            key_scale = tl.load(scale_ptr + page.to(tl.int64) * stride_sp + hk * stride_sh
-                                + offs_t * stride_st)
+            key_scale = tl.load(scale_ptr + page * stride_sp + hk * stride_sh + offs_t * stride_st,
+                                mask=in_range, other=0.0)
             logits = logits * key_scale[:, None]
-        score = tl.max(logits, axis=0)  # [NR]
-        forced = (j == local) | (j < N_INIT)
-        score = tl.where(forced, float("inf"), score)
-        vals, ids = topk_insert(vals, ids, score, j, row_ok & (j <= local))
+        scores = tl.max(tl.reshape(logits, [PAGES, P, NR]), axis=1)  # [PAGES, NR] block maxima
+        blocks = j0 + offs_pg
+        forced = (blocks[:, None] == local[None, :]) | (blocks[:, None] < N_INIT)
+        scores = tl.where(forced, float("inf"), scores)
+        valid = row_ok[None, :] & (blocks[:, None] <= local[None, :]) & (blocks[:, None] < end)
+        # Once the running top-K has filled, a page rarely beats its worst entry: test that cheaply
+        # and run the per-page insertion only when some row needs it.
+        worst = tl.min(vals, axis=1)  # [NR]
+        enters = valid & (scores > worst[None, :])
+        if tl.max(tl.max(enters.to(tl.int32), axis=1), axis=0) > 0:
+            for i in tl.static_range(PAGES):
+                pick = offs_pg[:, None] == i
+                score = tl.max(tl.where(pick, scores, float("-inf")), axis=0)  # [NR]
+                ok = tl.max(tl.where(pick & valid, 1, 0), axis=0) > 0
+                vals, ids = topk_insert(vals, ids, score, j0 + i, ok)
     base = ((b * tl.num_programs(2) + hk) * num_splits + split) * NR * KP
     offs = base + rows[:, None] * KP + tl.arange(0, KP)[None, :]
     tl.store(cand_val_ptr + offs, vals)

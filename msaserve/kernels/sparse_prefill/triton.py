@@ -1,9 +1,10 @@
 """Sparse prefill attention (DESIGN §2), KV-block-major, in Triton.
 
 The selection [Tq, Hkv, K] is inverted into work tiles: per (sequence, KV head, block) the queries
-that chose it, cut into tiles of BQ queries. A program loads its K/V page once, packs its queries
-with the group's G heads into the M rows of the MMA (BQ·G ≈ 128), and writes one partial (o, lse)
-per (query, head, slot). A second kernel merges the ≤ K partials of each (query, KV head) by LSE.
+that chose it, cut into tiles of up to SUBTILES·BQ queries. A program loads its K/V page once and
+loops over sub-tiles of BQ queries, packing each query's G heads into the M rows of the MMA
+(BQ·G ≈ 128); it writes one partial (o, lse) per (query, head, slot). A second kernel merges the
+≤ K partials of each (query, KV head) by LSE.
 """
 
 import math
@@ -29,8 +30,13 @@ _LOG2E = 1.4426950408889634
 
 
 def _block_rows(group: int) -> int:
-    """MMA rows per tile: 128, at least one query's heads."""
+    """MMA rows per sub-tile: 128, at least one query's heads."""
     return max(128, pow2(group))
+
+
+# Sub-tiles per program: the page is loaded once for up to this many sub-tiles of queries, and the
+# loop over them lets the compiler overlap the next queries' loads with the current MMAs.
+_SUBTILES = 4
 
 
 def _invert_selection(
@@ -80,38 +86,42 @@ def _block_major_kernel(
 ):
     tile = tl.program_id(0)
     e0 = tl.load(tile_start_ptr + tile)
-    count = tl.load(tile_count_ptr + tile)
+    count = tl.load(tile_count_ptr + tile)  # ≤ SUBTILES · BQ queries, all of one (seq, head, block)
     key = tl.load(key_ptr + e0)
     j = key % max_pages
     h = (key // max_pages) % HKV
     b = key // max_pages // HKV
     page = tl.load(tables_ptr + b * stride_tb + j).to(tl.int64)
-    rows = tl.arange(0, BLOCK_M)  # row = query-in-tile · G + head-in-group
-    q_in_tile = rows // G
-    row_ok = (rows < BQ * G) & (q_in_tile < count)
-    entry = tl.load(entry_ptr + e0 + q_in_tile, mask=row_ok, other=0)  # [BLOCK_M] flat (t, h, slot)
-    t = entry // (HKV * TOP_K)
-    pos = tl.load(q_pos_ptr + t, mask=row_ok, other=0)
     offs_d = tl.arange(0, D)
     offs_p = tl.arange(0, P)
-    head = h * G + rows % G
-    q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+    # The page is read once and reused by every sub-tile of queries.
     keys = tl.load(k_ptr + page * stride_kp + h * stride_kh + offs_p[:, None] * stride_kt + offs_d[None, :])
     values = tl.load(v_ptr + page * stride_vp + h * stride_vh + offs_p[:, None] * stride_vt + offs_d[None, :])
     if UPCAST:
-        q = q.to(tl.float32)
-    logits = tl.dot(q, tl.trans(keys.to(q.dtype))) * qk_scale  # [BLOCK_M, P], log2 units
-    logits = tl.where((j * P + offs_p)[None, :] <= pos[:, None], logits, float("-inf"))
-    m = tl.max(logits, axis=1)
-    m = tl.where(row_ok, m, 0.0)  # padding rows: keep the arithmetic finite
-    probs = tl.exp2(logits - m[:, None])
-    denom = tl.sum(probs, axis=1)
-    out = tl.dot(probs.to(q.dtype), values.to(q.dtype)) / tl.where(denom > 0, denom, 1.0)[:, None]
-    part_row = entry * G + rows % G  # [Tq·Hkv·K·G] rows of the partial buffers
-    tl.store(part_o_ptr + part_row[:, None] * D + offs_d[None, :], out.to(part_o_ptr.dtype.element_ty),
-             mask=row_ok[:, None])
-    tl.store(part_lse_ptr + part_row, m + tl.log2(tl.where(denom > 0, denom, 1.0)), mask=row_ok)
+        keys = keys.to(tl.float32)
+        values = values.to(tl.float32)
+    keys_t = tl.trans(keys)  # [D, P]
+    rows = tl.arange(0, BLOCK_M)  # row = query-in-sub-tile · G + head-in-group
+    head = h * G + rows % G
+    for first in range(0, count, BQ):
+        q_in_tile = first + rows // G
+        row_ok = (rows < BQ * G) & (q_in_tile < count)
+        entry = tl.load(entry_ptr + e0 + q_in_tile, mask=row_ok, other=0)  # [BLOCK_M] flat (t, h, slot)
+        t = entry // (HKV * TOP_K)
+        pos = tl.load(q_pos_ptr + t, mask=row_ok, other=0)
+        q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                    mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+        logits = tl.dot(q.to(keys_t.dtype), keys_t) * qk_scale  # [BLOCK_M, P], log2 units
+        logits = tl.where((j * P + offs_p)[None, :] <= pos[:, None], logits, float("-inf"))
+        m = tl.max(logits, axis=1)
+        m = tl.where(row_ok, m, 0.0)  # padding rows: keep the arithmetic finite
+        probs = tl.exp2(logits - m[:, None])
+        denom = tl.sum(probs, axis=1)
+        out = tl.dot(probs.to(values.dtype), values) / tl.where(denom > 0, denom, 1.0)[:, None]
+        part_row = entry * G + rows % G  # [Tq·Hkv·K·G] rows of the partial buffers
+        tl.store(part_o_ptr + part_row[:, None] * D + offs_d[None, :], out.to(part_o_ptr.dtype.element_ty),
+                 mask=row_ok[:, None])
+        tl.store(part_lse_ptr + part_row, m + tl.log2(tl.where(denom > 0, denom, 1.0)), mask=row_ok)
 
 
 # ---------------------------------------------------------------- launcher
@@ -157,7 +167,7 @@ def _launch(
     queries_per_tile = block_m // group
     seq, pos = _query_positions(cu_seqlens_q.to(q.device), seq_lens.to(q.device), num_tokens)
     key, entry, tile_start, tile_count = _invert_selection(
-        selected, seq, block_tables.shape[1], queries_per_tile
+        selected, seq, block_tables.shape[1], queries_per_tile * _SUBTILES
     )
     # Partials per (query, KV head, slot, head-in-group); o in q's dtype halves the traffic.
     part_o = q.new_empty((num_tokens * num_kv_heads * top_k, group, head_dim))
