@@ -62,18 +62,43 @@ class PageCodec:
         """(K+V payload per layer, index payload) of each physical page, one device copy per
         layer and tensor."""
         index = torch.as_tensor(list(physical_pages), dtype=torch.long, device=caches[0].k_cache.device)
-        n = len(physical_pages)
-        kv = [  # per layer: [n, 2, P, Hkv, D] bytes on the host
-            _host_bytes(torch.stack([c.k_cache[index], c.v_cache[index]], dim=1)).reshape(n, -1)
-            for c in caches
+        scale = torch.stack([c.index_scale[index] for c in caches], dim=1) if self.fp8_index else None
+        return self.encode(
+            k=[c.k_cache[index] for c in caches], v=[c.v_cache[index] for c in caches],
+            index=torch.stack([c.index_cache[index] for c in caches], dim=1), index_scale=scale,
+        )
+
+    def encode(
+        self, k: Sequence[torch.Tensor], v: Sequence[torch.Tensor], index: torch.Tensor,
+        index_scale: torch.Tensor | None,
+    ) -> list[tuple[list[Payload], Payload]]:
+        """k, v: per layer [n, P, Hkv, D]; index [n, L, P, HkI, DI]; index_scale [n, L, P, HkI]
+        → (K+V payload per layer, index payload) of each of the n pages."""
+        n = index.shape[0]
+        kv = [  # per layer: [n, 2 · P · Hkv · D · itemsize] on the host
+            _host_bytes(torch.stack([k_l, v_l], dim=1)).reshape(n, -1) for k_l, v_l in zip(k, v, strict=True)
         ]
-        ix = _host_bytes(torch.stack([c.index_cache[index] for c in caches], dim=1)).reshape(n, -1)
-        parts = [ix]
+        parts = [_host_bytes(index).reshape(n, -1)]
         if self.fp8_index:
-            scales = torch.stack([c.index_scale[index] for c in caches], dim=1)  # [n, L, P, HkI]
-            parts.append(_host_bytes(scales).reshape(n, -1))
+            parts.append(_host_bytes(index_scale).reshape(n, -1))
         index_payloads = np.concatenate(parts, axis=1)  # [n, index_bytes + scale_bytes]
         return [([layer[i] for layer in kv], index_payloads[i]) for i in range(n)]
+
+    def decode_kv(self, payloads: Sequence[Payload]) -> torch.Tensor:
+        """K+V payloads of n pages of one layer → host tensor [n, 2, P, Hkv, D]."""
+        data = self._stack(payloads, self.kv_bytes, "K+V")
+        return torch.from_numpy(data).view(self.kv_dtype).view(len(payloads), *self.kv_shape)
+
+    def decode_index(self, payloads: Sequence[Payload]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Index payloads of n pages → host tensors index [n, L, P, HkI, DI], scale [n, L, P, HkI]."""
+        n = len(payloads)
+        data = self._stack(payloads, self.index_bytes + self.scale_bytes, "index")
+        ix = torch.from_numpy(np.ascontiguousarray(data[:, : self.index_bytes]))
+        ix = ix.view(self.index_dtype).view(n, *self.index_shape)
+        if not self.fp8_index:
+            return ix, None
+        scales = torch.from_numpy(np.ascontiguousarray(data[:, self.index_bytes :]))
+        return ix, scales.view(torch.float32).view(n, *self.scale_shape)
 
     # ---- import (service → replica) -----------------------------------------------------------
     def import_kv(
@@ -82,9 +107,7 @@ class PageCodec:
         """Write K+V payloads of one layer into `cache` at `physical_pages`."""
         if not payloads:
             return
-        data = self._stack(payloads, self.kv_bytes, "K+V")
-        tensor = torch.from_numpy(data).view(self.kv_dtype).view(len(payloads), *self.kv_shape)
-        tensor = tensor.to(cache.k_cache.device, non_blocking=False)
+        tensor = self.decode_kv(payloads).to(cache.k_cache.device)
         index = torch.as_tensor(list(physical_pages), dtype=torch.long, device=cache.k_cache.device)
         cache.k_cache[index] = tensor[:, 0]
         cache.v_cache[index] = tensor[:, 1]
@@ -95,15 +118,10 @@ class PageCodec:
         """Write index payloads (every layer) into the caches at `physical_pages`."""
         if not payloads:
             return
-        n = len(payloads)
-        data = self._stack(payloads, self.index_bytes + self.scale_bytes, "index")
-        ix = torch.from_numpy(np.ascontiguousarray(data[:, : self.index_bytes]))
-        ix = ix.view(self.index_dtype).view(n, *self.index_shape).to(caches[0].index_cache.device)
+        ix, scales = self.decode_index(payloads)
         index = torch.as_tensor(list(physical_pages), dtype=torch.long, device=caches[0].index_cache.device)
-        scales = None
-        if self.fp8_index:
-            scales = torch.from_numpy(np.ascontiguousarray(data[:, self.index_bytes :]))
-            scales = scales.view(torch.float32).view(n, *self.scale_shape).to(index.device)
+        ix = ix.to(index.device)
+        scales = None if scales is None else scales.to(index.device)
         for layer, cache in enumerate(caches):
             cache.index_cache[index] = ix[:, layer]
             if scales is not None:

@@ -8,10 +8,14 @@ import ray
 import torch
 import xxhash
 
+from msaserve.engine.config import EngineConfig
+from msaserve.engine.llm_engine import LLMEngine
+from msaserve.engine.types import GenerateRequest, SamplingParams
 from msaserve.kernels import get_ops
 from msaserve.kvcache.adoption import LazyPageFetcher, PageLost, forward_with_ops
 from msaserve.kvcache.client import KVCacheClient, start_shards
 from msaserve.kvcache.config import ServiceConfig
+from msaserve.kvcache.engine_adapter import ServicePageStore
 from msaserve.kvcache.keys import IncompatibleModel, ModelIdentity, index_key, kv_key, shard_of_page
 from msaserve.kvcache.pages import identity_for
 from msaserve.kvcache.persist import SessionWriter
@@ -244,3 +248,34 @@ def test_session_moved_mid_generation_gives_identical_greedy_tokens(service, sha
         assert 0 < fetcher.pages_for_first_token <= 2 * 2 * 4 < 2 * 10
     if corrupt == "index":
         assert fetcher.num_pages == 4  # pages after the bad one were recomputed, not served
+
+
+# ---- the engine's swap-based preemption through the service -----------------------------------
+@pytest.mark.parametrize("memory_bytes", [8 << 20, 64 * 1024], ids=["swapped", "service-full"])
+def test_engine_preemption_swaps_through_the_service_with_identical_tokens(service, tiny, memory_bytes):
+    model, _, identity = tiny
+    prompts = [torch.randint(3, 512, (80,), generator=torch.Generator().manual_seed(200 + i)).tolist()
+               for i in range(4)]
+    want = [generate(model, p, 12) for p in prompts]
+    _, shards = service(num_shards=1, memory_bytes=memory_bytes, disk=False)
+    store = ServicePageStore(KVCacheClient(shards, identity))
+    # Four 80-token prompts fill 4 × 5 of the 21 pages; their first decode steps need a sixth page
+    # each, so the newest sequences are preempted (swapped out to the service) and resumed.
+    config = EngineConfig(model="tiny", num_pages=21, max_num_seqs=8, max_num_batched_tokens=400)
+    engine = LLMEngine(config, model=model, page_store=store)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(GenerateRequest(f"r{i}", prompt, SamplingParams(max_tokens=12, temperature=0.0,
+                                                                            ignore_eos=True)))
+    outputs: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.token_ids)
+    assert engine.scheduler.num_preemptions > 0
+    assert [outputs[f"r{i}"] for i in range(4)] == want
+    assert len(store) == 0
+    stats = KVCacheClient(shards, identity).stats()[0]
+    if memory_bytes == 8 << 20:  # swapped out and back: pages written, read, then deleted
+        assert store.bytes_stored > 0 and stats["kv"]["hits_memory"] > 0
+    else:  # a swap of 5 pages × 2 layers × 4 KiB does not fit 56 KiB of K/V: recomputed instead
+        assert store.bytes_stored == 0
+    assert stats["kv"]["memory_pages"] == 0 and stats["index"]["memory_pages"] == 0
