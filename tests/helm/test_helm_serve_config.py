@@ -164,3 +164,20 @@ def test_deploy_config_write_values_schema_round_trips(tmp_path: Path, capsys) -
 def test_config_error_type_is_what_deploy_config_catches() -> None:
     with pytest.raises(ConfigError):
         ServeConfig.from_dict({"http": {"port": 0}})
+
+
+@pytest.mark.parametrize("values_name", list(VALUES_FILES))
+def test_import_path_builds_the_serve_application_from_rendered_args(rendered, values_name: str) -> None:
+    """What KubeRay's Serve controller does first: import `import_path` and call it with `args`.
+    (Binding the deployment graph needs no running Ray.)"""
+    import importlib
+
+    from ray.serve import Application
+
+    from msaserve.platform.app import APP_NAME
+
+    [app] = _serve_config_v2(rendered[values_name])["applications"]
+    assert app["name"] == APP_NAME
+    module, _, attribute = app["import_path"].partition(":")
+    builder = getattr(importlib.import_module(module), attribute)
+    assert isinstance(builder(app["args"]), Application)
