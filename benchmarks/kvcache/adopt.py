@@ -1,0 +1,317 @@
+"""Session adoption through the KV cache service vs re-prefill vs copying the whole KV first.
+
+Replica A prefills a long session (`m3-proxy`, random weights; that prefill is baseline (a):
+re-prefilling from the token ids) and persists it to the service (index store + block store).
+Then a fresh replica produces the session's next token three ways:
+- adopt: load the whole index, then fetch per layer only the K/V pages the indexer selects;
+- full copy (b): fetch every page's index and K/V first, then decode;
+- re-prefill (a): A's prefill time (plus reading the session record).
+It then decodes `--steps` more tokens with lazy fetch + background prefetch, against A's decode
+with everything resident (the TPOT penalty). Tokens are checked equal to A's at every step.
+
+    python benchmarks/kvcache/adopt.py                          # H200: 1M tokens, 4 layers
+    python benchmarks/kvcache/adopt.py --device cpu --quick     # CPU smoke run at small sizes
+"""
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import ray
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from msaserve.kernels import get_ops  # noqa: E402
+from msaserve.kvcache.adoption import LazyPageFetcher, forward_with_ops  # noqa: E402
+from msaserve.kvcache.client import KVCacheClient, start_shards  # noqa: E402
+from msaserve.kvcache.config import ServiceConfig  # noqa: E402
+from msaserve.kvcache.pages import PageCodec, identity_for  # noqa: E402
+from msaserve.kvcache.persist import SessionWriter  # noqa: E402
+from msaserve.models.presets import get_preset  # noqa: E402
+from msaserve.models.reference_decode import SequenceState, step_metadata  # noqa: E402
+from msaserve.models.transformer import MSATransformer, init_random_weights  # noqa: E402
+
+# The M3 attention shape scaled down so that the naive ops run on a CPU in seconds.
+QUICK_OVERRIDES = dict(hidden_size=256, num_heads=8, num_kv_heads=2, head_dim=32, index_head_dim=32,
+                       intermediate_size=512, vocab_size=2048, page_size=32, top_k=8)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(device: torch.device, fn):
+    sync(device)
+    start = time.perf_counter()
+    out = fn()
+    sync(device)
+    return out, time.perf_counter() - start
+
+
+class Replica:
+    """One sequence's caches on a replica, decoding with the given ops."""
+
+    def __init__(self, model: MSATransformer, capacity: int, ops) -> None:
+        self.model, self.ops = model, ops
+        self.state = SequenceState(model, capacity)
+        self.device = next(model.parameters()).device
+
+    def run(self, token_ids: list[int], start: int, decode: bool) -> int:
+        """Run tokens at positions start.. and return the greedy next token."""
+        meta = step_metadata(start, len(token_ids), self.state.max_pages, self.model.config.page_size,
+                             decode, self.device)
+        ids = torch.tensor(token_ids, device=self.device)
+        hidden = forward_with_ops(self.model, ids, meta, self.state.caches, self.ops)[-1:]
+        return int(torch.argmax(self.model.compute_logits(hidden)[0]))
+
+
+def prefill_session(model, ops, tokens: list[int], capacity: int, chunk: int) -> tuple[Replica, int, float]:
+    """Baseline (a): prefill every token on a fresh replica → (replica, next token, seconds)."""
+    replica = Replica(model, capacity, ops)
+
+    def go() -> int:
+        for start in range(0, len(tokens) - chunk, chunk):  # all but the last chunk
+            replica.run(tokens[start : start + chunk], start, decode=False)
+        last = (len(tokens) - 1) // chunk * chunk
+        return replica.run(tokens[last:], last, decode=False)
+
+    with torch.inference_mode():
+        token, seconds = timed(replica.device, go)
+    return replica, token, seconds
+
+
+def decode_steps(
+    replica: Replica, tokens: list[int], steps: int, before_step=None
+) -> tuple[list[int], list[float]]:
+    """Decode `steps` greedy tokens after `tokens` (its last token not yet run) → tokens, step times."""
+    out, times = [], []
+    tokens = list(tokens)
+    with torch.inference_mode():
+        for _ in range(steps):
+            sync(replica.device)
+            start = time.perf_counter()
+            if before_step is not None:
+                before_step()
+            token = replica.run([tokens[-1]], len(tokens) - 1, decode=True)
+            sync(replica.device)
+            times.append(time.perf_counter() - start)
+            out.append(token)
+            tokens.append(token)
+    return out, times
+
+
+def adopt(client, model, ops, capacity: int, session: str) -> tuple[Replica, LazyPageFetcher, int, float]:
+    """Adoption: record, whole index, then the next token with per-layer lazy K/V fetch."""
+    def go():
+        record = client.get_session(session)
+        replica = Replica(model, capacity, None)
+        fetcher = LazyPageFetcher(client, record, replica.state.caches, list(range(replica.state.max_pages)))
+        covered = fetcher.load_index()
+        replica.ops = fetcher.wrap_ops(ops)
+        with torch.inference_mode():
+            tail = record.token_ids[covered:]  # 1 token when the tail page was stored
+            token = replica.run(tail, covered, decode=len(tail) == 1)
+        return replica, fetcher, token
+
+    (replica, fetcher, token), seconds = timed(next(model.parameters()).device, go)
+    return replica, fetcher, token, seconds
+
+
+def full_copy(client, model, ops, capacity: int, session: str) -> tuple[int, float, int]:
+    """Baseline (b): fetch every page's index and K/V (all layers in flight at once), then decode."""
+    codec = PageCodec(client.model)
+
+    def go():
+        record = client.get_session(session)
+        replica = Replica(model, capacity, ops)
+        hashes = record.page_hashes + ([record.tail_hash] if record.tail_hash is not None else [])
+        pages = list(range(len(hashes)))
+        index_fetch = client.get_index_async(hashes)
+        kv_fetches = [  # every layer in flight at once
+            client.get_kv_async([(h, layer) for h in hashes]) for layer in range(model.config.num_layers)
+        ]
+        index = index_fetch.result()
+        codec.import_index(replica.state.caches, pages, index)
+        moved = sum(p.nbytes for p in index)
+        for layer, fetch in enumerate(kv_fetches):
+            payloads = fetch.result()
+            codec.import_kv(replica.state.caches[layer], pages, payloads)
+            moved += sum(p.nbytes for p in payloads)
+            del payloads
+        covered = record.num_stored_tokens
+        with torch.inference_mode():
+            tail = record.token_ids[covered:]  # 1 token when the tail page was stored
+            token = replica.run(tail, covered, decode=len(tail) == 1)
+        return token, moved
+
+    (token, moved), seconds = timed(next(model.parameters()).device, go)
+    return token, seconds, moved
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    overrides = QUICK_OVERRIDES if args.quick else {}
+    config = get_preset("m3-proxy", num_layers=args.num_layers, **overrides)
+    model = init_random_weights(MSATransformer(config, attention_backend="msa").to(device, dtype), seed=0)
+    model.eval().requires_grad_(False)
+    ops = get_ops("msa", device)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, config.vocab_size, (args.context,), generator=generator).tolist()
+    capacity = args.context + args.steps + 2
+    identity = identity_for(config, f"m3-proxy-random-seed0-L{args.num_layers}", dtype)
+
+    session_bytes = 2 * identity_bytes(identity, args.context)
+    service = ServiceConfig(num_shards=args.shards, memory_bytes=max(2 * session_bytes, 64 << 20))
+    client = KVCacheClient(start_shards(service), identity)
+
+    # Warm up kernels (and their autotuning) and every service path on a short session, off the clock.
+    warm = min(args.context // 2, 4 * args.chunk)
+    # Other tokens than the session's, so that no page of it is in the service before it is persisted.
+    warm_tokens = torch.randint(3, config.vocab_size, (warm,), generator=generator).tolist()
+    warm_replica, warm_token, _ = prefill_session(model, ops, warm_tokens, warm + 8, args.chunk)
+    SessionWriter(client, "warm-up").sync([*warm_tokens, warm_token], warm_replica.state.caches,
+                                          range(warm_replica.state.max_pages), warm, tail=True)
+    decode_steps(warm_replica, [*warm_tokens, warm_token], 2)
+    warm_replica = None
+    warm_replica, _, _, _ = adopt(client, model, ops, warm + 8, "warm-up")
+    decode_steps(warm_replica, [*warm_tokens, warm_token, 0], 2)
+    full_copy(client, model, ops, warm + 8, "warm-up")
+    warm_replica = None
+    client.delete_session("warm-up")
+
+    # Replica A: baseline (a), then persist the session and decode with everything resident.
+    replica_a, first_token, reprefill_s = prefill_session(model, ops, tokens, capacity, args.chunk)
+    writer = SessionWriter(client, "bench", pinned=True)
+    session_tokens = [*tokens, first_token]
+    caches_a, max_pages_a = replica_a.state.caches, replica_a.state.max_pages
+    _, persist_s = timed(
+        device, lambda: writer.sync(session_tokens, caches_a, range(max_pages_a), args.context, tail=True)
+    )
+    want, resident_times = decode_steps(replica_a, session_tokens, args.steps + 1)
+    replica_a = caches_a = None  # free A's caches before the adopting replica allocates its own
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    # Adoption, then lazy decode with background prefetch.
+    replica_b, fetcher, adopt_token, adopt_s = adopt(client, model, ops, capacity, "bench")
+    first_fetch = (fetcher.stats.index_bytes, fetcher.stats.kv_bytes_on_demand)
+
+    def background(fetcher: LazyPageFetcher = fetcher) -> None:
+        fetcher.poll()
+        fetcher.prefetch(args.prefetch_pages)
+
+    got, lazy_times = decode_steps(replica_b, [*session_tokens, adopt_token], args.steps, background)
+    fetcher.poll(wait=True)
+    assert [adopt_token, *got] == want, f"adopted replica diverged: {[adopt_token, *got]} != {want}"
+    replica_b = fetcher = background = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+    copy_token, full_copy_s, full_copy_bytes = full_copy(client, model, ops, capacity, "bench")
+    assert copy_token == want[0], f"full-copy replica diverged: {copy_token} != {want[0]}"
+    return dict(
+        config=config, device=device, reprefill_s=reprefill_s, adopt_s=adopt_s, full_copy_s=full_copy_s,
+        persist_s=persist_s, adopt_index_bytes=first_fetch[0], adopt_kv_bytes=first_fetch[1],
+        full_copy_bytes=full_copy_bytes, token_id_bytes=8 * len(session_tokens),
+        tpot_resident_s=median(resident_times[1:]), tpot_lazy_s=median(lazy_times),
+        tpot_lazy_first_s=lazy_times[0], uploaded_bytes=writer.bytes_uploaded,
+    )
+
+
+def identity_bytes(identity, num_tokens: int) -> int:
+    codec = PageCodec(identity)
+    pages = -(-num_tokens // identity.page_size)
+    return pages * (identity.num_layers * codec.kv_bytes + codec.index_bytes + codec.scale_bytes)
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    return ordered[len(ordered) // 2]
+
+
+def hardware(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"CPU ({torch.get_num_threads()} threads)"
+
+
+def git_revision() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def report(args: argparse.Namespace, r: dict) -> None:
+    gib = 1 << 30
+    adopt_bytes = r["adopt_index_bytes"] + r["adopt_kv_bytes"] + r["token_id_bytes"]
+    rows = [
+        ("adopt (index first, lazy K/V)", r["adopt_s"], adopt_bytes),
+        ("(a) re-prefill from token ids", r["reprefill_s"], r["token_id_bytes"]),
+        ("(b) copy whole KV first", r["full_copy_s"], r["full_copy_bytes"] + r["token_id_bytes"]),
+    ]
+    meta = dict(command="python benchmarks/kvcache/adopt.py " + " ".join(sys.argv[1:]),
+                hardware=hardware(r["device"]), date=datetime.now(UTC).isoformat(timespec="seconds"),
+                git_revision=git_revision())
+    shape = "m3-proxy (quick shapes)" if args.quick else "m3-proxy"
+    label = f"{shape}, {r['config'].num_layers} layers, {args.context} tokens"
+    entries = {
+        "kvcache.adopt_vs_reprefill": dict(value=round(r["reprefill_s"] / r["adopt_s"], 2), unit="x"),
+        "kvcache.adopt_vs_full_copy": dict(value=round(r["full_copy_s"] / r["adopt_s"], 2), unit="x"),
+        "kvcache.adopt_time_to_token_s": dict(value=round(r["adopt_s"], 4), unit="s"),
+        "kvcache.reprefill_time_to_token_s": dict(value=round(r["reprefill_s"], 4), unit="s"),
+        "kvcache.full_copy_time_to_token_s": dict(value=round(r["full_copy_s"], 4), unit="s"),
+        "kvcache.adopt_bytes_moved": dict(value=adopt_bytes, unit="bytes"),
+        "kvcache.full_copy_bytes_moved": dict(value=r["full_copy_bytes"] + r["token_id_bytes"], unit="bytes"),
+        "kvcache.lazy_tpot_penalty": dict(value=round(r["tpot_lazy_s"] / r["tpot_resident_s"] - 1, 4),
+                                          unit="fraction of resident TPOT"),
+    }
+    for entry in entries.values():
+        entry.update(meta, workload=label)
+    out = Path(args.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(entries, indent=2) + "\n")
+    print(f"\n{label}; {args.shards} shards; persist (upload) {r['persist_s']:.3f} s, "
+          f"{r['uploaded_bytes'] / gib:.3f} GiB; results → {out}")
+    print(f"TPOT resident {r['tpot_resident_s'] * 1e3:.2f} ms | lazy (median of {args.steps}) "
+          f"{r['tpot_lazy_s'] * 1e3:.2f} ms | first lazy step {r['tpot_lazy_first_s'] * 1e3:.2f} ms")
+    print(f"{'next token after adoption':<34}{'time (s)':>12}{'GiB moved':>12}{'vs adopt':>10}")
+    for name, seconds, nbytes in rows:
+        print(f"{name:<34}{seconds:>12.4f}{nbytes / gib:>12.4f}{seconds / r['adopt_s']:>9.1f}x")
+
+
+def main() -> None:
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small shapes and context (CPU smoke run)")
+    parser.add_argument("--context", type=int, default=None, help="session tokens (default 1M; quick 4096)")
+    parser.add_argument("--num-layers", type=int, default=None, help="default 4 (quick 2)")
+    parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 32768; quick 1024)")
+    parser.add_argument("--steps", type=int, default=16, help="decode steps for TPOT")
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--prefetch-pages", type=int, default=256, help="(page, layer) reads in flight")
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    args.context = args.context or (4096 if args.quick else 1 << 20)
+    args.num_layers = args.num_layers or (2 if args.quick else 4)
+    args.chunk = args.chunk or (1024 if args.quick else 32768)
+    default_name = "kvcache_cpu_quick.json" if args.quick else "kvcache.json"
+    args.output = args.output or str(ROOT / "benchmarks" / "results" / default_name)
+    ray.init(address="local", include_dashboard=False, configure_logging=False, _node_ip_address="127.0.0.1")
+    try:
+        report(args, run(args))
+    finally:
+        ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()
