@@ -11,6 +11,16 @@ from msaserve.models.tokenizer import Tokenizer
 from msaserve.models.transformer import MSATransformer, init_random_weights
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    """The tiny model's ops are far too small to gain from threads, and on a loaded 2-core machine
+    OpenMP's spinning threads made them 20× slower; the SmolLM2 test sets its own count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> MSATransformer:
     """tiny: P=16, K=4, so prompts over 64 tokens attend sparsely."""
