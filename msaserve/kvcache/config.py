@@ -35,6 +35,16 @@ class ServiceConfig:
         if not 0.0 < self.index_fraction < 1.0:
             raise ValueError(f"kvcache index_fraction={self.index_fraction} must be in (0, 1)")
 
+    @classmethod
+    def from_platform(cls, kvcache_config, **overrides) -> "ServiceConfig":
+        """From the platform's pydantic `KVCacheConfig` (num_shards, memory_bytes, disk_path,
+        disk_bytes); overrides set the fields it does not have."""
+        fields = dict(
+            num_shards=kvcache_config.num_shards, memory_bytes=kvcache_config.memory_bytes,
+            disk_path=kvcache_config.disk_path, disk_bytes=kvcache_config.disk_bytes,
+        )
+        return cls(**{**fields, **overrides})
+
     def shard_dir(self, shard_id: int) -> Path | None:
         if self.disk_path is None or self.disk_bytes == 0:
             return None
