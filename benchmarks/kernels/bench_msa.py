@@ -296,6 +296,19 @@ def run_decode(report: Report, ceil: dict) -> None:
                           speedup_fp8=r["speedup_fp8"])
 
 
+def autotuned_configs() -> dict:
+    """The config each autotuned kernel picked per shape key (for the notes)."""
+    from msaserve.kernels.indexer_decode import triton as idec
+    from msaserve.kernels.indexer_prefill import triton as ipre
+    from msaserve.kernels.sparse_decode import triton as sdec
+    from msaserve.kernels.sparse_prefill import triton as spre
+
+    kernels = {"indexer_decode": idec._score_split_kernel, "indexer_prefill": ipre._indexer_prefill_kernel,
+               "sparse_decode": sdec._sparse_decode_kernel, "sparse_prefill": spre._block_major_kernel}
+    return {name: {str(key): str(cfg) for key, cfg in getattr(k, "cache", {}).items()}
+            for name, k in kernels.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -320,6 +333,7 @@ def main() -> None:
     for name in args.only.split(","):
         section(name, steps[name], report)
         report.raw["sdpa_backends"] = sorted(SDPA_BACKENDS_USED)
+        report.raw["autotuned"] = autotuned_configs()
         report.write(args.out)
     report.print_tables()
 

@@ -36,12 +36,59 @@ def _num_splits(batch: int, key_heads: int, max_pages: int, device: torch.device
 # ---------------------------------------------------------------- autotune keyed on shapes
 
 # PAGES: pages per loop iteration (more bytes in flight, fewer reductions per byte).
-_CONFIGS = [triton.Config({"PAGES": pages}, num_warps=warps, num_stages=stages)
-            for pages, warps, stages in ((2, 4, 3), (1, 4, 4), (2, 8, 3), (4, 8, 2), (4, 4, 3))]
+# PREFETCH: double-buffer the next pages in registers instead of relying on the compiler's pipelining.
+_CONFIGS = [triton.Config({"PAGES": pages, "PREFETCH": prefetch}, num_warps=warps, num_stages=stages)
+            for pages, prefetch, warps, stages in (
+                (2, 1, 4, 1), (2, 0, 4, 3), (1, 0, 4, 4), (4, 0, 8, 2), (4, 1, 8, 1), (2, 1, 8, 1),
+                (1, 1, 4, 1))]
 _CONFIGS = _CONFIGS[:1] if INTERPRET else _CONFIGS
 
 
 # ---------------------------------------------------------------- jit kernels
+
+
+@triton.jit
+def _load_pages(cache_ptr, scale_ptr, tables_ptr, j0, end, stride_cp, stride_ct, stride_sp, stride_st,
+                P: tl.constexpr, DI: tl.constexpr, PAGES: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Keys [PAGES·P, DI] (zeros past `end`) and their scales [PAGES·P] (ones without fp8)."""
+    offs_r = tl.arange(0, PAGES * P)  # key row: page · P + token
+    offs_t = offs_r % P
+    in_range = j0 + offs_r // P < end
+    page = tl.load(tables_ptr + j0 + offs_r // P, mask=in_range, other=0)
+    page = tl.maximum(page, 0).to(tl.int64)
+    keys = tl.load(cache_ptr + page[:, None] * stride_cp + offs_t[:, None] * stride_ct
+                   + tl.arange(0, DI)[None, :], mask=in_range[:, None], other=0.0)
+    if HAS_SCALE:
+        key_scale = tl.load(scale_ptr + page * stride_sp + offs_t * stride_st, mask=in_range, other=0.0)
+    else:
+        key_scale = tl.full([PAGES * P], 1.0, tl.float32)
+    return keys, key_scale
+
+
+@triton.jit
+def _fold_pages(vals, ids, keys, key_scale, q_t, j0, end, local, row_ok, P: tl.constexpr, NR: tl.constexpr,
+                PAGES: tl.constexpr, N_INIT: tl.constexpr, HAS_SCALE: tl.constexpr):
+    """Block maxima of PAGES pages for the NR rows, folded into the running top-K (vals, ids)."""
+    logits = tl.dot(keys.to(q_t.dtype), q_t)  # [PAGES·P, NR] fp32; fp8 keys widen to bf16 here
+    if HAS_SCALE:
+        logits = logits * key_scale[:, None]
+    scores = tl.max(tl.reshape(logits, [PAGES, P, NR]), axis=1)  # [PAGES, NR] block maxima
+    offs_pg = tl.arange(0, PAGES)
+    blocks = j0 + offs_pg
+    forced = (blocks[:, None] == local[None, :]) | (blocks[:, None] < N_INIT)
+    scores = tl.where(forced, float("inf"), scores)
+    valid = row_ok[None, :] & (blocks[:, None] <= local[None, :]) & (blocks[:, None] < end)
+    # Once the running top-K has filled, a page rarely beats its worst entry: test that cheaply
+    # and run the per-page insertion only when some row needs it.
+    worst = tl.min(vals, axis=1)  # [NR]
+    enters = valid & (scores > worst[None, :])
+    if tl.max(tl.max(enters.to(tl.int32), axis=1), axis=0) > 0:
+        for i in tl.static_range(PAGES):
+            pick = offs_pg[:, None] == i
+            score = tl.max(tl.where(pick, scores, float("-inf")), axis=0)  # [NR]
+            ok = tl.max(tl.where(pick & valid, 1, 0), axis=0) > 0
+            vals, ids = topk_insert(vals, ids, score, j0 + i, ok)
+    return vals, ids
 
 
 @triton.autotune(configs=_CONFIGS, key=["P", "DI", "NR", "KP", "HAS_SCALE"])
@@ -54,7 +101,7 @@ def _score_split_kernel(
     stride_tb, pages_per_split, num_splits,
     NUM_Q: tl.constexpr, HPK: tl.constexpr, NR: tl.constexpr, P: tl.constexpr, DI: tl.constexpr,
     KP: tl.constexpr, N_INIT: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
-    PAGES: tl.constexpr,
+    PAGES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One (sequence, split, key head): running top-K of its pages for the NR = Q·HPK rows."""
     b = tl.program_id(0)
@@ -76,37 +123,24 @@ def _score_split_kernel(
     ids = EMPTY_ID_BASE + tl.zeros([NR, KP], tl.int32) + tl.arange(0, KP)[None, :]
     first = split * pages_per_split
     end = tl.minimum(first + pages_per_split, last_page + 1)
-    offs_r = tl.arange(0, PAGES * P)  # key row of this iteration's PAGES pages
-    page_of_row = offs_r // P
-    offs_t = offs_r % P
-    offs_pg = tl.arange(0, PAGES)
-    for j0 in range(first, end, PAGES):
-        in_range = j0 + page_of_row < end
-        page = tl.load(tables_ptr + b * stride_tb + j0 + page_of_row, mask=in_range, other=0)
-        page = tl.maximum(page, 0).to(tl.int64)
-        keys = tl.load(cache_ptr + page[:, None] * stride_cp + hk * stride_ch + offs_t[:, None] * stride_ct
-                       + offs_d[None, :], mask=in_range[:, None], other=0.0)  # [PAGES·P, DI]
-        keys = keys.to(q_t.dtype)  # fp8 → bf16 in registers; no-op when the dtypes agree
-        logits = tl.dot(keys, q_t)  # [PAGES·P, NR] fp32
-        if HAS_SCALE:
-            key_scale = tl.load(scale_ptr + page * stride_sp + hk * stride_sh + offs_t * stride_st,
-                                mask=in_range, other=0.0)
-            logits = logits * key_scale[:, None]
-        scores = tl.max(tl.reshape(logits, [PAGES, P, NR]), axis=1)  # [PAGES, NR] block maxima
-        blocks = j0 + offs_pg
-        forced = (blocks[:, None] == local[None, :]) | (blocks[:, None] < N_INIT)
-        scores = tl.where(forced, float("inf"), scores)
-        valid = row_ok[None, :] & (blocks[:, None] <= local[None, :]) & (blocks[:, None] < end)
-        # Once the running top-K has filled, a page rarely beats its worst entry: test that cheaply
-        # and run the per-page insertion only when some row needs it.
-        worst = tl.min(vals, axis=1)  # [NR]
-        enters = valid & (scores > worst[None, :])
-        if tl.max(tl.max(enters.to(tl.int32), axis=1), axis=0) > 0:
-            for i in tl.static_range(PAGES):
-                pick = offs_pg[:, None] == i
-                score = tl.max(tl.where(pick, scores, float("-inf")), axis=0)  # [NR]
-                ok = tl.max(tl.where(pick & valid, 1, 0), axis=0) > 0
-                vals, ids = topk_insert(vals, ids, score, j0 + i, ok)
+    cache_ptr += hk * stride_ch
+    scale_ptr += hk * stride_sh
+    tables_ptr += b * stride_tb
+    if PREFETCH:  # double-buffer in registers: the next pages' loads are in flight during this fold
+        keys, key_scale = _load_pages(cache_ptr, scale_ptr, tables_ptr, first, end, stride_cp, stride_ct,
+                                      stride_sp, stride_st, P, DI, PAGES, HAS_SCALE)
+        for j0 in range(first, end, PAGES):
+            next_keys, next_scale = _load_pages(cache_ptr, scale_ptr, tables_ptr, j0 + PAGES, end, stride_cp,
+                                                stride_ct, stride_sp, stride_st, P, DI, PAGES, HAS_SCALE)
+            vals, ids = _fold_pages(vals, ids, keys, key_scale, q_t, j0, end, local, row_ok,
+                                    P, NR, PAGES, N_INIT, HAS_SCALE)
+            keys, key_scale = next_keys, next_scale
+    else:  # let the compiler pipeline the loads (num_stages)
+        for j0 in range(first, end, PAGES):
+            keys, key_scale = _load_pages(cache_ptr, scale_ptr, tables_ptr, j0, end, stride_cp, stride_ct,
+                                          stride_sp, stride_st, P, DI, PAGES, HAS_SCALE)
+            vals, ids = _fold_pages(vals, ids, keys, key_scale, q_t, j0, end, local, row_ok,
+                                    P, NR, PAGES, N_INIT, HAS_SCALE)
     base = ((b * tl.num_programs(2) + hk) * num_splits + split) * NR * KP
     offs = base + rows[:, None] * KP + tl.arange(0, KP)[None, :]
     tl.store(cand_val_ptr + offs, vals)

@@ -1,9 +1,9 @@
 """Sparse prefill attention (DESIGN §2), KV-block-major, in Triton.
 
 The selection [Tq, Hkv, K] is inverted into work tiles: per (sequence, KV head, block) the queries
-that chose it, cut into tiles of up to SUBTILES·BQ queries. A program loads its K/V page once and
-loops over sub-tiles of BQ queries, packing each query's G heads into the M rows of the MMA
-(BQ·G ≈ 128); it writes one partial (o, lse) per (query, head, slot). A second kernel merges the
+that chose it, cut into work items of up to 512/G queries. A program loads its K/V page once and
+loops over sub-tiles of BQ = BLOCK_M/G queries, packing each query's G heads into the M rows of the
+MMA; it writes one partial (o, lse) per (query, head, slot). A second kernel merges the
 ≤ K partials of each (query, KV head) by LSE.
 """
 
@@ -29,14 +29,10 @@ _LOG2E = 1.4426950408889634
 # ---------------------------------------------------------------- heuristics
 
 
-def _block_rows(group: int) -> int:
-    """MMA rows per sub-tile: 128, at least one query's heads."""
-    return max(128, pow2(group))
-
-
-# Sub-tiles per program: the page is loaded once for up to this many sub-tiles of queries, and the
-# loop over them lets the compiler overlap the next queries' loads with the current MMAs.
-_SUBTILES = 4
+def _queries_per_item(group: int) -> int:
+    """Queries of one (seq, head, block) per program: 4 sub-tiles of 128 MMA rows. The page is loaded
+    once for all of them, and the loop over sub-tiles overlaps the next queries' loads with the MMAs."""
+    return max(1, 4 * 128 // group)
 
 
 def _invert_selection(
@@ -55,11 +51,9 @@ def _invert_selection(
     key = torch.where(sel >= 0, key, invalid).flatten()
     key, entry = torch.sort(key, stable=True)  # stable: queries ascend within a block
     index = torch.arange(key.shape[0], device=key.device)
-    new_segment = torch.ones_like(key, dtype=torch.bool)
-    new_segment[1:] = key[1:] != key[:-1]
-    segment_first = torch.cummax(torch.where(new_segment, index, 0), 0).values
-    segment_id = torch.cumsum(new_segment, 0) - 1
-    segment_end = segment_first + torch.bincount(segment_id)[segment_id]
+    # Keys are sorted: a segment's bounds are the first and past-the-last positions of its key.
+    segment_first = torch.searchsorted(key, key)
+    segment_end = torch.searchsorted(key, key, right=True)
     is_start = ((index - segment_first) % queries_per_tile == 0) & (key != invalid)
     tile_start = torch.nonzero(is_start).squeeze(1)
     tile_count = torch.clamp(segment_end[tile_start] - tile_start, max=queries_per_tile).to(torch.int32)
@@ -68,25 +62,27 @@ def _invert_selection(
 
 # ---------------------------------------------------------------- autotune keyed on shapes
 
-_CONFIGS = configs([{}], [(8, 2), (4, 2)])
+# BLOCK_M: MMA rows (queries × heads) per sub-tile.
+_CONFIGS = configs([{"BLOCK_M": 128}, {"BLOCK_M": 64}], [(8, 2), (4, 2), (8, 1)])
 
 
 # ---------------------------------------------------------------- jit kernel
 
 
-@triton.autotune(configs=_CONFIGS, key=["P", "D", "G", "BLOCK_M"])
+@triton.autotune(configs=_CONFIGS, key=["P", "D", "G"])
 @triton.jit
 def _block_major_kernel(
     q_ptr, k_ptr, v_ptr, tables_ptr, q_pos_ptr, key_ptr, entry_ptr, tile_start_ptr, tile_count_ptr,
     part_o_ptr, part_lse_ptr, qk_scale, max_pages,
     stride_qt, stride_qh,
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh, stride_tb,
-    HKV: tl.constexpr, TOP_K: tl.constexpr, G: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr,
-    P: tl.constexpr, D: tl.constexpr, UPCAST: tl.constexpr,
+    HKV: tl.constexpr, TOP_K: tl.constexpr, G: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_M: tl.constexpr,
 ):
+    BQ = BLOCK_M // G  # queries per sub-tile (a constexpr)
     tile = tl.program_id(0)
     e0 = tl.load(tile_start_ptr + tile)
-    count = tl.load(tile_count_ptr + tile)  # ≤ SUBTILES · BQ queries, all of one (seq, head, block)
+    count = tl.load(tile_count_ptr + tile)  # ≤ 512/G queries, all of one (seq, head, block)
     key = tl.load(key_ptr + e0)
     j = key % max_pages
     h = (key // max_pages) % HKV
@@ -163,11 +159,10 @@ def _launch(
     if num_tokens == 0:
         return out
     block_tables = block_tables.to(torch.int32).contiguous()
-    block_m = _block_rows(group)
-    queries_per_tile = block_m // group
+    check(group <= 64, f"group size G={group} above 64 is not supported by the sub-tile shapes")
     seq, pos = _query_positions(cu_seqlens_q.to(q.device), seq_lens.to(q.device), num_tokens)
     key, entry, tile_start, tile_count = _invert_selection(
-        selected, seq, block_tables.shape[1], queries_per_tile * _SUBTILES
+        selected, seq, block_tables.shape[1], _queries_per_item(group)
     )
     # Partials per (query, KV head, slot, head-in-group); o in q's dtype halves the traffic.
     part_o = q.new_empty((num_tokens * num_kv_heads * top_k, group, head_dim))
@@ -179,8 +174,7 @@ def _launch(
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-            HKV=num_kv_heads, TOP_K=top_k, G=group, BQ=queries_per_tile, BLOCK_M=block_m,
-            P=page_size, D=head_dim, UPCAST=INTERPRET,
+            HKV=num_kv_heads, TOP_K=top_k, G=group, P=page_size, D=head_dim, UPCAST=INTERPRET,
         )
     valid = selected.to(torch.int32).reshape(num_tokens * num_kv_heads, top_k)
     lse_merge(part_o.view(-1, top_k, group, head_dim), part_lse.view(-1, top_k, group), valid, out)
