@@ -2,9 +2,7 @@
 
 import numpy as np
 import pytest
-import torch
 
-from msaserve.kvcache.codec import pack_tensors, unpack_tensors
 from msaserve.kvcache.store import CapacityError, PageStore
 
 PAGE = 1000
@@ -25,14 +23,15 @@ def test_round_trip_memory_and_disk(tmp_path):
     assert store.get("absent") is None and store.stats.misses == 1
 
 
-def test_tensor_payload_round_trip_bf16():
-    k = torch.randn(2, 4, 3, dtype=torch.bfloat16)
-    scale = torch.rand(2, 4)
-    store = PageStore(memory_bytes=1 << 20)
-    store.put("t", pack_tensors({"k": k, "scale": scale}))
-    out = unpack_tensors(store.get("t"))
-    assert torch.equal(out["k"], k) and out["k"].dtype == torch.bfloat16
-    assert torch.equal(out["scale"], scale)
+def test_bytes_payloads_and_checksums_of_read_only_arrays():
+    store = PageStore(memory_bytes=10 * PAGE)
+    store.put("b", b"page bytes")
+    read_only = np.frombuffer(payload(3).tobytes(), dtype=np.uint8)  # as the object store hands it over
+    store.put("r", read_only)
+    assert store.get("b").tobytes() == b"page bytes"
+    np.testing.assert_array_equal(store.get("r"), payload(3))
+    with pytest.raises(TypeError, match="1-D uint8"):
+        store.put("bad", np.zeros(4, dtype=np.float32))
 
 
 def test_put_copies_so_callers_may_reuse_buffers():
