@@ -108,13 +108,21 @@ class Preprocessor:
         return media
 
     def _process_one(self, index: int, kind: str, url: str, timings: dict[str, float]) -> MediaItem:
+        param = f"content[{index}].{kind}_url"
+        started = time.perf_counter()
+        max_bytes = self.config.max_image_bytes if kind == "image" else self.config.max_video_bytes
+        data = self.fetcher.fetch(url, max_bytes, param)
+        timings["fetch"] = timings.get("fetch", 0.0) + time.perf_counter() - started
+        return self.process_media(data, kind, index, timings)
+
+    def process_media(
+        self, data: bytes, kind: str, index: int = 0, timings: dict[str, float] | None = None
+    ) -> MediaItem:
+        """Encoded bytes of one image or video (already fetched) → MediaItem; raises MediaError."""
         cfg = self.config
         param = f"content[{index}].{kind}_url"
         t0 = time.perf_counter()
-        max_bytes = cfg.max_image_bytes if kind == "image" else cfg.max_video_bytes
-        data = self.fetcher.fetch(url, max_bytes, param)
         fmt = expect_kind(data, kind, param)
-        t1 = time.perf_counter()
         if kind == "image":
             image = decode_image(data, cfg, param)
             frames = image.pixels[None]  # [1, H, W, 3]; patchify repeats it over the temporal patch
@@ -123,7 +131,7 @@ class Preprocessor:
             video = decode_video(data, fmt, cfg, param)
             frames = video.frames  # [T, H, W, 3]
             source_size, num_frames = video.source_size, len(video.sample_times)
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         patches, grid_thw = patchify(frames, cfg, self.table)
         item = MediaItem(
             kind=kind,  # type: ignore[arg-type]
@@ -135,9 +143,9 @@ class Preprocessor:
             source_size=source_size,
             num_frames=num_frames,
         )
-        t3 = time.perf_counter()
-        for name, seconds in (("fetch", t1 - t0), ("decode", t2 - t1), ("patchify", t3 - t2)):
-            timings[name] = timings.get(name, 0.0) + seconds
+        if timings is not None:
+            timings["decode"] = timings.get("decode", 0.0) + t1 - t0
+            timings["patchify"] = timings.get("patchify", 0.0) + time.perf_counter() - t1
         return item
 
 

@@ -163,7 +163,8 @@ class _Sampler:
                 context.skip_frame = "DEFAULT"
                 return frame
             # Far from the sample: frames no other frame references need not be decoded at all.
-            far = target - frame.time > max(0.25, 6 * self.frame_s)
+            # The margin covers the decoder's reordering delay (frames out lag packets in).
+            far = target - frame.time > 8 * self.frame_s
             context.skip_frame = "NONREF" if far else "DEFAULT"
         return None
 
