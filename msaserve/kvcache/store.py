@@ -180,21 +180,23 @@ class PageStore:
             page = self.memory.pop(victim)
             if self.disk is not None and victim in self.disk:
                 self.stats.evictions_to_disk += 1  # already there (write-through)
-            elif self.disk is not None and self._make_room_on_disk(page.payload.nbytes, exclude=victim):
+            elif self.disk is not None and self._make_room_on_disk(page.payload.nbytes, victim, also=exclude):
                 self.disk.put(victim, page.payload, page.checksum)
                 self.stats.evictions_to_disk += 1
             else:
                 self.stats.evictions_dropped += 1
         return True
 
-    def _make_room_on_disk(self, nbytes: int, exclude: str) -> bool:
+    def _make_room_on_disk(self, nbytes: int, exclude: str, also: str | None = None) -> bool:
+        """Drop unpinned LRU pages from disk until nbytes fit; `exclude` (the page being placed) and
+        `also` (the page whose placement caused this demotion) are never chosen."""
         if self.disk is None:
             return False
         freed_if_replaced = self.disk.nbytes(exclude) if exclude in self.disk else 0
         need = self.disk.bytes_used - freed_if_replaced + nbytes - self.disk.capacity_bytes
         if need <= 0:
             return True
-        victims = self._victims(self.disk.lru_keys(), self.disk.nbytes, need, exclude)
+        victims = self._victims(self.disk.lru_keys(), self.disk.nbytes, need, exclude, also)
         if victims is None:
             return False
         for victim in victims:
@@ -203,12 +205,14 @@ class PageStore:
                 self.stats.evictions_dropped += 1
         return True
 
-    def _victims(self, lru_keys, nbytes_of, need: int, exclude: str) -> list[str] | None:
+    def _victims(
+        self, lru_keys, nbytes_of, need: int, exclude: str, also: str | None = None
+    ) -> list[str] | None:
         """The least recently used unpinned keys that free ≥ need bytes, or None if impossible
         (then nothing is evicted: a failed put leaves the store as it was)."""
         victims, freed = [], 0
         for key in lru_keys:
-            if key == exclude or self.is_pinned(key):
+            if key in (exclude, also) or self.is_pinned(key):
                 continue
             victims.append(key)
             freed += nbytes_of(key)
