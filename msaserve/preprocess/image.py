@@ -66,7 +66,7 @@ def decode_image(data: bytes, config: PreprocessConfig, param: str | None = None
     width, height = image.size
     if orientation in _TRANSPOSED_ORIENTATIONS:
         width, height = height, width
-    target_h, target_w = _target(height, width, config, param)
+    target_h, target_w = smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
     try:
         if config.fast_jpeg_downscale and image.format == "JPEG":
             # libjpeg decodes at 1/2, 1/4, 1/8 scale while staying ≥ the requested size.
@@ -83,14 +83,6 @@ def decode_image(data: bytes, config: PreprocessConfig, param: str | None = None
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise MediaError(400, "corrupt_media", f"the image is corrupt or truncated: {e}", param) from None
     return DecodedImage(pixels=pixels, source_size=(width, height))
-
-
-def _target(height: int, width: int, config: PreprocessConfig, param: str | None) -> tuple[int, int]:
-    try:
-        return smart_resize(height, width, config.factor, config.min_pixels, config.max_pixels)
-    except MediaError as e:
-        e.param = param
-        raise
 
 
 def _orientation(image: Image.Image) -> int | None:

@@ -122,15 +122,19 @@ class Preprocessor:
         cfg = self.config
         param = f"content[{index}].{kind}_url"
         t0 = time.perf_counter()
-        fmt = expect_kind(data, kind, param)
-        if kind == "image":
-            image = decode_image(data, cfg, param)
-            frames = image.pixels[None]  # [1, H, W, 3]; patchify repeats it over the temporal patch
-            source_size, num_frames = image.source_size, 1
-        else:
-            video = decode_video(data, fmt, cfg, param)
-            frames = video.frames  # [T, H, W, 3]
-            source_size, num_frames = video.source_size, len(video.sample_times)
+        try:
+            fmt = expect_kind(data, kind, param)
+            if kind == "image":
+                image = decode_image(data, cfg, param)
+                frames = image.pixels[None]  # [1, H, W, 3]; patchify repeats it over the temporal patch
+                source_size, num_frames = image.source_size, 1
+            else:
+                video = decode_video(data, fmt, cfg, param)
+                frames = video.frames  # [T, H, W, 3]
+                source_size, num_frames = video.source_size, len(video.sample_times)
+        except MediaError as error:
+            error.param = error.param or param
+            raise
         t1 = time.perf_counter()
         patches, grid_thw = patchify(frames, cfg, self.table)
         item = MediaItem(

@@ -78,7 +78,8 @@ def decode_video(data: bytes, fmt: str, config: PreprocessConfig, param: str | N
 
 
 def _check_codec(stream: av.video.stream.VideoStream, fmt: str, param: str | None) -> None:
-    name = stream.codec_context.name
+    # A stream whose codec FFmpeg cannot identify (or a damaged header) has no decoder context.
+    name = stream.codec_context.name if stream.codec_context is not None else "unknown"
     if name not in ALLOWED_CODECS[fmt]:
         allowed = "H.264, HEVC, AV1" if fmt == "mp4" else "VP8, VP9, AV1"
         raise MediaError(
