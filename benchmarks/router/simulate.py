@@ -32,7 +32,7 @@ from replica_model import Calibration, SimReplica, SimRequest
 
 from msaserve.engine.types import EngineStats, KVEvent
 from msaserve.router.kv_aware import POLICIES, KVAwareConfig, make_policy
-from msaserve.router.state import RequestView, RouterState
+from msaserve.router.state import RequestView, RouterState, estimate_expiry_for
 from msaserve.router.stats import RoutingStatsRecorder, parse_routing_stats, routing_stats_payload
 
 DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
@@ -79,7 +79,7 @@ def _publish(replica: SimReplica, recorder: RoutingStatsRecorder, state: RouterS
 def run(trace: list[dict], policy_name: str, n_replicas: int, scale: float, cal: Calibration,
         stats_period_s: float, kv_cfg: KVAwareConfig, seed: int = 0) -> dict:
     clock = [0.0]
-    state = RouterState(estimate_expiry_s=4 * stats_period_s)
+    state = RouterState(estimate_expiry_s=estimate_expiry_for(stats_period_s))
     policy = make_policy(policy_name, state, random.Random(seed), kv_aware=kv_cfg)
     replicas = {f"r{i}": SimReplica(f"r{i}", cal, cal.capacity_pages) for i in range(n_replicas)}
     recorders = {rid: RoutingStatsRecorder(clock=lambda: clock[0]) for rid in replicas}

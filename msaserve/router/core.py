@@ -103,7 +103,7 @@ class RouterCore:
         self.default_max_tokens = default_max_tokens
         self.log = log or DecisionLog()
         self.clock = clock
-        self._decided: OrderedDict[str, Decision] = OrderedDict()
+        self._decided: OrderedDict[str, tuple[Decision, RequestView]] = OrderedDict()
         """internal request id -> first decision (retries re-rank but are recorded once)."""
 
     def refresh(self, replicas: Sequence[tuple[str, Mapping]]) -> None:
@@ -154,11 +154,17 @@ class RouterCore:
         view = request_view(args, kwargs, page_size, request_key, self.default_max_tokens)
         if view.session_id is None and session_id:
             view = RequestView(view.request_id, view.page_hashes, view.num_pages, session_id)
-        ranking = self.policy.rank(view, [self.state.replica(rid) for rid in replica_ids], now)
         is_generate = read_prompt(args, kwargs)[0] is not None
+        home = self.state.sessions.get(view.session_id) if view.session_id else None
+        if not is_generate and home in replica_ids:
+            # A session lookup (session_info, delete_session) is no work: it goes to the session's
+            # home whatever its load, or it would not find the session.
+            return [Decision(home, "session_affinity")] + [
+                Decision(rid, "least_load") for rid in replica_ids if rid != home]
+        ranking = self.policy.rank(view, [self.state.replica(rid) for rid in replica_ids], now)
         if is_generate and request_key not in self._decided:
             first = ranking[0]
-            self._decided[request_key] = first
+            self._decided[request_key] = (first, view)
             if len(self._decided) > 10_000:
                 self._decided.popitem(last=False)
             self.state.on_routed(view, first.replica_id, now)
@@ -166,9 +172,11 @@ class RouterCore:
         return ranking
 
     def routed(self, request_key: str, replica_id: str) -> None:
-        first = self._decided.pop(request_key, None)
-        if first is not None and first.replica_id != replica_id:
+        """Where Serve actually sent the request (Serve's `on_request_routed`)."""
+        decided = self._decided.pop(request_key, None)
+        if decided is not None and decided[0].replica_id != replica_id:
             self.log.spilled(self.policy.name)
+            self.state.reassign(decided[1], decided[0].replica_id, replica_id, self.clock())
 
     def sync(self, replica_ids: Sequence[str]) -> None:
         self.state.sync_replicas(replica_ids)

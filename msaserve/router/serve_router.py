@@ -12,8 +12,8 @@ Class path: `msaserve.router.serve_router.MSARequestRouter` (ROUTER_CLASS_PATH).
     imbalance_min_load        -> KVAwareConfig.imbalance_abs: the guard needs max − min load (running +
                                  waiting sequences) above this ...
     imbalance_ratio           -> KVAwareConfig.imbalance_rel: ... and max load above this × the mean
-    stats_period_s            -> estimate_expiry_s = 4 × stats_period_s (how long a routed request's
-                                 pages count as cached without a KV event); the caller also sets
+    stats_period_s            -> estimate_expiry_s = max(10 s, 4 × stats_period_s) (how long a routed
+                                 request's pages count as cached without a KV event); the caller sets
                                  RequestRouterConfig.request_routing_stats_period_s = stats_period_s
 
 Also accepted: the KVAwareConfig names themselves (imbalance_abs, imbalance_rel, w_queue,
@@ -43,7 +43,7 @@ from ray.util import metrics
 from msaserve.router.core import DecisionLog, RouterCore
 from msaserve.router.kv_aware import KVAwareConfig
 from msaserve.router.policies import Decision
-from msaserve.router.state import RequestView
+from msaserve.router.state import RequestView, estimate_expiry_for
 
 ROUTER_CLASS_PATH = "msaserve.router.serve_router.MSARequestRouter"
 
@@ -66,7 +66,7 @@ def build_core(kwargs: Mapping[str, Any]) -> RouterCore:
     """Build the core once so that a bad value fails at config time, naming the field."""
     kwargs = {PLATFORM_ALIASES.get(k, k): v for k, v in kwargs.items()}
     if "stats_period_s" in kwargs:
-        kwargs.setdefault("estimate_expiry_s", 4 * float(kwargs.pop("stats_period_s")))
+        kwargs.setdefault("estimate_expiry_s", estimate_expiry_for(float(kwargs.pop("stats_period_s"))))
     known = {"policy", "page_size", "estimate_expiry_s", "default_max_tokens", "seed"}
     cfg_fields = set(KVAwareConfig.__dataclass_fields__)
     unknown = set(kwargs) - known - cfg_fields
@@ -127,6 +127,11 @@ def _rid(replica_id: ReplicaID) -> str:
 class MSARequestRouter(RequestRouter):
     """Adapts Serve's hooks to `RouterCore`. No FIFOMixin: the replica chosen for a request must
     serve that request (Serve's default out-of-order matching by internal request id)."""
+
+    queue_len_response_deadline_s = 0.5
+    """Serve probes the first-ranked replica's queue length before sending; one that does not
+    answer within this deadline is skipped for the next rank. Serve's 0.1 s default makes a busy
+    replica (CPU engines, a loaded host) lose requests whose pages it holds."""
 
     def initialize_state(self, **kwargs: Any) -> None:
         core = build_core(kwargs)

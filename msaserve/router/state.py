@@ -36,6 +36,7 @@ class _Routed:
     time: float
     pages: int
     miss_pages: int
+    request_id: str = ""
 
 
 @dataclass
@@ -110,7 +111,7 @@ class ReplicaState:
         for h in request.page_hashes:
             if h not in self.cached:
                 self.estimated[h] = max(until, self.estimated.get(h, 0.0))
-        self.routed.append(_Routed(now, request.num_pages, miss_pages))
+        self.routed.append(_Routed(now, request.num_pages, miss_pages, request.request_id))
 
     def apply_stats(self, stats: RoutingStats, now: float) -> None:
         """Fold one payload in. A payload is a delta against the previous one from the same
@@ -138,6 +139,13 @@ class ReplicaState:
         taken = min(now, stats.timestamp)
         self.routed = [r for r in self.routed if r.time > taken]
         self.estimated = {h: t for h, t in self.estimated.items() if t > now and h not in self.cached}
+
+
+def estimate_expiry_for(stats_period_s: float) -> float:
+    """How long a routed request's pages count as held without a KV event confirming them: several
+    stats periods (Serve's controller pulls payloads on its own loop, later than the period under
+    load), and at least 10 s so that a slow prefill does not lose its followers."""
+    return max(10.0, 4.0 * stats_period_s)
 
 
 class RouterState:
@@ -185,6 +193,14 @@ class RouterState:
         if request.session_id is not None:
             self.sessions[request.session_id] = replica_id
         return hit
+
+    def reassign(self, request: RequestView, from_id: str, to_id: str, now: float) -> None:
+        """Serve sent the request to `to_id`, not to the router's first choice (its queue was full
+        or it did not answer the queue-length probe in time): move the load and the session."""
+        source = self.replicas.get(from_id)
+        if source is not None:
+            source.routed = [r for r in source.routed if r.request_id != request.request_id]
+        self.on_routed(request, to_id, now)
 
     def apply_stats(self, replica_id: str, stats: RoutingStats, now: float) -> None:
         self.replica(replica_id).apply_stats(stats, now)

@@ -29,13 +29,16 @@ def test_request_view_reads_a_dict_or_keyword_and_falls_back_safely():
 def test_rank_records_a_request_once_and_counts_spills():
     core = RouterCore("kv_aware", PAGE, seed=0, clock=lambda: 50.0)
     core.sync(["a", "b"])
-    gen = GenerateRequest("r1", PROMPT)
+    gen = GenerateRequest("r1", PROMPT, session_id="chat")
     first = core.rank([gen], {}, "req-1", ["a", "b"])
     again = core.rank([gen], {}, "req-1", ["a", "b"])  # Serve retries after full queues
     assert [d.replica_id for d in first] == [d.replica_id for d in again]
     assert sum(core.log.decisions.values()) == 1 and core.state.replicas[first[0].replica_id].load == 1
-    core.routed("req-1", first[1].replica_id)
+    core.routed("req-1", first[1].replica_id)  # Serve took the second rank
     assert core.log.decisions["spilled"] == 1
+    loads = {rid: r.load for rid, r in core.state.replicas.items()}
+    assert loads == {first[0].replica_id: 0, first[1].replica_id: 1}
+    assert core.state.sessions["chat"] == first[1].replica_id
 
 
 def test_refresh_applies_payloads_and_the_next_turn_follows_the_pages():
@@ -65,7 +68,7 @@ def test_request_router_config_takes_the_serve_config_router_section():
     policy_cfg = core.policy.config
     assert (policy_cfg.w_prefill, policy_cfg.w_decode, policy_cfg.affinity_credit) == (2.0, 0.1, 8.0)
     assert (policy_cfg.imbalance_rel, policy_cfg.imbalance_abs) == (1.5, 4.0)
-    assert core.state.estimate_expiry_s == 2.0 and core.page_size == 64
+    assert core.state.estimate_expiry_s == 10.0 and core.page_size == 64
     with pytest.raises(ValueError, match=r"unknown keys \['w_prefil'\]"):
         serve_router.request_router_config({"w_prefil": 1.0})
     with pytest.raises(ValueError, match=r"router\.policy='lru'"):
@@ -90,6 +93,7 @@ def test_calls_without_tokens_follow_the_session_and_are_not_counted():
     core.sync(["a", "b", "c"])
     turn = core.rank([GenerateRequest("r", PROMPT, session_id="chat")], {}, "k1", ["a", "b", "c"])
     home = turn[0].replica_id
+    core.state.replicas[home].waiting_prefill_pages = 10_000  # even a busy home answers lookups
     for key in ("k2", "k3"):  # session_info("chat") with the handle's session_id option
         assert core.rank(["chat"], {}, key, ["a", "b", "c"], session_id="chat")[0].replica_id == home
     assert sum(core.log.decisions.values()) == 1
