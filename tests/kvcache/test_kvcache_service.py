@@ -17,8 +17,10 @@ from msaserve.kvcache.client import KVCacheClient, start_shards
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.engine_adapter import ServicePageStore
 from msaserve.kvcache.keys import IncompatibleModel, ModelIdentity, index_key, kv_key, shard_of_page
+from msaserve.kvcache.page_hash import page_hashes
 from msaserve.kvcache.pages import identity_for
 from msaserve.kvcache.persist import SessionWriter
+from msaserve.kvcache.prefix import PrefixPageIO
 from msaserve.kvcache.session import SessionNotFound, SessionRecord
 from msaserve.models.presets import get_preset
 from msaserve.models.reference_decode import SequenceState, generate, step_metadata
@@ -248,6 +250,39 @@ def test_session_moved_mid_generation_gives_identical_greedy_tokens(service, sha
         assert 0 < fetcher.pages_for_first_token <= 2 * 2 * 4 < 2 * 10
     if corrupt == "index":
         assert fetcher.num_pages == 4  # pages after the bad one were recomputed, not served
+
+
+# ---- two replicas share a cached prefix through the service ------------------------------------
+def test_two_replicas_share_a_cached_prefix_through_the_service(shared, tiny):
+    model, _, identity = tiny
+    _, shards = shared
+    generator = torch.Generator().manual_seed(77)
+    prefix = torch.randint(3, 512, (96,), generator=generator).tolist()  # 6 pages of 16
+    first = prefix + torch.randint(3, 512, (21,), generator=generator).tolist()
+    second = prefix + torch.randint(3, 512, (13,), generator=generator).tolist()
+    want = generate(model, second, 8)
+
+    replica_a = SequenceState(model, 160)  # computes `first`, then offloads its pages
+    with torch.inference_mode():
+        replica_a.prefill(first)
+    hashes_a = page_hashes(first, 16)
+    io_a = PrefixPageIO(KVCacheClient(shards, identity))
+    assert io_a.store(hashes_a, replica_a.caches, range(len(hashes_a))) > 0
+    assert io_a.store(hashes_a, replica_a.caches, range(len(hashes_a))) == 0  # already held
+
+    io_b = PrefixPageIO(KVCacheClient(shards, identity))  # another replica, its own client
+    hashes_b = page_hashes(second[: (len(second) - 1) // 16 * 16], 16)
+    num_shared = io_b.held_prefix(hashes_b)
+    assert num_shared == 6  # the 7th page differs
+    replica_b = SequenceState(model, 160)
+    assert io_b.load(hashes_b[:num_shared], replica_b.caches, range(num_shared)) == 6
+    got = []
+    with torch.inference_mode():
+        hidden = replica_b.forward(second[96:], 96)[-1:]  # only the tokens after the shared pages
+        for step in range(8):
+            got.append(int(torch.argmax(model.compute_logits(hidden)[0])))
+            hidden = replica_b.forward([got[-1]], len(second) + step, decode=True)
+    assert got == want and io_b.bytes_loaded > 0
 
 
 # ---- the engine's swap-based preemption through the service -----------------------------------
