@@ -4,6 +4,7 @@ spec: "smollm2" (the bundled GGUF), a preset name ("tiny", "m3-proxy"), a direct
 config.json + safetensors, or a path to a .gguf file.
 """
 
+import json
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,10 +72,15 @@ def _load_preset(name: str, device: torch.device | str, dtype: torch.dtype, back
 
 
 def _directory_tokenizer(directory: Path, config: MSAConfig) -> Tokenizer:
-    """tokenizer.json if the checkpoint has one, else the byte-level tokenizer of the presets."""
+    """tokenizer.json (+ chat template from tokenizer_config.json) if the checkpoint has one,
+    else the byte-level tokenizer of the presets."""
     path = directory / "tokenizer.json"
     if not path.is_file():
         return Tokenizer.byte_level(config.vocab_size)
     eos = {config.eos_token_id} if config.eos_token_id is not None else set()
+    tokenizer_config = directory / "tokenizer_config.json"
+    template = None
+    if tokenizer_config.is_file():
+        template = json.loads(tokenizer_config.read_text()).get("chat_template")
     backend = BackendTokenizer.from_file(str(path))
-    return Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=eos)
+    return Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=eos, chat_template=template)
