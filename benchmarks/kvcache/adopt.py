@@ -164,7 +164,8 @@ def run(args: argparse.Namespace) -> dict:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     overrides = QUICK_OVERRIDES if args.quick else {}
     config = get_preset("m3-proxy", num_layers=args.num_layers, **overrides)
-    model = init_random_weights(MSATransformer(config, attention_backend="msa").to(device, dtype), seed=0)
+    with torch.device(device):  # built on the device: the m3-proxy weights are GBs
+        model = init_random_weights(MSATransformer(config, attention_backend="msa").to(dtype), seed=0)
     model.eval().requires_grad_(False)
     ops = get_ops("msa", device)
     generator = torch.Generator().manual_seed(1)
@@ -191,7 +192,8 @@ def run(args: argparse.Namespace) -> dict:
     warm_replica = None
     client.delete_session("warm-up")
 
-    log("warm-up done")
+    store_gib = ray.cluster_resources().get("object_store_memory", 0) / (1 << 30)
+    log(f"warm-up done; Ray object store {store_gib:.1f} GiB; session {session_bytes / 2**31:.2f} GiB")
 
     # Replica A: baseline (a), then persist the session and decode with everything resident.
     replica_a, first_token, reprefill_s = prefill_session(model, ops, tokens, capacity, args.chunk)
