@@ -69,7 +69,7 @@ def _load_pages(cache_ptr, scale_ptr, tables_ptr, j0, end, stride_cp, stride_ct,
 def _fold_pages(vals, ids, keys, key_scale, q_t, j0, end, local, row_ok, P: tl.constexpr, NR: tl.constexpr,
                 PAGES: tl.constexpr, N_INIT: tl.constexpr, HAS_SCALE: tl.constexpr):
     """Block maxima of PAGES pages for the NR rows, folded into the running top-K (vals, ids)."""
-    logits = tl.dot(keys.to(q_t.dtype), q_t)  # [PAGES·P, NR] fp32; fp8 keys widen to bf16 here
+    logits = tl.dot(keys.to(q_t.dtype), q_t)  # [PAGES·P, NR] fp32; fp8 keys widen to fp16 here
     if HAS_SCALE:
         logits = logits * key_scale[:, None]
     scores = tl.max(tl.reshape(logits, [PAGES, P, NR]), axis=1)  # [PAGES, NR] block maxima
@@ -119,6 +119,10 @@ def _score_split_kernel(
         + offs_d[None, :], mask=row_ok[:, None], other=0.0,
     )  # [NR, DI]
     q_t = tl.trans(q.to(tl.float32) if UPCAST else q)  # [DI, NR]
+    if HAS_SCALE and not UPCAST:
+        # fp8 keys widen to fp16 with one native conversion (to bf16 it takes several); bf16
+        # queries are exact in fp16 within its range, so the dot is the same as in bf16.
+        q_t = q_t.to(tl.float16)
     vals = tl.full([NR, KP], float("-inf"), tl.float32)
     ids = EMPTY_ID_BASE + tl.zeros([NR, KP], tl.int32) + tl.arange(0, KP)[None, :]
     first = split * pages_per_split

@@ -90,6 +90,8 @@ def _indexer_prefill_kernel(
                     mask=row_ok[:, None], other=0.0)  # [BLOCK_M, DI]
         if UPCAST:
             q = q.to(tl.float32)
+        elif HAS_SCALE:  # fp8 keys widen to fp16 natively; bf16 queries are exact in fp16's range
+            q = q.to(tl.float16)
         vals = tl.full([BLOCK_M, KP], float("-inf"), tl.float32)
         ids = EMPTY_ID_BASE + tl.zeros([BLOCK_M, KP], tl.int32) + tl.arange(0, KP)[None, :]
         # Slots past TOP_K (KP is a power of two) hold +inf so they are never evicted.

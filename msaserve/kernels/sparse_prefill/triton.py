@@ -36,12 +36,13 @@ def _queries_per_item(group: int) -> int:
 
 
 def _invert_selection(
-    selected: torch.Tensor, seq_of_query: torch.Tensor, max_pages: int, queries_per_tile: int
+    selected: torch.Tensor, seq_of_query: torch.Tensor, max_pages: int, queries_per_tile: int,
+    max_segments: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """selected [Tq, Hkv, K] → entries sorted by (seq, KV head, block) then query, and the tiles.
 
     Returns (key [E] int64: (seq·Hkv + head)·max_pages + block, entry [E] int64: flat index into
-    [Tq, Hkv, K], tile_start [N] int64, tile_count [N] int32). Waits for the host once (tile count).
+    [Tq, Hkv, K], tile_start [N] int64, tile_count [N] int32, 0 for unused items). Sync-free.
     """
     num_heads = selected.shape[1]
     heads = torch.arange(num_heads, device=selected.device)
@@ -55,8 +56,14 @@ def _invert_selection(
     segment_first = torch.searchsorted(key, key)
     segment_end = torch.searchsorted(key, key, right=True)
     is_start = ((index - segment_first) % queries_per_tile == 0) & (key != invalid)
-    tile_start = torch.nonzero(is_start).squeeze(1)
-    tile_count = torch.clamp(segment_end[tile_start] - tile_start, max=queries_per_tile).to(torch.int32)
+    # Items are scattered into a fixed upper bound (E / items + distinct segments), so that nothing
+    # waits for the host; unused items keep count 0 and their programs exit at once.
+    bound = key.shape[0] // queries_per_tile + min(key.shape[0], max_segments)
+    dest = torch.where(is_start, torch.cumsum(is_start, 0) - 1, bound)
+    counts = torch.clamp(segment_end - index, max=queries_per_tile).to(torch.int32)
+    tile_start = torch.zeros(bound + 1, dtype=torch.int64, device=key.device).scatter_(0, dest, index)
+    tile_count = torch.zeros(bound + 1, dtype=torch.int32, device=key.device).scatter_(0, dest, counts)
+    tile_start, tile_count = tile_start[:bound], tile_count[:bound]
     return key, entry, tile_start, tile_count
 
 
@@ -83,41 +90,44 @@ def _block_major_kernel(
     tile = tl.program_id(0)
     e0 = tl.load(tile_start_ptr + tile)
     count = tl.load(tile_count_ptr + tile)  # ≤ 512/G queries, all of one (seq, head, block)
-    key = tl.load(key_ptr + e0)
-    j = key % max_pages
-    h = (key // max_pages) % HKV
-    b = key // max_pages // HKV
-    page = tl.load(tables_ptr + b * stride_tb + j).to(tl.int64)
-    offs_d = tl.arange(0, D)
-    offs_p = tl.arange(0, P)
-    # The page is read once and reused by every sub-tile of queries.
-    keys = tl.load(k_ptr + page * stride_kp + h * stride_kh + offs_p[:, None] * stride_kt + offs_d[None, :])
-    values = tl.load(v_ptr + page * stride_vp + h * stride_vh + offs_p[:, None] * stride_vt + offs_d[None, :])
-    if UPCAST:
-        keys = keys.to(tl.float32)
-        values = values.to(tl.float32)
-    keys_t = tl.trans(keys)  # [D, P]
-    rows = tl.arange(0, BLOCK_M)  # row = query-in-sub-tile · G + head-in-group
-    head = h * G + rows % G
-    for first in range(0, count, BQ):
-        q_in_tile = first + rows // G
-        row_ok = (rows < BQ * G) & (q_in_tile < count)
-        entry = tl.load(entry_ptr + e0 + q_in_tile, mask=row_ok, other=0)  # [BLOCK_M] flat (t, h, slot)
-        t = entry // (HKV * TOP_K)
-        pos = tl.load(q_pos_ptr + t, mask=row_ok, other=0)
-        q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
-                    mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
-        logits = tl.dot(q.to(keys_t.dtype), keys_t) * qk_scale  # [BLOCK_M, P], log2 units
-        logits = tl.where((j * P + offs_p)[None, :] <= pos[:, None], logits, float("-inf"))
-        m = tl.max(logits, axis=1)
-        m = tl.where(row_ok, m, 0.0)  # padding rows: keep the arithmetic finite
-        probs = tl.exp2(logits - m[:, None])
-        denom = tl.sum(probs, axis=1)
-        out = tl.dot(probs.to(values.dtype), values) / tl.where(denom > 0, denom, 1.0)[:, None]
-        part_row = entry * G + rows % G  # [Tq·Hkv·K·G] rows of the partial buffers
-        tl.store(part_o_ptr + part_row[:, None] * D + offs_d[None, :], out.to(part_o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None])
-        tl.store(part_lse_ptr + part_row, m + tl.log2(tl.where(denom > 0, denom, 1.0)), mask=row_ok)
+    if count > 0:
+        key = tl.load(key_ptr + e0)
+        j = key % max_pages
+        h = (key // max_pages) % HKV
+        b = key // max_pages // HKV
+        page = tl.load(tables_ptr + b * stride_tb + j).to(tl.int64)
+        offs_d = tl.arange(0, D)
+        offs_p = tl.arange(0, P)
+        # The page is read once and reused by every sub-tile of queries.
+        keys = tl.load(k_ptr + page * stride_kp + h * stride_kh + offs_p[:, None] * stride_kt
+                       + offs_d[None, :])  # [P, D]
+        values = tl.load(v_ptr + page * stride_vp + h * stride_vh + offs_p[:, None] * stride_vt
+                         + offs_d[None, :])
+        if UPCAST:
+            keys = keys.to(tl.float32)
+            values = values.to(tl.float32)
+        keys_t = tl.trans(keys)  # [D, P]
+        rows = tl.arange(0, BLOCK_M)  # row = query-in-sub-tile · G + head-in-group
+        head = h * G + rows % G
+        for first in range(0, count, BQ):
+            q_in_tile = first + rows // G
+            row_ok = (rows < BQ * G) & (q_in_tile < count)
+            entry = tl.load(entry_ptr + e0 + q_in_tile, mask=row_ok, other=0)  # [BLOCK_M] flat (t, h, slot)
+            t = entry // (HKV * TOP_K)
+            pos = tl.load(q_pos_ptr + t, mask=row_ok, other=0)
+            q = tl.load(q_ptr + t[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
+                        mask=row_ok[:, None], other=0.0)  # [BLOCK_M, D]
+            logits = tl.dot(q.to(keys_t.dtype), keys_t) * qk_scale  # [BLOCK_M, P], log2 units
+            logits = tl.where((j * P + offs_p)[None, :] <= pos[:, None], logits, float("-inf"))
+            m = tl.max(logits, axis=1)
+            m = tl.where(row_ok, m, 0.0)  # padding rows: keep the arithmetic finite
+            probs = tl.exp2(logits - m[:, None])
+            denom = tl.sum(probs, axis=1)
+            out = tl.dot(probs.to(values.dtype), values) / tl.where(denom > 0, denom, 1.0)[:, None]
+            part_row = entry * G + rows % G  # [Tq·Hkv·K·G] rows of the partial buffers
+            tl.store(part_o_ptr + part_row[:, None] * D + offs_d[None, :],
+                     out.to(part_o_ptr.dtype.element_ty), mask=row_ok[:, None])
+            tl.store(part_lse_ptr + part_row, m + tl.log2(tl.where(denom > 0, denom, 1.0)), mask=row_ok)
 
 
 # ---------------------------------------------------------------- launcher
@@ -162,12 +172,13 @@ def _launch(
     check(group <= 64, f"group size G={group} above 64 is not supported by the sub-tile shapes")
     seq, pos = _query_positions(cu_seqlens_q.to(q.device), seq_lens.to(q.device), num_tokens)
     key, entry, tile_start, tile_count = _invert_selection(
-        selected, seq, block_tables.shape[1], _queries_per_item(group)
+        selected, seq, block_tables.shape[1], _queries_per_item(group),
+        max_segments=batch * num_kv_heads * block_tables.shape[1],
     )
     # Partials per (query, KV head, slot, head-in-group); o in q's dtype halves the traffic.
     part_o = q.new_empty((num_tokens * num_kv_heads * top_k, group, head_dim))
     part_lse = q.new_empty((num_tokens * num_kv_heads * top_k, group), dtype=torch.float32)
-    if tile_start.numel():
+    if tile_start.numel():  # zero only when Tq·Hkv·K < one item and no segment can exist
         _block_major_kernel[(tile_start.numel(),)](
             q, k_cache, v_cache, block_tables, pos, key, entry, tile_start, tile_count,
             part_o, part_lse, scale * _LOG2E, block_tables.shape[1],
