@@ -1,4 +1,9 @@
-"""`ray.util.metrics` for the KV cache service, all prefixed `msaserve_kvcache_`.
+"""`ray.util.metrics` for the KV cache service, all prefixed `msaserve_kvcache_` (exported as
+`ray_msaserve_kvcache_*`): bytes, capacity_bytes and pages per store and tier; hits (by tier),
+misses, corruptions, evictions (to disk / dropped), bytes_written, bytes_read; fetch_latency_seconds;
+sessions. Replica-side latencies (index load, page fetch) are the platform's
+`msaserve_index_load_latency_seconds` / `msaserve_page_fetch_latency_seconds`, fed from
+`LazyPageFetcher.stats`.
 
 Stores count in plain integers (they run without Ray); a shard publishes the change since its
 last publish after every call, so Prometheus sees counters and current bytes per tier.
@@ -35,7 +40,8 @@ class ShardMetrics:
         self.pages = metrics.Gauge("msaserve_kvcache_pages", "Pages held per store and tier.",
                                    tag_keys=(*store_tags, "tier"))
         self.counters = {
-            name: metrics.Counter(f"msaserve_kvcache_{name}_total", f"KV cache service {name}.",
+            # No `_total` suffix: the exporter adds it to counters (as for the platform's metrics).
+            name: metrics.Counter(f"msaserve_kvcache_{name}", f"KV cache service {name}.",
                                   tag_keys=(*store_tags, *tags))
             for name, tags in {
                 "hits": ("tier",), "misses": (), "corruptions": (), "evictions": ("to",),
@@ -43,7 +49,7 @@ class ShardMetrics:
             }.items()
         }
         self.fetch_latency = metrics.Histogram(
-            "msaserve_kvcache_fetch_latency_s", "Time a shard spends serving one batched read.",
+            "msaserve_kvcache_fetch_latency_seconds", "Time a shard spends serving one batched read.",
             boundaries=[1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.1, 0.3, 1.0, 3.0], tag_keys=store_tags,
         )
         self.sessions = metrics.Gauge("msaserve_kvcache_sessions", "Sessions held.", tag_keys=("shard",))
