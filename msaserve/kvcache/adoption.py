@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from msaserve.kernels import AttentionOps
-from msaserve.kvcache.client import KVCacheClient, PendingFetch
+from msaserve.kvcache.client import KVCacheClient, PendingFetch, ServiceUnavailable
 from msaserve.kvcache.pages import PageCodec
 from msaserve.kvcache.session import SessionRecord
 from msaserve.models.cache import LayerKVCache
@@ -66,7 +66,10 @@ class LazyPageFetcher:
         """Load the index of every stored page; returns the number of tokens now covered
         (adopted pages × page size); the caller prefills the rest of the record's tokens."""
         start = time.perf_counter()
-        payloads = self.client.get_index(self.hashes)
+        try:
+            payloads = self.client.get_index(self.hashes)
+        except ServiceUnavailable:
+            payloads = [None] * len(self.hashes)  # adopt nothing: the caller recomputes
         usable = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
         self.codec.import_index(self.caches, self.block_table[:usable], payloads[:usable])
         self.num_pages = usable
@@ -85,7 +88,10 @@ class LazyPageFetcher:
         if not need:
             return
         start = time.perf_counter()
-        payloads = self.client.get_kv([(self.hashes[p], layer) for p in need])
+        try:
+            payloads = self.client.get_kv([(self.hashes[p], layer) for p in need])
+        except ServiceUnavailable as e:
+            raise PageLost(f"session {self.record.session_id!r}: {e}") from e
         lost = [p for p, payload in zip(need, payloads, strict=True) if payload is None]
         if lost:
             raise PageLost(f"session {self.record.session_id!r}: K/V of pages {lost} in layer {layer} "
@@ -144,7 +150,11 @@ class LazyPageFetcher:
                 still.append((fetch, items))
                 continue
             by_layer: dict[int, tuple[list[int], list]] = {}
-            for (page, layer), payload in zip(items, fetch.result(), strict=True):
+            try:
+                results = fetch.result()
+            except ServiceUnavailable:
+                continue  # a background read: the pages stay non-resident, fetched on demand
+            for (page, layer), payload in zip(items, results, strict=True):
                 if payload is not None and not self.resident[layer, page]:
                     pages, payloads = by_layer.setdefault(layer, ([], []))
                     pages.append(page)

@@ -27,14 +27,19 @@ from msaserve.kvcache.shard import KVCacheShardActor, PageUpload
 T = TypeVar("T")
 
 
+class ServiceUnavailable(RuntimeError):
+    """A shard did not answer (its actor died or is restarting): treat its pages as missing."""
+
+
 def start_shards(config: ServiceConfig, detached: bool = False) -> list[ActorHandle]:
     """Create the shard actors, or get them if they already run (names come from the config).
     detached=True lets them outlive the creating process (a Serve app's KV cache tier)."""
     options: dict[str, Any] = {"namespace": config.namespace, "get_if_exists": True}
     if detached:
         options["lifetime"] = "detached"
+    # A shard that dies is restarted by Ray; with a disk tier it comes back with its pages.
     shards = [
-        KVCacheShardActor.options(name=config.actor_name(i), **options).remote(config, i)
+        KVCacheShardActor.options(name=config.actor_name(i), max_restarts=3, **options).remote(config, i)
         for i in range(config.num_shards)
     ]
     ray.get([s.ping.remote() for s in shards])  # fail here, not on first use
@@ -54,7 +59,10 @@ class PendingFetch:
 
     def result(self, timeout_s: float | None = None) -> list[Payload | None]:
         out: list[Any] = [None] * self._size
-        replies = ray.get([ref for ref, _ in self._refs], timeout=timeout_s)
+        try:
+            replies = ray.get([ref for ref, _ in self._refs], timeout=timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as e:
+            raise ServiceUnavailable(f"a KV cache shard did not answer: {e}") from e
         for (_, positions), reply in zip(self._refs, replies, strict=True):
             for pos, value in zip(positions, reply, strict=True):
                 out[pos] = value

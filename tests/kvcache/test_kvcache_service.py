@@ -13,7 +13,7 @@ from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.types import GenerateRequest, SamplingParams
 from msaserve.kernels import get_ops
 from msaserve.kvcache.adoption import LazyPageFetcher, PageLost, forward_with_ops
-from msaserve.kvcache.client import KVCacheClient, start_shards
+from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable, start_shards
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.engine_adapter import ServicePageStore
 from msaserve.kvcache.keys import IncompatibleModel, ModelIdentity, index_key, kv_key, shard_of_page
@@ -150,6 +150,9 @@ def test_memory_cap_holds_under_load_through_the_service(service):
             for store in ("kv", "index"):
                 assert s[store]["memory_bytes"] <= s[store]["memory_capacity"]
     assert sum(s["kv"]["evictions_dropped"] for s in client.stats()) > 0
+    ray.kill(shards[0])  # a dead shard is an error naming the service, not a hang
+    with pytest.raises(ServiceUnavailable, match="did not answer"):
+        client.get_kv([(399, 0)])
 
 
 # ---- a session moved between two replicas (the tiny model, real ops) ----------------------------
