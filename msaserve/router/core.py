@@ -111,8 +111,11 @@ class RouterCore:
         until the next poll; `ReplicaState.apply_stats` ignores repeats)."""
         now = self.clock()
         for replica_id, payload in replicas:
+            replica = self.state.replica(replica_id)
+            seen = payload and payload.get("epoch") == replica.stats_epoch
+            if seen and payload.get("seq", -1) <= replica.stats_seq:
+                continue  # already applied: skip decoding its hashes again
             stats = parse_routing_stats(payload)
-            self.state.replica(replica_id)
             if stats is not None:
                 self._learn_page_size(stats.page_size, stats.stored)
                 self.state.apply_stats(replica_id, stats, now)
@@ -151,7 +154,11 @@ class RouterCore:
         if self.page_size is None:
             self._probe(args, kwargs)
         page_size = self.page_size or 128
-        view = request_view(args, kwargs, page_size, request_key, self.default_max_tokens)
+        decided = self._decided.get(request_key)
+        if decided is not None:  # a retry: the prompt was hashed already
+            view = decided[1]
+        else:
+            view = request_view(args, kwargs, page_size, request_key, self.default_max_tokens)
         if view.session_id is None and session_id:
             view = RequestView(view.request_id, view.page_hashes, view.num_pages, session_id)
         is_generate = read_prompt(args, kwargs)[0] is not None
