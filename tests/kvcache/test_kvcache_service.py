@@ -1,6 +1,7 @@
 """The sharded Ray service on a real local Ray: round trips, routing, restarts, shared prefixes."""
 
 import itertools
+import sys
 
 import numpy as np
 import pytest
@@ -183,11 +184,11 @@ def run_replica_a(client: KVCacheClient, model, prompt: list[int], num_new: int,
 
 
 def run_replica_b(
-    client: KVCacheClient, model, num_new: int, capacity: int
+    client: KVCacheClient, model, num_new: int, capacity: int, session_id: str = "moved"
 ) -> tuple[list[int], LazyPageFetcher]:
     """Adopt the session from the service (index first, K/V lazily) and generate num_new more.
     A lost page (corrupt or missing) falls back to recomputing from the token ids."""
-    record = client.get_session("moved")
+    record = client.get_session(session_id)
     state = SequenceState(model, capacity)
     fetcher = LazyPageFetcher(client, record, state.caches, list(range(state.max_pages)))
     covered = fetcher.load_index()
@@ -317,3 +318,50 @@ def test_engine_preemption_swaps_through_the_service_with_identical_tokens(servi
     else:  # a swap of 5 pages × 2 layers × 4 KiB does not fit 56 KiB of K/V: recomputed instead
         assert store.bytes_stored == 0
     assert stats["kv"]["memory_pages"] == 0 and stats["index"]["memory_pages"] == 0
+
+
+# ---- a replica killed mid-generation: its session resumes on another one ----------------------
+def replica_task(shards, identity: ModelIdentity, prompt: list[int], max_new: int) -> None:
+    """Replica A in its own worker process: the tiny model (same seed), persisting every step."""
+    import time
+
+    model = init_random_weights(MSATransformer(get_preset("tiny"), attention_backend="naive"), seed=3)
+    model.eval().requires_grad_(False)
+    writer = SessionWriter(KVCacheClient(shards, identity), "killed")
+    state = SequenceState(model, len(prompt) + max_new + 1)
+    tokens = list(prompt)
+    with torch.inference_mode():
+        hidden = state.prefill(prompt)[-1:]
+        for _ in range(max_new):
+            tokens.append(int(torch.argmax(model.compute_logits(hidden)[0])))
+            writer.sync(tokens, state.caches, range(state.max_pages), len(tokens) - 1, tail=True)
+            hidden = state.forward([tokens[-1]], len(tokens) - 1, decode=True)
+            time.sleep(0.1)  # leaves the test time to kill it mid-generation
+
+
+def test_killed_replica_session_resumes_on_another_with_identical_tokens(shared, tiny):
+    import time
+
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # workers cannot import tests/
+    model, prompt, identity = tiny
+    _, shards = shared
+    client = KVCacheClient(shards, identity)
+    task = ray.remote(num_cpus=0, max_retries=0)(replica_task).remote(shards, identity, prompt, 40)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # wait until A has persisted a few generated tokens
+        try:
+            if len(client.get_session("killed").token_ids) >= len(prompt) + 4:
+                break
+        except SessionNotFound:
+            pass
+        time.sleep(0.05)
+    ray.cancel(task, force=True)  # kills A's worker process mid-generation
+    with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.WorkerCrashedError)):
+        ray.get(task)
+    persisted = client.get_session("killed").token_ids[len(prompt):]
+    assert 4 <= len(persisted) < 40
+    reference = generate(model, prompt, len(persisted) + 8)
+    assert persisted == reference[: len(persisted)]
+    capacity = len(prompt) + len(persisted) + 10
+    resumed, _ = run_replica_b(client, model, 8, capacity=capacity, session_id="killed")
+    assert resumed == reference[len(persisted):]
