@@ -9,6 +9,7 @@ empty prefix: the policy still works, it just predicts no cache hits.
 """
 
 import math
+import random
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Mapping, Sequence
@@ -91,8 +92,6 @@ class RouterCore:
                  kv_aware: KVAwareConfig | None = None, estimate_expiry_s: float = 30.0,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS, seed: int | None = None,
                  clock: Callable[[], float] = time.time) -> None:
-        import random
-
         if page_size is not None and page_size < 1:
             raise ValueError(f"page_size={page_size} is invalid: allowed an integer ≥ 1")
         self.state = RouterState(estimate_expiry_s)
@@ -104,7 +103,7 @@ class RouterCore:
         self.log = log or DecisionLog()
         self.clock = clock
         self._decided: OrderedDict[str, tuple[Decision, RequestView]] = OrderedDict()
-        """internal request id -> first decision (retries re-rank but are recorded once)."""
+        """internal request id -> (first decision, view): retries re-rank but are recorded once."""
 
     def refresh(self, replicas: Sequence[tuple[str, Mapping]]) -> None:
         """Fold in each candidate's latest routing-stats payload (Serve re-sends the same one
@@ -172,7 +171,7 @@ class RouterCore:
         if is_generate and request_key not in self._decided:
             first = ranking[0]
             self._decided[request_key] = (first, view)
-            if len(self._decided) > 10_000:
+            if len(self._decided) > 1_000:  # Serve may not report where a request went: bound it
                 self._decided.popitem(last=False)
             self.state.on_routed(view, first.replica_id, now)
             self.log.decision(self.policy.name, first, len(view.page_hashes))
