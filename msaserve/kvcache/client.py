@@ -13,7 +13,7 @@ read-only uint8 arrays mapped from the object store.
 
 from collections import defaultdict
 from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from typing import Any
 
 import ray
 from ray.actor import ActorHandle
@@ -23,8 +23,6 @@ from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.keys import ModelIdentity, shard_of_page, shard_of_session
 from msaserve.kvcache.session import SessionRecord
 from msaserve.kvcache.shard import KVCacheShardActor, PageUpload
-
-T = TypeVar("T")
 
 
 class ServiceUnavailable(RuntimeError):
