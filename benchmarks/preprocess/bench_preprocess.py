@@ -130,6 +130,7 @@ def decode_every_frame(data: bytes, config: PreprocessConfig) -> tuple[np.ndarra
     table = normalise_table(config)
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
+        stream.codec_context.thread_count = config.video_decoder_threads  # as ours: one core
         duration = float(stream.duration * stream.time_base)
         start = float(stream.start_time * stream.time_base) if stream.start_time else 0.0
         height, width = smart_resize(

@@ -41,6 +41,7 @@ class PreprocessConfig:
     max_video_bytes: int = 200 * MiB
     max_decoded_frames: int = 20_000  # frames the decoder may decode for one video (sampled or not)
     decode_time_limit_s: float = 30.0  # per medium; checked between packets / frames
+    video_decoder_threads: int = 1  # FFmpeg decoder threads (0 = one per core); a replica has 1 CPU
     # Requests.
     max_items_per_request: int = 8
     # Sources.
@@ -68,8 +69,9 @@ class PreprocessConfig:
         for name in ("video_fps", "video_max_duration_s", "decode_time_limit_s", "fetch_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"PreprocessConfig.{name}={getattr(self, name)} must be > 0")
-        if self.max_items_per_request < 0 or self.max_redirects < 0:
-            raise ValueError("PreprocessConfig.max_items_per_request and max_redirects must be ≥ 0")
+        for name in ("max_items_per_request", "max_redirects", "video_decoder_threads"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"PreprocessConfig.{name}={getattr(self, name)} must be ≥ 0")
         if self.min_pixels > self.max_pixels or self.video_min_pixels > self.video_max_pixels:
             raise ValueError(
                 f"PreprocessConfig: min_pixels={self.min_pixels} must be ≤ max_pixels={self.max_pixels} "

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import av
 import numpy as np
+from av.video.reformatter import VideoReformatter
 
 from msaserve.preprocess.config import PreprocessConfig
 from msaserve.preprocess.errors import MediaError
@@ -57,6 +58,7 @@ def decode_video(data: bytes, fmt: str, config: PreprocessConfig, param: str | N
             raise MediaError(400, "no_video_stream", "the file has no video stream", param)
         stream = container.streams.video[0]
         _check_codec(stream, fmt, param)
+        stream.codec_context.thread_count = config.video_decoder_threads
         start, duration = _start_and_duration(stream, container, config, param)
         width, height = stream.codec_context.width, stream.codec_context.height
         if width <= 0 or height <= 0:
@@ -129,6 +131,7 @@ class _Sampler:
         self.last = None  # last decoded frame (it may also serve the next sample)
         self.last_key_time: float | None = None
         self.after_seek: float | None = None  # the target of a seek whose landing is not seen yet
+        self.reformatter = VideoReformatter()  # reused: its scaler context is cached across frames
 
     def sample(self, times: list[float]) -> list[np.ndarray]:
         frames: list[np.ndarray] = []
@@ -136,11 +139,11 @@ class _Sampler:
             frame = self._frame_at(target)
             if frame is None:
                 break  # the stream ended before this sample: the container overstated its length
-            frames.append(
-                frame.to_ndarray(
-                    width=self.target_w, height=self.target_h, format="rgb24", interpolation="BICUBIC"
-                )  # [H, W, 3] uint8
+            # Colour conversion and scaling in one swscale pass, only for the sampled frames.
+            rgb = self.reformatter.reformat(
+                frame, width=self.target_w, height=self.target_h, format="rgb24", interpolation="BICUBIC"
             )
+            frames.append(rgb.to_ndarray())  # [H, W, 3] uint8
         return frames
 
     def _frame_at(self, target: float):
