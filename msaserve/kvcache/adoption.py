@@ -2,7 +2,9 @@
 
 1. `load_index` fetches the index-K of every stored page (all layers) into the caches; decode can
    select blocks from then on. Pages after the first missing or corrupt index page are not adopted:
-   the caller recomputes them from the record's token ids (never serving a bad page).
+   the caller recomputes them from the record's token ids (never serving a bad page). The stored
+   partial tail page, if any, also gets its K/V now: new tokens are written into it, so it must be
+   resident before they are (a lazy import later would overwrite them).
 2. Each step, the wrapped indexer ops (`wrap_ops`) learn which pages layer l selected and fetch
    the K+V of those not yet resident, for layer l only, before attention reads them. The
    selection always contains the local page and the init pages (DESIGN §2), so these come too.
@@ -78,8 +80,32 @@ class LazyPageFetcher:
         self.stats.index_seconds = time.perf_counter() - start
         num_full = len(self.record.page_hashes)
         if usable > num_full:  # the tail page came too
+            # Its K/V now, for every layer: it is the page the next tokens are written into, and a
+            # later lazy import would overwrite them (it is also always selected, being local).
+            try:
+                self.ensure_all_layers(num_full)
+            except PageLost:
+                self.num_pages = num_full  # recompute the tail's tokens instead
+                return num_full * self.record.page_size
             return num_full * self.record.page_size + self.record.tail_tokens
         return usable * self.record.page_size
+
+    def ensure_all_layers(self, logical_page: int) -> None:
+        """Make one adopted page's K/V resident in every layer (one batched read)."""
+        layers = [layer for layer in range(len(self.caches)) if not self.resident[layer, logical_page]]
+        try:
+            payloads = self.client.get_kv([(self.hashes[logical_page], layer) for layer in layers])
+        except ServiceUnavailable as e:
+            raise PageLost(f"session {self.record.session_id!r}: {e}") from e
+        if any(p is None for p in payloads):
+            raise PageLost(f"session {self.record.session_id!r}: K/V of page {logical_page} is missing or "
+                           "corrupt in the KV cache service")
+        physical = self.block_table[logical_page]
+        for layer, payload in zip(layers, payloads, strict=True):
+            self.codec.import_kv(self.caches[layer], [physical], [payload])
+            self.resident[layer, logical_page] = True
+        self.stats.kv_pages_on_demand += len(layers)
+        self.stats.kv_bytes_on_demand += sum(p.nbytes for p in payloads)
 
     # ---- 2. on demand ------------------------------------------------------------------------
     def ensure(self, layer: int, logical_pages: Sequence[int]) -> None:

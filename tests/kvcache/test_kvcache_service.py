@@ -167,7 +167,9 @@ def tiny():
     return model, prompt, identity_for(config, "tiny@seed3", torch.float32)
 
 
-def run_replica_a(client: KVCacheClient, model, prompt: list[int], num_new: int, capacity: int) -> list[int]:
+def run_replica_a(
+    client: KVCacheClient, model, prompt: list[int], num_new: int, capacity: int
+) -> tuple[list[int], SequenceState]:
     """Generate num_new greedy tokens, persisting the session after every step, then 'die'."""
     state = SequenceState(model, capacity)
     writer = SessionWriter(client, "moved")
@@ -180,7 +182,7 @@ def run_replica_a(client: KVCacheClient, model, prompt: list[int], num_new: int,
                         tail=True)
             hidden = state.forward([tokens[-1]], len(tokens) - 1, decode=True)
     assert writer.bytes_uploaded > 0
-    return tokens[len(prompt):]
+    return tokens[len(prompt):], state
 
 
 def run_replica_b(
@@ -228,7 +230,7 @@ def test_session_moved_mid_generation_gives_identical_greedy_tokens(service, sha
     else:  # a service of its own, to restart
         config, shards = service(num_shards=1, memory_bytes=8 << 20, prefix=f"move-{corrupt}")
     client = KVCacheClient(shards, identity)
-    before = run_replica_a(client, model, prompt, 6, capacity=200)
+    before, state_a = run_replica_a(client, model, prompt, 6, capacity=200)
     record = client.get_session("moved")
     assert len(record.token_ids) == 156 and len(record.page_hashes) == 155 // 16
     assert record.tail_tokens == 155 - 9 * 16 and record.num_stored_tokens == 155
@@ -252,6 +254,12 @@ def test_session_moved_mid_generation_gives_identical_greedy_tokens(service, sha
         assert fetcher.num_pages == 10 and fetcher.stats.index_bytes > 0  # 9 full pages + the tail
         # The first token needed at most Hkv × top_k = 8 of the 10 pages per layer.
         assert 0 < fetcher.pages_for_first_token <= 2 * 2 * 4 < 2 * 10
+        # B's K/V of the token it ran first (slot 11 of the stored tail page 9) is its own, not
+        # overwritten by the tail's stored copy (which A exported before running that token).
+        for cache_a, cache_b in zip(state_a.caches, fetcher.caches, strict=True):
+            for name in ("k_cache", "v_cache"):
+                a, b = getattr(cache_a, name)[9, 11], getattr(cache_b, name)[9, 11]
+                assert b.abs().sum() > 0 and torch.allclose(a, b, atol=1e-5), name
     if corrupt == "index":
         assert fetcher.num_pages == 4  # pages after the bad one were recomputed, not served
 
