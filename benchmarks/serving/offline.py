@@ -200,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mooncake-requests", type=int, default=None)
     parser.add_argument("--trace", default=TRACE)
     parser.add_argument("--cpu-new-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2, help="torch CPU threads")
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads, the same for both sides "
+                        "(default 1: on a shared 2-core machine OpenMP spin-waits made 2 threads 30× slower)")
     parser.add_argument("--output", default=None, help="JSON path (default benchmarks/results/engine.json)")
     args = parser.parse_args(argv)
     if args.device == "cpu":

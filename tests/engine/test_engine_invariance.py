@@ -3,6 +3,7 @@ batch composition, prefix-cache hit or miss, preemption by swap or by recompute.
 longer than K·P = 64 tokens of the tiny preset, so the MSA selection is really sparse."""
 
 import pytest
+import torch
 from conftest import greedy, make_engine, random_prompt, run_to_completion
 
 from msaserve.engine.types import GenerateRequest
@@ -86,3 +87,17 @@ def test_preemption_and_resume_give_the_same_tokens(tiny_model, swap_space_bytes
     assert [outputs[f"r{i}"] for i in range(len(prompts))] == want
     assert engine.block_manager.num_free_pages == 21
     assert len(engine.swapper.store) == 0
+
+
+def test_fp8_caches_survive_swapping_unchanged(tiny_model):
+    """fp8 K/V and index pages: swapped out and back, they give the tokens of an unpreempted run."""
+    prompts = [random_prompt(80, seed=300 + i) for i in range(4)]
+    fp8 = dict(kv_cache_dtype="fp8", index_cache_dtype="fp8", max_num_batched_tokens=400)
+    roomy = make_engine(tiny_model, num_pages=64, **fp8)
+    cache = roomy.runner.caches[0]
+    assert cache.k_cache.dtype == cache.index_cache.dtype == torch.float8_e4m3fn
+    want = run_to_completion(roomy, requests(prompts))
+    tight = make_engine(tiny_model, num_pages=21, **fp8)
+    got = run_to_completion(tight, requests(prompts))
+    assert tight.scheduler.num_preemptions > 0 and roomy.scheduler.num_preemptions == 0
+    assert got == want
