@@ -8,7 +8,6 @@ request router on the model deployment), `preprocess_app` (the media pipeline) a
 settings the engine reads from its config.
 """
 
-import importlib
 from typing import Any
 
 from ray import serve
@@ -29,22 +28,18 @@ APP_NAME = "msaserve"
 
 
 def router_config(router: RouterConfig) -> RequestRouterConfig | None:
-    """None keeps Ray Serve's default power-of-two-choices router."""
+    """None keeps Ray Serve's default power-of-two-choices router; other policies use msaserve.router
+    (which learns the engine's page size from the replicas' routing-stats payloads)."""
     if router.policy == "pow2":
         return None
-    module_name, _, class_name = ROUTER_CLASS.rpartition(".")
     try:
-        getattr(importlib.import_module(module_name), class_name)
-    except (ImportError, AttributeError) as e:
+        from msaserve.router.serve_router import request_router_config
+    except ImportError as e:
         raise ConfigError(
             f"router.policy={router.policy!r} needs {ROUTER_CLASS}, which is not available ({e}); "
             "allowed now: 'pow2'"
         ) from None
-    return RequestRouterConfig(
-        request_router_class=ROUTER_CLASS,
-        request_router_kwargs=router.model_dump(),
-        request_routing_stats_period_s=router.stats_period_s,
-    )
+    return request_router_config(router.model_dump())
 
 
 def preprocess_app(config: ServeConfig) -> Application | None:

@@ -118,23 +118,25 @@ class ModelDeployment:
                 yield ModelError(api.status, api.message, api.param, api.code, api.retry_after_s)
                 return
             last = first
+            self._output_tokens += len(first.token_ids)
             yield first
             if not first.finished:
                 async for out in stream:
                     last = out
+                    self._output_tokens += len(out.token_ids)
                     yield out
         finally:
             # Normal end, client gone (Serve cancels this generator), or failure: closing the
             # engine's iterator aborts an unfinished request and frees its pages.
             await stream.aclose()
             self.sessions.end(request.session_id, last.stats if last else None)
-            if last is not None and last.stats is not None:
-                self._output_tokens += last.stats.num_output_tokens
 
     def record_routing_stats(self) -> dict:
         if self.engine is None:
             return {}
-        return routing_stats_payload(self.engine.stats(), self.engine.drain_kv_events(), self.routing)
+        return routing_stats_payload(
+            self.engine.stats(), self.engine.drain_kv_events(), self.routing, page_size=self.engine.page_size
+        )
 
     async def stats(self) -> EngineStats | None:
         """The engine's load now (tests and `msaserve bench` read it)."""

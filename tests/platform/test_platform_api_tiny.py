@@ -126,6 +126,25 @@ def test_named_tool_choice_returns_a_tool_call(client) -> None:
     assert choice.message.tool_calls[0].id.startswith("call_")
 
 
+def test_streamed_named_tool_choice_ends_with_a_tool_call_chunk(client) -> None:
+    tools = [{"type": "function", "function": {"name": "get_weather"}}]
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=HELLO, max_tokens=16, temperature=0, tools=tools, stream=True,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        )
+    )  # fmt: skip
+    calls = [
+        tc
+        for c in chunks
+        if c.choices and c.choices[0].delta.tool_calls
+        for tc in c.choices[0].delta.tool_calls
+    ]
+    assert [tc.function.name for tc in calls] == ["get_weather"]
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
 def test_tool_results_round_trip(client) -> None:
     messages = [
         {"role": "user", "content": "Weather in Paris?"},

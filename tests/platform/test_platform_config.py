@@ -81,3 +81,27 @@ def test_api_keys_from_env_and_file(tmp_path, monkeypatch) -> None:
         }
     ).auth
     assert auth.resolve_keys() == ["key-list", "key-env1", "key-env2", "key-file"]
+
+
+def test_engine_config_follows_serve_config() -> None:
+    from msaserve.platform.model_deployment import engine_config_from
+
+    config = ServeConfig.from_dict(
+        {"model": {"spec": "tiny"}, "engine": {"max_num_seqs": 3, "kv_cache_memory_bytes": 1 << 24}}
+    )
+    engine = engine_config_from(config)
+    assert (engine.model, engine.device, engine.dtype) == ("tiny", "cpu", "float32")
+    assert engine.max_num_seqs == 3 and engine.cpu_kv_cache_bytes == 1 << 24
+    gpu = engine_config_from(ServeConfig.from_dict({"model": {"device": "cuda"}}))
+    assert gpu.dtype == "bfloat16"
+
+
+def test_router_policy_selects_the_request_router() -> None:
+    from msaserve.platform.app import ROUTER_CLASS, router_config
+
+    assert router_config(ServeConfig().router) is None  # Ray Serve's power of two choices
+    kv_aware = router_config(
+        ServeConfig.from_dict({"router": {"policy": "kv_aware", "stats_period_s": 2}}).router
+    )
+    assert kv_aware.request_router_class == ROUTER_CLASS
+    assert kv_aware.request_routing_stats_period_s == 2.0
