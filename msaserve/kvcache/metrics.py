@@ -73,5 +73,10 @@ class ShardMetrics:
                 self.counters[metric].inc(delta, tags={**tags, **extra_tags})
         self._last[store_name] = now
 
-    def publish_sessions(self, count: int) -> None:
+    def publish_sessions(self, count: int, corruptions: int) -> None:
+        """Sessions held, and session manifests dropped for a checksum mismatch (store="sessions")."""
         self.sessions.set(count, tags={"shard": self.shard})
+        delta = corruptions - self._last.get("sessions", {}).get("corruptions", 0)
+        if delta > 0:
+            self.counters["corruptions"].inc(delta, tags={"shard": self.shard, "store": "sessions"})
+        self._last["sessions"] = {"corruptions": corruptions}

@@ -146,7 +146,7 @@ class KVCacheShard:
             return
         for name, store in self.stores.items():
             self.metrics.publish(name, store)
-        self.metrics.publish_sessions(len(self.sessions.session_ids()))
+        self.metrics.publish_sessions(len(self.sessions.session_ids()), self.sessions.corruptions)
 
 
 # Shards are I/O- and memcpy-bound: no CPU reservation, so they co-locate with anything.
