@@ -110,6 +110,7 @@ def run(args: argparse.Namespace) -> int:
     metrics_port = args.metrics_port or _free_port()
     context = ray.init(
         address="local",
+        _node_ip_address="127.0.0.1",  # Ray's own services on loopback too, not only HTTP
         num_cpus=args.num_cpus,
         include_dashboard=True,
         dashboard_host="127.0.0.1",
