@@ -1,0 +1,90 @@
+"""`msaserve serve` / `chat` / `bench` as a user runs them, and the load generator's pieces."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from msaserve.platform.cli.bench import format_table
+from msaserve.platform.loadgen import (
+    TRACE_BLOCK_TOKENS,
+    LevelResult,
+    RequestResult,
+    percentile,
+    trace_requests,
+)
+
+MSASERVE = [str(Path(sys.executable).parent / "msaserve")]
+
+
+def test_percentile_interpolates() -> None:
+    assert percentile([], 50) is None
+    assert percentile([3.0], 99) == 3.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 50) == 2.5
+    assert percentile(list(range(101)), 99) == 99.0
+
+
+def test_trace_replay_shares_prefix_blocks(tmp_path: Path) -> None:
+    rows = [
+        {"timestamp": 1000, "input_length": 700, "output_length": 50, "hash_ids": [7, 8]},
+        {"timestamp": 1500, "input_length": 600, "output_length": 5, "hash_ids": [7, 9]},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    first, second = trace_requests(path, limit=10, max_input=650, max_output=20, time_scale=2.0)
+    assert (len(first.prompt_token_ids), first.max_tokens, first.send_at_s) == (650, 20, 0.0)
+    assert (len(second.prompt_token_ids), second.max_tokens, second.send_at_s) == (600, 5, 1.0)
+    block = TRACE_BLOCK_TOKENS
+    assert first.prompt_token_ids[:block] == second.prompt_token_ids[:block]  # shared hash id 7
+    assert first.prompt_token_ids[block:600] != second.prompt_token_ids[block:600]
+
+
+def test_bench_table_lists_every_level() -> None:
+    level = LevelResult(
+        "c=4", wall_s=2.0, results=[RequestResult(True, 0.1, 1.1, 11, 64), RequestResult(False)]
+    )
+    summary = level.summary()
+    assert summary["failed"] == 1 and summary["output_tokens_per_s"] == 5.5
+    assert summary["tpot_p50_s"] == pytest.approx(0.1)
+    table = format_table([summary])
+    assert "c=4" in table and "TTFT p50" in table and "100.0" in table
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_serve_then_chat_then_ctrl_c(tmp_path: Path) -> None:
+    port, dashboard = _free_port(), _free_port()
+    log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed below; the process writes to it)
+    server = subprocess.Popen(
+        [*MSASERVE, "serve", "--model", "tiny", "--port", str(port), "--dashboard-port", str(dashboard)],
+        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 180
+        while "Ready in" not in (text := (tmp_path / "serve.log").read_text()):
+            assert server.poll() is None and time.monotonic() < deadline, text[-3000:]
+            time.sleep(0.5)
+        assert f"http://127.0.0.1:{port}/v1" in text and f"http://127.0.0.1:{dashboard}" in text
+        assert "auth_token" in text or "RAY_AUTH" in text  # how to sign in to the dashboard
+        chat = subprocess.run(
+            [*MSASERVE, "chat", "--url", f"http://127.0.0.1:{port}/v1", "--once", "hi", "--max-tokens", "3"],
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+        assert chat.returncode == 0, chat.stderr
+    finally:
+        server.send_signal(signal.SIGINT)
+        code = server.wait(timeout=90)
+        log.close()
+    assert code == 0
+    assert "Shutting down" in (tmp_path / "serve.log").read_text()
