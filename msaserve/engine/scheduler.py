@@ -113,13 +113,13 @@ class Scheduler:
             num_new = wanted if wanted == 1 else min(wanted, self._tokens_that_fit(seq))
             if num_new >= 1 and manager.allocate_slots(seq, num_new):
                 return num_new
-            victim = self.running[-1]
+            # The newest sequence not already in this step's batch (seq itself at the latest).
+            scheduled = {id(s) for s in batch.seqs}
+            victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
             self._preempt(victim)
             batch.num_preempted += 1
             if victim is seq:
                 return 0
-            if victim in batch.seqs:  # cannot happen: victims come from the unscheduled tail
-                raise AssertionError(f"preempted {victim.request_id} after scheduling it")
 
     def _tokens_that_fit(self, seq: Sequence) -> int:
         page_size = self.block_manager.page_size
