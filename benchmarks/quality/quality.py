@@ -7,8 +7,8 @@ Per context length L (default 4,096 and 8,192 tokens of the Python stdlib's argp
   tokens, so prompt + output = L. Dense generates greedily; MSA is scored two ways:
   teacher-forced (MSA's argmax given dense's own prefix equals dense's token) and free-running
   (MSA generates on its own; fraction of positions equal, and the first position that differs);
-- the time of one 4,096-token forward pass (last-token logits) of ours, dense and MSA, beside
-  `transformers` loading the same GGUF.
+- the time of one forward pass over the first length's window (last-token logits) of ours,
+  dense and MSA, beside `transformers` loading the same GGUF.
 
 Run: .venv/bin/python benchmarks/quality/quality.py   (several minutes on 2 cores)
 Writes benchmarks/results/quality.json (`quality.<metric>` entries) and prints a table last.
@@ -69,65 +69,50 @@ def greedy_decode(model: MSATransformer, state: SequenceState, last_hidden: torc
 
 def evaluate_length(model: MSATransformer, ids: list[int], gen: int) -> dict[str, dict[str, float]]:
     """Perplexity and generation for both backends on one window `ids` of length L."""
-    length = len(ids)
-    prompt, tail = ids[: length - gen], ids[length - gen :]
+    length, prompt_len = len(ids), len(ids) - gen
     targets = torch.tensor(ids[1:])
     results: dict[str, dict[str, float]] = {}
     dense_tokens: list[int] = []
     for column, backend in BACKENDS.items():
         model.attention_backend = backend
+        SequenceState(model, 256).forward(ids[:256], 0)  # warm-up: first calls allocate and init
         state = SequenceState(model, length)
         started = time.perf_counter()
-        prompt_hidden = state.prefill(prompt)  # [L-G, H]
-        tail_hidden = state.forward(tail, len(prompt))  # [G, H]: the window's real continuation
-        hidden = torch.cat([prompt_hidden, tail_hidden])[:-1]
-        nll = nll_sum(model, hidden, targets)
-        row = {"ppl": float(torch.tensor(nll / targets.numel()).exp()),
-               "prefill_s": time.perf_counter() - started}
-        # The tail forward overwrote nothing the prompt needs: slots ≥ len(prompt) are rewritten
-        # in order below, and a position only reads slots ≤ itself.
+        hidden = state.forward(ids, 0)  # [L, H]: one forward pass over the whole window
+        model.compute_logits(hidden[-1:])
+        row = {"forward_s": time.perf_counter() - started}
+        row["ppl"] = float(torch.tensor(nll_sum(model, hidden[:-1], targets) / targets.numel()).exp())
+        # The cache now holds the window; generating from the prompt's end rewrites slots
+        # prompt_len.. in order, and a position only reads slots ≤ itself, so this is exact.
+        prompt_last = hidden[prompt_len - 1 : prompt_len]
         started = time.perf_counter()
-        tokens = greedy_decode(model, state, prompt_hidden[-1:], len(prompt), gen)
+        tokens = greedy_decode(model, state, prompt_last, prompt_len, gen)
         row["decode_s_per_token"] = (time.perf_counter() - started) / gen
         if column == "dense":
             dense_tokens = tokens
         else:
-            forced = state.forward(dense_tokens[:-1], len(prompt))  # MSA given dense's prefix
-            predicted = [int(model.compute_logits(prompt_hidden[-1:])[0].argmax())]
+            forced = state.forward(dense_tokens[:-1], prompt_len)  # MSA given dense's prefix
+            predicted = [int(model.compute_logits(prompt_last)[0].argmax())]
             predicted += model.compute_logits(forced).argmax(dim=-1).tolist()
             row["agree_teacher_forced"] = sum(map(int.__eq__, predicted, dense_tokens)) / gen
             row["agree_free_running"] = sum(map(int.__eq__, tokens, dense_tokens)) / gen
-            diverge = [i for i, (a, b) in enumerate(zip(tokens, dense_tokens, strict=True)) if a != b]
+            diverge = [i for i, (x, y) in enumerate(zip(tokens, dense_tokens, strict=True)) if x != y]
             row["first_divergence"] = float(diverge[0]) if diverge else float(gen)
         results[column] = row
     return results
 
 
-def forward_times(model: MSATransformer, ids: list[int], repeats: int, with_transformers: bool) -> dict:
-    """Median wall seconds of a forward pass over `ids` (last-token logits) per implementation,
-    after a 256-token warm-up; the implementations take turns so that they share the same load."""
-    def ours(backend: str, tokens: list[int]) -> None:
-        model.attention_backend = backend
-        state = SequenceState(model, len(tokens))
-        model.compute_logits(state.forward(tokens, 0)[-1:])
+def transformers_forward_s(ids: list[int]) -> float:
+    """Wall seconds of one `transformers` forward pass (last-token logits) on the same GGUF,
+    after a 256-token warm-up."""
+    from transformers import AutoModelForCausalLM
 
-    runs = {f"ours_{column}": (lambda n, b=backend: ours(b, ids[:n])) for column, backend in BACKENDS.items()}
-    if with_transformers:
-        from transformers import AutoModelForCausalLM
-
-        path = smollm2_gguf_path()
-        hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32)
-        hf.eval()
-        runs["transformers"] = lambda n: hf(torch.tensor([ids[:n]]), logits_to_keep=1)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for run in runs.values():
-        run(256)
-    for _ in range(repeats):
-        for name, run in runs.items():
-            started = time.perf_counter()
-            run(len(ids))
-            times[name].append(time.perf_counter() - started)
-    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
+    path = smollm2_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=torch.float32).eval()
+    hf(torch.tensor([ids[:256]]), logits_to_keep=1)
+    started = time.perf_counter()
+    hf(torch.tensor([ids]), logits_to_keep=1)
+    return time.perf_counter() - started
 
 
 def hardware() -> str:
@@ -156,31 +141,41 @@ def git_revision() -> str:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--text", default=argparse.__file__, help="long text file (default: argparse.py)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192],
+                        help="context lengths; forward passes are timed at the first")
     parser.add_argument("--gen-tokens", type=int, default=256)
-    parser.add_argument("--forward-tokens", type=int, default=4096)
-    parser.add_argument("--repeats", type=int, default=1, help="timed forward passes (median)")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers timing")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/quality.json"))
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     host = hardware()
     loaded = load_model("smollm2", attention_backend="dense")
-    model, config = loaded.model, loaded.config
     ids = loaded.tokenizer.encode(Path(args.text).read_text())
-    if len(ids) < max([*args.lengths, args.forward_tokens]):
+    if len(ids) < max(args.lengths):
         raise SystemExit(f"{args.text} has {len(ids)} tokens; need {max(args.lengths)}")
-    with torch.inference_mode():
-        per_length = {}
-        for length in args.lengths:
-            print(f"evaluating L={length} ...", file=sys.stderr)
-            per_length[length] = evaluate_length(model, ids[:length], args.gen_tokens)
-            print(json.dumps(per_length[length]), file=sys.stderr)
-        print(f"timing {args.forward_tokens}-token forward passes ...", file=sys.stderr)
-        times = forward_times(model, ids[: args.forward_tokens], args.repeats, not args.no_transformers)
-    budget = config.page_size * config.top_k
     meta = {"command": "python " + " ".join(sys.argv), "hardware": host,
             "date": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"), "git_revision": git_revision()}
+    per_length: dict[int, dict] = {}
+    times: dict[str, float] = {}
+    timed = args.lengths[0]
+    with torch.inference_mode():
+        for length in args.lengths:
+            print(f"evaluating L={length} ...", file=sys.stderr)
+            per_length[length] = evaluate_length(loaded.model, ids[:length], args.gen_tokens)
+            print(json.dumps(per_length[length]), file=sys.stderr)
+            if length == timed:
+                times = {f"ours_{c}": per_length[length][c]["forward_s"] for c in BACKENDS}
+                if not args.no_transformers:
+                    print(f"timing transformers' {timed}-token forward pass ...", file=sys.stderr)
+                    times["transformers"] = transformers_forward_s(ids[:timed])
+            # Written after every length, so an interrupted run keeps what it measured.
+            write_results(Path(args.out), per_length, times, timed, meta)
+    print_table(per_length, times, timed, args, loaded.config.page_size * loaded.config.top_k, host)
+    print(f"\nwrote {args.out}")
+    return 0
+
+
+def write_results(out: Path, per_length: dict, times: dict, timed: int, meta: dict) -> None:
     entries = {}
 
     def put(name: str, value: float, unit: str) -> None:
@@ -194,17 +189,16 @@ def main() -> int:
         put(f"smollm2_greedy_agreement_teacher_forced_{tag}", res["msa"]["agree_teacher_forced"], "fraction")
         put(f"smollm2_greedy_agreement_free_running_{tag}", res["msa"]["agree_free_running"], "fraction")
         put(f"smollm2_greedy_first_divergence_{tag}", res["msa"]["first_divergence"], "tokens")
+        for column in BACKENDS:
+            put(f"smollm2_decode_ms_per_token_{column}_{tag}", 1e3 * res[column]["decode_s_per_token"], "ms")
     for name, seconds in times.items():
-        put(f"smollm2_forward_{args.forward_tokens}_tokens_{name}_s", seconds, "s")
-    out = Path(args.out)
+        put(f"smollm2_forward_{timed}_tokens_{name}_s", seconds, "s")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(entries, indent=2) + "\n")
-    print_table(per_length, times, args, budget, host, str(out))
-    return 0
 
 
-def print_table(per_length: dict, times: dict, args: argparse.Namespace, budget: int, host: str,
-                out: str) -> None:
+def print_table(per_length: dict, times: dict, timed: int, args: argparse.Namespace, budget: int,
+                host: str) -> None:
     print(f"\nSmolLM2-135M-Instruct (Q4_1 GGUF → fp32), text {Path(args.text).name}; MSA P=64 K=16 "
           f"(budget {budget} tokens); {host}")
     head = f"{'L':>6} {'ppl dense':>10} {'ppl MSA':>10} {'ratio':>7} {'agree TF':>9} {'agree free':>11} " \
@@ -218,10 +212,9 @@ def print_table(per_length: dict, times: dict, args: argparse.Namespace, budget:
               f"{m['agree_teacher_forced']:>9.3f} {m['agree_free_running']:>11.3f} "
               f"{m['first_divergence']:>9.0f} {decode:>20}")
     print(f"(decode ms/token with 1 thread; other timings with {torch.get_num_threads()} threads)")
-    print(f"\n{args.forward_tokens}-token forward pass (last-token logits), wall seconds:")
+    print(f"\n{timed}-token forward pass (last-token logits), wall seconds:")
     for name, seconds in times.items():
         print(f"  {name:<14} {seconds:8.2f} s")
-    print(f"\nwrote {out}")
 
 
 if __name__ == "__main__":
