@@ -70,3 +70,18 @@ def test_presets() -> None:
     with pytest.raises(ValueError, match="tiny"):
         get_preset("huge")
     assert set(PRESETS) == {"tiny", "m3-proxy"}
+
+
+def test_m3_proxy_attention_shapes() -> None:
+    """Built on the meta device: the shapes only, no memory."""
+    import torch
+
+    from msaserve.models.transformer import MSATransformer
+
+    with torch.device("meta"):
+        model = MSATransformer(get_preset("m3-proxy", num_layers=2))
+    attn = model.layers[0].self_attn
+    assert attn.q_proj.weight.shape == (64 * 128, 6144) and attn.k_proj.weight.shape == (4 * 128, 6144)
+    assert attn.index_q_proj.weight.shape == (4 * 128, 6144)  # one index query per KV group
+    assert attn.index_k_proj.weight.shape == (128, 6144)  # one shared index-K head
+    assert model.layers[0].mlp.gate_proj.weight.shape == (8192, 6144) and len(model.layers) == 2
