@@ -17,6 +17,7 @@ from ray import serve
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.types import EngineError, EngineStats, GenerateOutput, GenerateRequest
 from msaserve.platform.config import ServeConfig
+from msaserve.platform.engine_factory import build_engine
 from msaserve.platform.errors import from_engine_error
 from msaserve.platform.metrics import get_metrics
 from msaserve.platform.model_messages import ModelError, ModelInfo, SessionInfo
@@ -74,13 +75,11 @@ class ModelDeployment:
         self._tasks = [asyncio.create_task(self._load()), asyncio.create_task(self._report_loop())]
 
     async def _load(self) -> None:
-        from msaserve.engine.async_engine import AsyncEngine
-
         start = time.perf_counter()
         try:
             engine_config = engine_config_from(self.config)
             # Loading weights is blocking CPU work: keep the replica's event loop free for info().
-            engine = await asyncio.to_thread(AsyncEngine, engine_config)
+            engine = await asyncio.to_thread(build_engine, self.config, engine_config)
             await engine.start()
             self.engine = engine
             logger.info("engine for %s ready in %.1fs", self.name, time.perf_counter() - start)

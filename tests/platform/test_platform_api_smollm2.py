@@ -6,7 +6,12 @@ import pytest
 pytestmark = pytest.mark.slow
 
 MODEL = "msaserve/smollm2"
-SERVE_CONFIG = {"model": {"spec": "smollm2"}, "engine": {"max_model_len": 2048}}
+# With the KV cache service behind the engine (one shard), as on a cluster.
+SERVE_CONFIG = {
+    "model": {"spec": "smollm2"},
+    "engine": {"max_model_len": 2048},
+    "kvcache": {"enabled": True, "num_shards": 1, "memory_bytes": 1 << 26},
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,3 +43,21 @@ def test_streamed_answer_is_the_same(client) -> None:
     whole = client.chat.completions.create(**kwargs).choices[0].message.content
     chunks = client.chat.completions.create(**kwargs, stream=True)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
+
+
+def test_session_move_with_kvcache_is_a_clear_409(live_app) -> None:
+    import httpx
+
+    r = httpx.post(live_app.base_url + "/v1/sessions/s1/move")
+    assert r.status_code == 409
+    assert r.json()["error"]["code"] == "move_unsupported"
+
+
+def test_kvcache_shard_is_running(live_app) -> None:
+    import ray
+
+    from msaserve.kvcache.config import ServiceConfig
+
+    service = ServiceConfig.from_platform(live_app.config.kvcache)
+    shard = ray.get_actor(service.actor_name(0), namespace=service.namespace)
+    assert ray.get(shard.ping.remote(), timeout=30) == 0
