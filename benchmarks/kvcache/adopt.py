@@ -14,6 +14,7 @@ with everything resident (the TPOT penalty). Tokens are checked equal to A's at 
 """
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -21,7 +22,6 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
-import ray
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -175,7 +175,10 @@ def run(args: argparse.Namespace) -> dict:
 
     session_bytes = 2 * identity_bytes(identity, args.context)
     service = ServiceConfig(num_shards=args.shards, memory_bytes=max(2 * session_bytes, 64 << 20))
-    client = KVCacheClient(start_shards(service), identity)
+    if args.transport == "ray":
+        client = KVCacheClient(start_shards(service), identity)
+    else:
+        client = KVCacheClient.in_process(service, identity)
 
     # Warm up kernels (and their autotuning) and every service path on a short session, off the clock.
     warm = min(args.context // 2, 4 * args.chunk)
@@ -192,8 +195,7 @@ def run(args: argparse.Namespace) -> dict:
     warm_replica = None
     client.delete_session("warm-up")
 
-    store_gib = ray.cluster_resources().get("object_store_memory", 0) / (1 << 30)
-    log(f"warm-up done; Ray object store {store_gib:.1f} GiB; session {session_bytes / 2**31:.2f} GiB")
+    log(f"warm-up done; {transport_note(args)}; session {session_bytes / 2**31:.2f} GiB")
 
     # Replica A: baseline (a), then persist the session and decode with everything resident.
     replica_a, first_token, reprefill_s = prefill_session(model, ops, tokens, capacity, args.chunk)
@@ -239,6 +241,15 @@ def run(args: argparse.Namespace) -> dict:
     )
 
 
+def transport_note(args: argparse.Namespace) -> str:
+    if args.transport != "ray":
+        return f"{args.shards} shards in this process (no Ray: no object store, no serialization)"
+    import ray
+
+    store_gib = ray.cluster_resources().get("object_store_memory", 0) / (1 << 30)
+    return f"{args.shards} Ray shard actors, object store {store_gib:.1f} GiB"
+
+
 def identity_bytes(identity, num_tokens: int) -> int:
     codec = PageCodec(identity)
     pages = -(-num_tokens // identity.page_size)
@@ -275,7 +286,8 @@ def report(args: argparse.Namespace, r: dict) -> None:
                 hardware=hardware(r["device"]), date=datetime.now(UTC).isoformat(timespec="seconds"),
                 git_revision=git_revision())
     shape = "m3-proxy (quick shapes)" if args.quick else "m3-proxy"
-    label = f"{shape}, {r['config'].num_layers} layers, {args.context} tokens"
+    where = "Ray shard actors" if args.transport == "ray" else "in-process shards, no Ray"
+    label = f"{shape}, {r['config'].num_layers} layers, {args.context} tokens, {args.shards} {where}"
     entries = {
         "kvcache.adopt_vs_reprefill": dict(value=round(r["reprefill_s"] / r["adopt_s"], 2), unit="x"),
         "kvcache.adopt_vs_full_copy": dict(value=round(r["full_copy_s"] / r["adopt_s"], 2), unit="x"),
@@ -292,7 +304,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(entries, indent=2) + "\n")
-    print(f"\n{label}; {args.shards} shards; persist (upload) {r['persist_s']:.3f} s, "
+    print(f"\n{label}; persist (upload) {r['persist_s']:.3f} s, "
           f"{r['uploaded_bytes'] / gib:.3f} GiB; results → {out}")
     print(f"TPOT resident {r['tpot_resident_s'] * 1e3:.2f} ms | lazy (median of {args.steps}) "
           f"{r['tpot_lazy_s'] * 1e3:.2f} ms | first lazy step {r['tpot_lazy_first_s'] * 1e3:.2f} ms")
@@ -313,6 +325,8 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 32768; quick 1024)")
     parser.add_argument("--steps", type=int, default=16, help="decode steps for TPOT")
     parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--transport", choices=("ray", "local"), default=None,
+                        help="shards as Ray actors (default when Ray is installed) or in this process")
     parser.add_argument("--prefetch-pages", type=int, default=256, help="(page, layer) reads in flight")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
@@ -321,6 +335,15 @@ def main() -> None:
     args.chunk = args.chunk or (1024 if args.quick else 32768)
     default_name = "kvcache_cpu_quick.json" if args.quick else "kvcache.json"
     args.output = args.output or str(ROOT / "benchmarks" / "results" / default_name)
+    if args.transport is None:
+        args.transport = "ray" if importlib.util.find_spec("ray") else "local"
+        if args.transport == "local":
+            print("Ray is not installed: the shards run in this process (--transport local)")
+    if args.transport == "local":
+        report(args, run(args))
+        return
+    import ray
+
     ray.init(address="local", include_dashboard=False, configure_logging=False, _node_ip_address="127.0.0.1")
     try:
         report(args, run(args))

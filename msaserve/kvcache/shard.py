@@ -1,15 +1,14 @@
 """One shard of the service: an index store, a block store and the sessions routed to it.
 
-`KVCacheShard` is a plain class (tests drive it without Ray); `KVCacheShardActor` is the same
-class as a Ray actor. Pages live on shard `page_hash % num_shards`, sessions on
+`KVCacheShard` is a plain class (tests drive it without Ray); `actor_class()` is the same class
+as a Ray actor. Pages live on shard `page_hash % num_shards`, sessions on
 `xxh3(session_id) % num_shards`. Methods take and return plain data and uint8 arrays, which
 Ray moves through its object store (readers on the node map them zero-copy).
 """
 
+import functools
 import time
 from collections.abc import Sequence
-
-import ray
 
 from msaserve.kvcache.codec import Payload, as_payload
 from msaserve.kvcache.config import ServiceConfig
@@ -149,5 +148,10 @@ class KVCacheShard:
         self.metrics.publish_sessions(len(self.sessions.session_ids()), self.sessions.corruptions)
 
 
-# Shards are I/O- and memcpy-bound: no CPU reservation, so they co-locate with anything.
-KVCacheShardActor = ray.remote(num_cpus=0)(KVCacheShard)
+@functools.cache
+def actor_class():
+    """KVCacheShard as a Ray actor class (Ray is imported only when the service runs on it).
+    Shards are I/O- and memcpy-bound: no CPU reservation, so they co-locate with anything."""
+    import ray
+
+    return ray.remote(num_cpus=0)(KVCacheShard)

@@ -1,0 +1,63 @@
+"""The client over in-process shards (no Ray): routing, batching, sessions, restart, swap protocol."""
+
+import numpy as np
+import pytest
+import torch
+
+from msaserve.kvcache.client import KVCacheClient
+from msaserve.kvcache.config import ServiceConfig
+from msaserve.kvcache.engine_adapter import ServicePageStore
+from msaserve.kvcache.keys import ModelIdentity, shard_of_page
+from msaserve.kvcache.session import SessionNotFound, SessionRecord
+
+MODEL = ModelIdentity("tiny@test", num_layers=2, page_size=4, num_kv_heads=2, head_dim=8,
+                      num_index_heads=1, index_dim=8, kv_dtype="float32", index_dtype="float32")
+
+
+def kv(seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, 2 * 4 * 2 * 8 * 4, dtype=np.uint8)
+
+
+def test_round_trip_routes_every_page_to_its_shard(tmp_path):
+    config = ServiceConfig(num_shards=3, memory_bytes=1 << 20, disk_path=str(tmp_path), disk_bytes=1 << 22)
+    client = KVCacheClient.in_process(config, MODEL)
+    hashes = [*range(20), (1 << 64) - 1]
+    client.put_pages([(h, [kv(2 * h), kv(2 * h + 1)], kv(h)[:256]) for h in hashes])
+    requests = [(h, layer) for h in reversed(hashes) for layer in (1, 0)]
+    for (h, layer), got in zip(requests, client.get_kv(requests), strict=True):
+        np.testing.assert_array_equal(got, kv(2 * h + layer))
+    for shard in client.shards:  # the page lives on hash % num_shards, and only there
+        held = {h for h in hashes if shard.has_pages(MODEL.key, [h], 2)[0]}
+        assert held == {h for h in hashes if shard_of_page(h, 3) == shard.shard_id}
+
+
+def test_sessions_and_pins_survive_new_shards_over_the_same_disk(tmp_path):
+    config = ServiceConfig(num_shards=2, memory_bytes=1 << 20, disk_path=str(tmp_path), disk_bytes=1 << 22)
+    client = KVCacheClient.in_process(config, MODEL)
+    client.put_pages([(5, [kv(0), kv(1)], kv(2)[:256])])
+    client.put_session(SessionRecord("s", MODEL, token_ids=[1, 2, 3, 4, 5], page_hashes=[5], pinned=True))
+    client.append_session("s", [6], [], {"generated": 1})
+    restarted = KVCacheClient.in_process(config, MODEL)  # "restart": new shard objects, same path
+    assert restarted.get_session("s").token_ids == [1, 2, 3, 4, 5, 6]
+    assert restarted.restore_pins() == 1
+    holder = restarted.shards[shard_of_page(5, 2)]
+    assert holder.stores["kv"].is_pinned(f"kv/{MODEL.key}/{5:016x}/0")
+    np.testing.assert_array_equal(restarted.get_kv([(5, 1)])[0], kv(1))
+    restarted.delete_session("s")
+    with pytest.raises(SessionNotFound):
+        restarted.get_session("s")
+
+
+def test_swap_protocol_round_trip_and_full_service():
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=1 << 20), MODEL)
+    store = ServicePageStore(client)
+    data = {
+        "k": torch.randn(2, 3, 4, 2, 8), "v": torch.randn(2, 3, 4, 2, 8), "index": torch.randn(2, 3, 4, 1, 8),
+    }
+    assert store.put("req-1", data) and len(store) == 1
+    back = store.pop("req-1")
+    assert all(torch.equal(back[name], data[name]) for name in data) and len(store) == 0
+    assert all(s.stats()["kv"]["memory_pages"] == 0 for s in client.shards)  # removed after pop
+    tiny = KVCacheClient.in_process(ServiceConfig(num_shards=1, memory_bytes=4096), MODEL)
+    assert not ServicePageStore(tiny).put("req-2", data)  # no room: the engine recomputes
+    assert tiny.shards[0].stats()["kv"]["memory_pages"] == 0  # the part that fitted was dropped
