@@ -30,23 +30,35 @@ def tools_system_prompt(tools: list[Tool]) -> str:
     return _SYSTEM_TEMPLATE.format(tools="\n".join(t.model_dump_json(exclude_none=True) for t in tools))
 
 
+def forced_name(request: ChatCompletionRequest) -> str | None:
+    """The function the reply must call: the named tool_choice, or the only tool under "required"."""
+    choice, tools = request.tool_choice, request.tools or []
+    if isinstance(choice, NamedToolChoice) and tools:
+        return choice.function.name
+    if choice == "required" and len(tools) == 1:
+        return tools[0].function.name
+    return None
+
+
 def forced_prefix(request: ChatCompletionRequest) -> str:
     """The start of the reply that forces a call: "required" → any tool, named → that tool."""
     choice = request.tool_choice
     if not request.tools or choice in (None, "none", "auto"):
         return ""
-    if choice == "required":
+    if isinstance(choice, NamedToolChoice):
+        names = {t.function.name for t in request.tools}
+        if choice.function.name not in names:
+            raise APIError(
+                400,
+                f"tool_choice names function {choice.function.name!r}, "
+                f"which is not among tools: {sorted(names)}",
+                param="tool_choice",
+                code="invalid_value",
+            )
+    name = forced_name(request)
+    if name is None:  # "required" with several tools: the model picks the name
         return OPEN + '\n{"name": "'
-    assert isinstance(choice, NamedToolChoice)
-    names = {t.function.name for t in request.tools}
-    if choice.function.name not in names:
-        raise APIError(
-            400,
-            f"tool_choice names function {choice.function.name!r}, which is not among tools: {sorted(names)}",
-            param="tool_choice",
-            code="invalid_value",
-        )
-    return OPEN + '\n{"name": ' + json.dumps(choice.function.name) + ', "arguments": '
+    return OPEN + '\n{"name": ' + json.dumps(name) + ', "arguments": '
 
 
 def render_tool_call(call: ToolCall) -> str:
@@ -79,11 +91,6 @@ def _parse_one(block: str, known: set[str]) -> ParsedToolCall | None:
     arguments = obj.get("arguments", obj.get("parameters", {}))
     text = arguments if isinstance(arguments, str) else json.dumps(arguments)
     return ParsedToolCall(id="call_" + secrets.token_hex(12), name=obj["name"], arguments=text)
-
-
-def forced_name(request: ChatCompletionRequest) -> str | None:
-    choice = request.tool_choice
-    return choice.function.name if request.tools and isinstance(choice, NamedToolChoice) else None
 
 
 def _forced_call(text: str, name: str) -> ParsedToolCall:

@@ -9,6 +9,7 @@ from msaserve.platform.openai_types import ChatCompletionRequest
 from msaserve.platform.tools import (
     OPEN,
     StreamingToolParser,
+    forced_name,
     forced_prefix,
     parse_reply,
     parse_tool_calls,
@@ -92,3 +93,13 @@ def test_streaming_parser_releases_a_lone_angle_bracket() -> None:
     parser = StreamingToolParser(KNOWN)
     sent = parser.feed("a <to") + parser.feed("day> b")
     assert sent + parser.finish()[0] == "a <today> b"
+
+
+def test_required_with_one_tool_forces_that_tool() -> None:
+    one = ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], tool_choice="required",
+        tools=[{"type": "function", "function": {"name": "search"}}],
+    )  # fmt: skip
+    assert forced_prefix(one).endswith('{"name": "search", "arguments": ')
+    assert forced_name(one) == "search"
+    assert forced_name(request(tool_choice="required")) is None
