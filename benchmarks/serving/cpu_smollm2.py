@@ -54,7 +54,8 @@ def _hf_generate(model, prompts: list[list[int]], new_tokens: int, batched: bool
     return time.perf_counter() - start
 
 
-def run_cpu_smollm2(new_tokens: int, threads: int, backend: str = "dense") -> dict[str, float]:
+def run_cpu_smollm2(new_tokens: int, threads: int, backend: str = "dense", repeats: int = 2
+                    ) -> dict[str, float]:
     """tokens/s of one stream and of 8 concurrent streams, ours and transformers'."""
     import transformers
 
@@ -74,10 +75,19 @@ def run_cpu_smollm2(new_tokens: int, threads: int, backend: str = "dense") -> di
     total = new_tokens * len(prompts)
     _engine_generate(engine, prompts[:2], 4, 2)  # warm-up
     _hf_generate(hf, prompts[:2], 4, batched=True, pad_id=pad_id)
-    ours_1 = total / _engine_generate(engine, prompts, new_tokens, streams=1)
-    ours_8 = total / _engine_generate(engine, prompts, new_tokens, streams=8)
-    hf_1 = total / _hf_generate(hf, prompts, new_tokens, batched=False, pad_id=pad_id)
-    hf_8 = total / _hf_generate(hf, prompts, new_tokens, batched=True, pad_id=pad_id)
+    # Best of `repeats` rounds, the four runs interleaved: the machine is shared, and the fastest
+    # round is the one least disturbed by other processes.
+    best = {"ours_1": 0.0, "ours_8": 0.0, "hf_1": 0.0, "hf_8": 0.0}
+    for _ in range(repeats):
+        runs = {
+            "ours_1": lambda: _engine_generate(engine, prompts, new_tokens, streams=1),
+            "ours_8": lambda: _engine_generate(engine, prompts, new_tokens, streams=8),
+            "hf_1": lambda: _hf_generate(hf, prompts, new_tokens, batched=False, pad_id=pad_id),
+            "hf_8": lambda: _hf_generate(hf, prompts, new_tokens, batched=True, pad_id=pad_id),
+        }
+        for name, run in runs.items():
+            best[name] = max(best[name], total / run())
+    ours_1, ours_8, hf_1, hf_8 = best["ours_1"], best["ours_8"], best["hf_1"], best["hf_8"]
     return {
         "cpu_smollm2_tok_s_1stream": ours_1,
         "cpu_smollm2_tok_s_8streams": ours_8,

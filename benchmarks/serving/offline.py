@@ -66,20 +66,24 @@ def sizes_for(args: argparse.Namespace) -> Sizes:
 
 
 def build_engine(args: argparse.Namespace, sizes: Sizes, backend: str, max_model_len: int,
-                 max_num_seqs: int, chunk: int) -> LLMEngine:
+                 max_num_seqs: int, chunk: int, exact_pages: bool = False) -> LLMEngine:
+    """exact_pages: a pool of exactly what max_num_seqs × max_model_len needs (no planning from
+    free HBM, hence no profiling forward pass, which at 1M dense tokens would take minutes)."""
     overrides = {"num_layers": args.layers} if sizes.preset == "m3-proxy" else {}
+    page_size = 128 if sizes.preset == "m3-proxy" else 16
+    needed = max_num_seqs * -(-max_model_len // page_size) + 2
     config = EngineConfig(
         model=sizes.preset, model_overrides=overrides, device=args.device,
         dtype="bfloat16" if args.device == "cuda" else "float32", attention_backend=backend,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk, max_model_len=max_model_len,
         max_waiting=10_000, cuda_graphs=args.device == "cuda",
-        num_pages=None if args.device == "cuda" else -(-max_model_len * max_num_seqs // 16) + 64,
+        num_pages=None if args.device == "cuda" and not exact_pages else needed,
     )
     return LLMEngine(config)
 
 
-def release(engine: LLMEngine | None) -> None:
-    del engine
+def free_memory() -> None:
+    """Give back the memory of engines the caller has dropped every reference to."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -123,10 +127,11 @@ def run_one_session(engine: LLMEngine, length: int, decode: int, device: str, se
 def part_session(args: argparse.Namespace, sizes: Sizes, report: Report) -> None:
     length, decode = sizes.session_len, sizes.session_decode
     max_len = length + decode + 256
-    engine = build_engine(args, sizes, "msa", max_len, 1, sizes.session_chunk)
+    engine = build_engine(args, sizes, "msa", max_len, 1, sizes.session_chunk, exact_pages=True)
     run_one_session(engine, 2 * sizes.session_chunk + 5, 4, args.device, seed=1)  # warm-up: compile, tune
     msa = run_one_session(engine, length, decode, args.device)
-    release(engine)
+    engine = None
+    free_memory()
     report.add("session_len_tokens", length, "tokens")
     report.add("session_msa_prefill_s", msa["prefill_s"], "s")
     report.add("session_msa_tpot_ms", msa["tpot_ms"], "ms")
@@ -136,14 +141,16 @@ def part_session(args: argparse.Namespace, sizes: Sizes, report: Report) -> None
     while dense is None and dense_len >= min(1024, length):
         engine = None
         try:  # dense prefills in one chunk: SDPA's causal kernel needs no [Tq, T] mask then
-            engine = build_engine(args, sizes, "dense", dense_len + decode + 256, 1, dense_len)
+            engine = build_engine(args, sizes, "dense", dense_len + decode + 256, 1, dense_len,
+                                  exact_pages=True)
             run_one_session(engine, min(1024, dense_len), 4, args.device, seed=1)
             dense = run_one_session(engine, dense_len, decode, args.device)
         except torch.cuda.OutOfMemoryError:
             print(f"dense session of {dense_len} tokens does not fit; halving", file=sys.stderr)
             dense_len //= 2
         finally:
-            release(engine)
+            engine = None
+            free_memory()
     if dense is not None:
         report.add("session_dense_len_tokens", dense_len, "tokens")
         report.add("session_dense_prefill_s", dense["prefill_s"], "s")
@@ -164,7 +171,16 @@ def part_traffic(args: argparse.Namespace, sizes: Sizes, report: Report, name: s
         run_closed_loop(engine, make_sessions(args, sizes, name, vocab, 1, seed=99), 1)  # warm-up
         for level in levels:
             engine.block_manager.reset_prefix_cache()  # each level starts cold
-            result = run_closed_loop(engine, make_sessions(args, sizes, name, vocab, level, 0), level)
+            try:
+                result = run_closed_loop(engine, make_sessions(args, sizes, name, vocab, level, 0), level)
+            except torch.cuda.OutOfMemoryError as error:  # reported, so the other figures still land
+                print(f"{name} {backend} c{level}: out of memory ({error})", file=sys.stderr)
+                report.add(f"{name}_{backend}_c{level}_output_tok_s", float("nan"), "tokens/s")
+                throughput[(backend, level)] = float("nan")
+                engine = None
+                free_memory()  # a step that ran out of memory leaves sequences half-scheduled
+                engine = build_engine(args, sizes, backend, sizes.max_model_len, max(levels), sizes.chunk)
+                continue
             key = f"{name}_{backend}_c{level}"
             throughput[(backend, level)] = result.output_tok_s
             report.add(f"{key}_output_tok_s", result.output_tok_s, "tokens/s")
@@ -172,7 +188,8 @@ def part_traffic(args: argparse.Namespace, sizes: Sizes, report: Report, name: s
                 for q in (50, 90):
                     report.add(f"{key}_{label}_p{q}_ms", 1000 * percentile(values, q), "ms")
             report.add(f"{key}_prefix_hit", result.cached_tokens / max(1, result.prompt_tokens), "ratio")
-        release(engine)
+        engine = None
+        free_memory()
     for level in levels:
         ratio = throughput[("msa", level)] / throughput[("dense", level)]
         report.add(f"{name}_throughput_ratio_c{level}", ratio, "x")
@@ -220,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
                 from cpu_smollm2 import run_cpu_smollm2
 
                 new_tokens = 8 if args.quick else args.cpu_new_tokens
-                for key, value in run_cpu_smollm2(new_tokens, args.threads).items():
+                results = run_cpu_smollm2(new_tokens, args.threads, repeats=1 if args.quick else 2)
+                for key, value in results.items():
                     report.add(key, value, "x" if "_vs_" in key else "tokens/s", model="SmolLM2-135M")
     report.write(output)
     report.print_table()
