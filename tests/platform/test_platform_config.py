@@ -105,3 +105,15 @@ def test_router_policy_selects_the_request_router() -> None:
     )
     assert kv_aware.request_router_class == ROUTER_CLASS
     assert kv_aware.request_routing_stats_period_s == 2.0
+
+
+def test_app_builder_takes_serve_config_args_as_ray_serve_calls_it() -> None:
+    from ray.serve import Application
+    from ray.serve._private.api import call_user_app_builder_with_args_if_necessary
+
+    from msaserve.platform.app import app_builder
+
+    app = call_user_app_builder_with_args_if_necessary(app_builder, {"model": {"spec": "tiny"}})
+    assert isinstance(app, Application)
+    with pytest.raises(ConfigError, match=r"engine\.max_num_seqs"):
+        call_user_app_builder_with_args_if_necessary(app_builder, {"engine": {"max_num_seqs": 0}})
