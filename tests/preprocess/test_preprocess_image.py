@@ -1,6 +1,7 @@
 """Images through the pipeline: formats, geometry, EXIF, alpha, hashes, and equality with
 transformers' Qwen2-VL image processor."""
 
+import dataclasses
 import io
 
 import numpy as np
@@ -126,3 +127,16 @@ def test_fast_jpeg_downscale_close_to_exact():
     fast = Preprocessor(PreprocessConfig(fast_jpeg_downscale=True)).process([image_part(data)]).media[0]
     assert exact.grid_thw == fast.grid_thw
     assert np.abs(exact.patches - fast.patches).mean() < 0.02
+
+
+def test_exif_rotation_with_reduced_scale_jpeg_decoding():
+    # Stored 1600×400 (black left, white right), shown rotated 90° clockwise: 400×1600 portrait.
+    array = np.zeros((400, 1600, 3), np.uint8)
+    array[:, 800:] = 255
+    data = with_exif_orientation(Image.fromarray(array), 6)
+    cfg = PreprocessConfig(min_pixels=28 * 28, max_pixels=28 * 28 * 16)  # target ≪ source: 1/8 decode
+    fast, exact = (decode_image(data, dataclasses.replace(cfg, fast_jpeg_downscale=f)) for f in (True, False))
+    assert fast.pixels.shape == exact.pixels.shape and fast.pixels.shape[0] > fast.pixels.shape[1]
+    h = fast.pixels.shape[0]
+    assert fast.pixels[: h // 4].mean() < 30 and fast.pixels[-h // 4 :].mean() > 225
+    assert np.abs(fast.pixels.astype(int) - exact.pixels).mean() < 3
