@@ -25,6 +25,18 @@ import torch.nn.functional as F
 from torch import nn
 
 
+class QuickGELU(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.sigmoid(1.702 * x)
+
+
+ACTIVATIONS = {
+    "quick_gelu": QuickGELU,
+    "gelu": nn.GELU,
+    "gelu_pytorch_tanh": lambda: nn.GELU(approximate="tanh"),
+}
+
+
 @dataclass(frozen=True)
 class VisionConfig:
     patch_size: int = 14
@@ -38,12 +50,15 @@ class VisionConfig:
     out_hidden_size: int = 3584  # the LM's hidden size
     layer_norm_eps: float = 1e-6
     rope_theta: float = 10000.0
+    hidden_act: str = "quick_gelu"  # of the blocks' MLP (Qwen2-VL); the merger always uses GELU
 
     def __post_init__(self) -> None:
         for name in ("patch_size", "merge_size", "temporal_patch_size", "in_channels", "hidden_size",
                      "depth", "num_heads", "out_hidden_size"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"VisionConfig.{name}={getattr(self, name)} must be > 0")
+        if self.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"VisionConfig.hidden_act={self.hidden_act!r}: allowed {', '.join(ACTIVATIONS)}")
         if self.hidden_size % self.num_heads or (self.hidden_size // self.num_heads) % 4:
             raise ValueError(
                 f"VisionConfig.hidden_size={self.hidden_size} / num_heads={self.num_heads} must be a "
@@ -71,6 +86,8 @@ class VisionConfig:
 VISION_PRESETS: dict[str, VisionConfig] = {
     # For CPU tests with the `tiny` LM preset (hidden size 64).
     "tiny": VisionConfig(hidden_size=32, depth=2, num_heads=2, mlp_ratio=2.0, out_hidden_size=64),
+    # Qwen2-VL-7B's tower (675M parameters), for shape checks and real checkpoints.
+    "qwen2-vl": VisionConfig(),
 }
 
 
@@ -126,7 +143,7 @@ class VisionBlock(nn.Module):
         mlp_hidden = int(config.hidden_size * config.mlp_ratio)
         self.mlp = nn.Sequential()
         self.mlp.add_module("fc1", nn.Linear(config.hidden_size, mlp_hidden))
-        self.mlp.add_module("act", nn.GELU(approximate="tanh"))
+        self.mlp.add_module("act", ACTIVATIONS[config.hidden_act]())
         self.mlp.add_module("fc2", nn.Linear(mlp_hidden, config.hidden_size))
 
     def forward(
@@ -179,6 +196,14 @@ class VisionTower(nn.Module):
         for block in self.blocks:
             x = block(x, cos, sin, segments)
         return self.merger(x)
+
+    def load_hf_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Load HF Qwen2-VL `visual.*` weights (prefix stripped): the Conv3d patch weight
+        [E, C, T, P, P] becomes the linear's [E, C·T·P·P]; every other name matches."""
+        state = dict(state)
+        weight = state["patch_embed.proj.weight"]
+        state["patch_embed.proj.weight"] = weight.reshape(weight.shape[0], -1)
+        self.load_state_dict(state, strict=True)
 
     def embed_media(self, media: Sequence[Any]) -> torch.Tensor:
         """Preprocessed MediaItems (numpy patches) → embeddings [total placeholders, out_hidden]."""

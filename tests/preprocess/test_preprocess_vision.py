@@ -156,3 +156,24 @@ def test_vision_config_from_hf_names():
     assert VisionConfig.from_dict(cfg.to_dict()) == cfg
     with pytest.raises(ValueError, match="multiple of 4"):
         VisionConfig(hidden_size=30, num_heads=2)
+
+
+def test_tower_equals_transformers_qwen2vl_vision_model(media):
+    """Same weights → same embeddings as transformers' Qwen2VisionTransformerPretrainedModel
+    (a tiny config), on real preprocessed image and video patches. Tolerance 1e-4 (fp32)."""
+    modeling = pytest.importorskip("transformers.models.qwen2_vl.modeling_qwen2_vl")
+    configuration = pytest.importorskip("transformers.models.qwen2_vl.configuration_qwen2_vl")
+    hf_config = configuration.Qwen2VLVisionConfig(
+        depth=2, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2
+    )
+    hf_config._attn_implementation = "sdpa"
+    torch.manual_seed(1)
+    reference = modeling.Qwen2VisionTransformerPretrainedModel(hf_config).eval()
+    ours = VisionTower(VisionConfig.from_dict(hf_config.to_dict())).eval()
+    ours.load_hf_state_dict(reference.state_dict())
+    patches = torch.cat([torch.from_numpy(m.patches) for m in media])
+    grids = [m.grid_thw for m in media]
+    with torch.no_grad():
+        expected = reference(patches, grid_thw=torch.tensor(grids)).pooler_output
+        got = ours(patches, grids)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
