@@ -76,7 +76,8 @@ def decode_video(data: bytes, fmt: str, config: PreprocessConfig, param: str | N
     sampled = len(frames)
     while len(frames) % config.temporal_patch_size:
         frames.append(frames[-1])  # pad the last temporal patch by repeating the last frame
-    return DecodedVideo(np.stack(frames), times[:sampled], duration, sampler.decoded, (width, height))
+    shown = (height, width) if sampler.quarter_turns % 2 else (width, height)
+    return DecodedVideo(np.stack(frames), times[:sampled], duration, sampler.decoded, shown)
 
 
 def _check_codec(stream: av.video.stream.VideoStream, fmt: str, param: str | None) -> None:
@@ -132,6 +133,7 @@ class _Sampler:
         self.last_key_time: float | None = None
         self.after_seek: float | None = None  # the target of a seek whose landing is not seen yet
         self.reformatter = VideoReformatter()  # reused: its scaler context is cached across frames
+        self.quarter_turns = 0  # display rotation of the sampled frames, in counter-clockwise 90° turns
 
     def sample(self, times: list[float]) -> list[np.ndarray]:
         frames: list[np.ndarray] = []
@@ -143,7 +145,13 @@ class _Sampler:
             rgb = self.reformatter.reformat(
                 frame, width=self.target_w, height=self.target_h, format="rgb24", interpolation="BICUBIC"
             )
-            frames.append(rgb.to_ndarray())  # [H, W, 3] uint8
+            pixels = rgb.to_ndarray()  # [H, W, 3] uint8
+            # Phone videos store a display rotation (counter-clockwise degrees); smart_resize is
+            # symmetric in H and W, so rotating the resized frame keeps both sides multiples.
+            self.quarter_turns = round((frame.rotation or 0) / 90) % 4
+            frames.append(
+                np.ascontiguousarray(np.rot90(pixels, self.quarter_turns)) if self.quarter_turns else pixels
+            )
         return frames
 
     def _frame_at(self, target: float):

@@ -47,6 +47,7 @@ def make_video(
     seconds: float = 2.0,
     fps: int = 15,
     gop: int | None = None,
+    display_rotation: int = 0,
 ) -> bytes:
     """A moving test pattern; frame i has a red level of (8·i) mod 256 (to check which frame was sampled)."""
     buffer = io.BytesIO()
@@ -55,6 +56,8 @@ def make_video(
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         if gop:
             stream.codec_context.gop_size = gop
+        if display_rotation:
+            stream.set_display_rotation(display_rotation)  # counter-clockwise degrees, as phones store it
         if codec == "libx265":
             stream.options = {"x265-params": "log-level=error"}
         for i in range(int(seconds * fps)):

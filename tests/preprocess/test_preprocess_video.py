@@ -101,3 +101,23 @@ def test_same_video_same_hash():
     a, b = pre.process([video_part(data), video_part(data, "video/webm")]).media
     other = pre.process([video_part(make_video("libvpx-vp9", "webm", seconds=3))]).media[0]
     assert a.content_hash == b.content_hash != other.content_hash
+
+
+@pytest.mark.parametrize("rotation", [0, 90, -90])
+def test_display_rotation_is_applied(rotation):
+    # Stored 128×64 with the left half green (frame i > 0 paints columns < 3i green; use the last
+    # frames, where the green bar covers the left ~40 columns): displayed portrait when rotated.
+    data = make_video("libx264", "mp4", width=128, height=64, seconds=1, fps=10, display_rotation=rotation)
+    cfg = PreprocessConfig(video_min_pixels=28 * 28, video_max_pixels=28 * 28 * 8, video_fps=2.0)
+    video = decode_video(data, "mp4", cfg)
+    frame = video.frames[-1].astype(int)  # [H, W, 3]
+    h, w, _ = frame.shape
+    green = frame[..., 1] > 128
+    if rotation == 0:
+        assert w > h and video.source_size == (128, 64)
+        assert green[:, : w // 8].mean() > 0.9 and green[:, -w // 8 :].mean() < 0.1
+    else:
+        assert h > w and video.source_size == (64, 128)
+        # 90° counter-clockwise moves the stored left edge to the bottom; -90° to the top
+        bottom, top = green[-h // 8 :].mean(), green[: h // 8].mean()
+        assert (bottom > 0.9 and top < 0.1) if rotation == 90 else (top > 0.9 and bottom < 0.1)
