@@ -14,7 +14,7 @@ from ray import serve
 from ray.serve import Application
 from ray.serve.config import RequestRouterConfig
 
-from msaserve.platform.config import ConfigError, RouterConfig, ServeConfig
+from msaserve.platform.config import RouterConfig, ServeConfig
 from msaserve.platform.gateway import Gateway
 from msaserve.platform.model_deployment import ModelDeployment
 from msaserve.platform.preprocess_deployment import PreprocessDeployment
@@ -27,18 +27,11 @@ TEXT_ONLY_PRESETS = ("smollm2", "tiny", "m3-proxy")
 APP_NAME = "msaserve"
 
 
-def router_config(router: RouterConfig) -> RequestRouterConfig | None:
-    """None keeps Ray Serve's default power-of-two-choices router; other policies use msaserve.router
-    (which learns the engine's page size from the replicas' routing-stats payloads)."""
-    if router.policy == "pow2":
-        return None
-    try:
-        from msaserve.router.serve_router import request_router_config
-    except ImportError as e:
-        raise ConfigError(
-            f"router.policy={router.policy!r} needs {ROUTER_CLASS}, which is not available ({e}); "
-            "allowed now: 'pow2'"
-        ) from None
+def router_config(router: RouterConfig) -> RequestRouterConfig:
+    """Every policy, pow2 included, runs in msaserve.router's request router, so that policy
+    comparisons share one code path (it learns the engine's page size from routing stats)."""
+    from msaserve.router.serve_router import request_router_config
+
     return request_router_config(router.model_dump())
 
 
@@ -54,9 +47,7 @@ def preprocess_app(config: ServeConfig) -> Application | None:
 def build_app(config: ServeConfig) -> Application:
     as_dict = config.model_dump(mode="json")
     model_options = config.deployments.model.to_serve_options()
-    routing = router_config(config.router)
-    if routing is not None:
-        model_options["request_router_config"] = routing
+    model_options["request_router_config"] = router_config(config.router)
     # The engine loads in the background; the gateway answers 503 until it is ready.
     model = serve.deployment(ModelDeployment, name="Model").options(**model_options).bind(as_dict)
     gateway_cls = serve.ingress()(Gateway)

@@ -108,9 +108,9 @@ class EngineSettings(StrictModel):
 
 class RouterConfig(StrictModel):
     policy: Literal["round_robin", "pow2", "prefix_affinity", "kv_aware"] = Field(
-        "pow2",
-        description="Replica choice for the model deployment: 'pow2' is Ray Serve's default "
-        "power-of-two choices; 'prefix_affinity' and 'kv_aware' use msaserve.router.",
+        "kv_aware",
+        description="Replica choice for the model deployment. Every policy runs through the same "
+        "msaserve.router request router, so comparisons differ only in the policy class.",
     )
     w_prefill: float = Field(
         1.0, ge=0.0, le=1e6, description="Cost weight of each page the replica would have to prefill."
@@ -125,18 +125,17 @@ class RouterConfig(StrictModel):
         2.0,
         ge=1.0,
         le=1000.0,
-        description="Fall back to power-of-two choices when max/min replica load exceeds this ratio.",
+        description="Relative imbalance guard: with the absolute one, fall back to power-of-two "
+        "choices when the most loaded replica carries more than this times the mean load.",
     )
     imbalance_min_load: int = Field(
-        4, ge=0, le=1_000_000, description="Loads below this many sequences never count as imbalanced."
+        4, ge=0, le=1_000_000,
+        description="Absolute imbalance guard: max minus min replica load (running + waiting "
+        "sequences) must exceed this before the relative guard can trigger.",
     )
     stats_period_s: float = Field(
         1.0, gt=0.0, le=600.0, description="How often replicas report load (record_routing_stats)."
     )
-
-    @property
-    def uses_custom_router(self) -> bool:
-        return self.policy in ("prefix_affinity", "kv_aware", "round_robin")
 
 
 class KVCacheConfig(StrictModel):

@@ -2,7 +2,7 @@
 
 from typing import Any, Self
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class _Strict(BaseModel):
@@ -36,9 +36,24 @@ class ActorOptions(_Strict):
     memory: int | None = Field(
         None, ge=0, le=1 << 44, description="Bytes of memory reserved per replica; unset = no reservation."
     )
+    resources: dict[str, float] = Field(
+        default_factory=dict,
+        description="Custom Ray resources per replica, e.g. {'msaserve_kvcache_group': 1} to pin "
+        "replicas to the worker group the Helm chart advertises that resource on.",
+    )
+
+    @field_validator("resources")
+    @classmethod
+    def _resources_positive(cls, value: dict[str, float]) -> dict[str, float]:
+        for name, amount in value.items():
+            if not name or not 0.0 < amount <= 1e6:
+                raise ValueError(
+                    f"resources[{name!r}]={amount} is invalid: allowed a name and 0 < amount ≤ 1e6"
+                )
+        return value
 
     def to_serve(self) -> dict[str, Any]:
-        return {k: v for k, v in self.model_dump().items() if v is not None}
+        return {k: v for k, v in self.model_dump().items() if v is not None and v != {}}
 
 
 class DeploymentSettings(_Strict):

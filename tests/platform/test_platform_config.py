@@ -99,7 +99,9 @@ def test_engine_config_follows_serve_config() -> None:
 def test_router_policy_selects_the_request_router() -> None:
     from msaserve.platform.app import ROUTER_CLASS, router_config
 
-    assert router_config(ServeConfig().router) is None  # Ray Serve's power of two choices
+    assert ServeConfig().router.policy == "kv_aware"  # the default, through msaserve.router
+    pow2 = router_config(ServeConfig.from_dict({"router": {"policy": "pow2"}}).router)
+    assert pow2.request_router_class == ROUTER_CLASS  # the same code path for every policy
     kv_aware = router_config(
         ServeConfig.from_dict({"router": {"policy": "kv_aware", "stats_period_s": 2}}).router
     )
