@@ -112,7 +112,10 @@ class Fetcher:
 
     def check_url(self, url: str, param: str | None = None) -> tuple[httpx.URL, str]:
         """Validate one hop; return the URL rewritten to the checked IP and the original host."""
-        parsed = httpx.URL(url)
+        try:
+            parsed = httpx.URL(url)
+        except (httpx.InvalidURL, ValueError) as e:
+            raise MediaError(400, "invalid_content_part", f"invalid URL: {e}", param) from None
         if parsed.scheme not in ("http", "https"):
             raise _not_allowed(f"redirect to scheme {parsed.scheme!r} refused", param)
         host = parsed.host
@@ -152,6 +155,8 @@ class Fetcher:
             timeout=cfg.fetch_timeout_s, follow_redirects=False, transport=self.transport, trust_env=False
         ) as client:
             for _hop in range(cfg.max_redirects + 1):
+                if time.monotonic() > deadline:  # the limit covers the whole redirect chain
+                    raise _timeout(cfg.fetch_timeout_s, param)
                 pinned, host = self.check_url(url, param)
                 headers = {"Host": httpx.URL(url).netloc.decode("ascii"), "Accept": "image/*,video/*"}
                 request = client.build_request(

@@ -2,6 +2,7 @@
 this machine: addresses like 10.0.0.1 and 169.254.169.254 are refused before any connection)."""
 
 import http.server
+import socket
 import threading
 import time
 
@@ -180,3 +181,13 @@ def test_allow_list_suffix():
     fetch = fetcher(allowed_hosts=(".example.com",))
     assert "allowed_hosts" in refused(fetch, "http://evil.test/x.png").message
     assert "allowed_hosts" in refused(fetch, "http://example.com.evil.test/x.png").message
+
+
+def no_dns(host: str, port: int) -> list[str]:
+    raise socket.gaierror(-2, f"{host}: not resolved in tests (no traffic leaves the machine)")
+
+
+@pytest.mark.parametrize("url", ["http://[bad/x.png", "http:///x.png", "https://exa mple.com/x.png"])
+def test_malformed_urls_are_400(url):
+    error = refused(Fetcher(PreprocessConfig(allow_http_urls=True), resolver=no_dns), url)
+    assert error.status == 400 and error.code in ("invalid_content_part", "fetch_failed")
