@@ -3,6 +3,7 @@
 `AsyncEngine` runs it in a background thread; tests and offline benchmarks call `step()`.
 """
 
+import logging
 import random
 
 import torch
@@ -27,6 +28,7 @@ from msaserve.engine.types import (
 )
 from msaserve.models.transformer import MSATransformer
 
+logger = logging.getLogger(__name__)
 
 def load_engine_model(config: EngineConfig) -> tuple[MSATransformer, object]:
     """(model, tokenizer) from the config's model spec."""
@@ -50,6 +52,9 @@ class LLMEngine:
     ) -> None:
         if model is None:
             model, tokenizer = load_engine_model(config)
+        elif getattr(model, "attention_backend", config.attention_backend) != config.attention_backend:
+            logger.info("the injected model runs its own attention backend %r (config says %r)",
+                        model.attention_backend, config.attention_backend)
         self.config = config
         self.model = model
         self.tokenizer = tokenizer

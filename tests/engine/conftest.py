@@ -14,7 +14,7 @@ from msaserve.models.transformer import MSATransformer, init_random_weights
 @pytest.fixture(autouse=True, scope="module")
 def _one_torch_thread():
     """The tiny model's ops are far too small to gain from threads, and on a loaded 2-core machine
-    OpenMP's spinning threads made them 20× slower; the SmolLM2 test sets its own count."""
+    OpenMP's spinning threads made them (and SmolLM2's) 20–30× slower."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -14,14 +14,6 @@ PROMPTS = ["What is the capital of France?", "Write a haiku about the sea."]
 NEW_TOKENS = 16
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _torch_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def engine() -> LLMEngine:
     loader = pytest.importorskip("msaserve.models.loader", reason="the models helper's loader is missing")

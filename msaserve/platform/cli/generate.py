@@ -1,4 +1,4 @@
-"""`msaserve generate`: prompt in, text out, on the CPU, with the single-sequence reference decoder."""
+"""`msaserve generate`: prompt in, text out, on the CPU, through the replica engine (`LLMEngine`)."""
 
 import argparse
 import sys
@@ -6,9 +6,11 @@ import time
 
 import torch
 
+from msaserve.engine.config import EngineConfig
+from msaserve.engine.llm_engine import LLMEngine
+from msaserve.engine.types import GenerateRequest, SamplingParams
 from msaserve.models.gguf_loader import ModelFileMissing
-from msaserve.models.loader import load_model
-from msaserve.models.reference_decode import generate
+from msaserve.models.loader import LoadedModel, load_model
 from msaserve.models.tokenizer import Tokenizer
 
 
@@ -69,16 +71,7 @@ def run(args: argparse.Namespace) -> int:
     prompt_ids = tokenizer.encode(text)
     printer = _StreamPrinter(tokenizer)
     start = time.perf_counter()
-    output = generate(
-        loaded.model,
-        prompt_ids,
-        args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        seed=args.seed,
-        eos_token_ids=tokenizer.eos_token_ids,
-        on_token=printer.add,
-    )
+    output = _generate(loaded, args, prompt_ids, printer)
     printer.finish()
     elapsed = time.perf_counter() - start
     print(
@@ -87,6 +80,28 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     return 0
+
+
+def _generate(
+    loaded: LoadedModel, args: argparse.Namespace, prompt_ids: list[int], printer: "_StreamPrinter"
+) -> list[int]:
+    """One request through the engine, with a page pool just large enough for it."""
+    max_len = len(prompt_ids) + args.max_tokens
+    config = EngineConfig(
+        model=args.model, attention_backend=args.attention, max_model_len=max_len, max_num_seqs=1,
+        num_pages=-(-max_len // loaded.config.page_size) + 1, max_num_batched_tokens=2048,
+    )
+    engine = LLMEngine(config, model=loaded.model, tokenizer=loaded.tokenizer)
+    sampling = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                              seed=args.seed)
+    engine.add_request(GenerateRequest("cli", prompt_ids, sampling))
+    output: list[int] = []
+    while engine.has_unfinished():
+        for step_output in engine.step():
+            for token in step_output.token_ids:
+                output.append(token)
+                printer.add(token)
+    return output
 
 
 class _StreamPrinter:
