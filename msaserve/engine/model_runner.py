@@ -10,6 +10,7 @@ from msaserve.engine.cuda_graphs import DecodeGraphs
 from msaserve.engine.memory import cache_dtypes, plan_num_pages
 from msaserve.engine.scheduler import ScheduledBatch
 from msaserve.engine.step_inputs import StepInputs, build_step_inputs
+from msaserve.kernels import get_ops
 from msaserve.models.cache import LayerKVCache, allocate_caches
 from msaserve.models.metadata import AttentionMetadata
 from msaserve.models.transformer import MSATransformer
@@ -36,10 +37,16 @@ class ModelRunner:
             model.config, self.num_pages + 1, self.device, kv_dtype, index_dtype
         )
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and config.cuda_graphs:
+        if self.device.type == "cuda" and config.cuda_graphs and self._ops_capturable():
             graphs = DecodeGraphs(model, self.caches, config.max_num_seqs, self.max_pages, self.scratch_page)
             self.graphs = graphs if graphs.capture() else None
         self.last_selections: list[torch.Tensor] | None = None
+
+    def _ops_capturable(self) -> bool:
+        """Only the Triton ops run without host synchronisation; the naive and SDPA paths loop over
+        sequences on the host (`int(seq_lens[b])`), which a CUDA graph cannot hold."""
+        backend = getattr(self.model, "attention_backend", self.config.attention_backend)
+        return get_ops(backend, self.device).name == "triton"
 
     @torch.inference_mode()
     def execute(
