@@ -12,6 +12,7 @@ then evicts the least recently freed cached page.
 
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from msaserve.engine.sequence import Sequence
@@ -27,8 +28,12 @@ class _CachedPage:
 
 
 class BlockManager:
-    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool = True,
+                 on_evict: Callable[[list[int], list[int]], None] | None = None) -> None:
+        """on_evict(pages, page_hashes) runs when cached pages are evicted, before they are reused:
+        their contents are still intact, so it can persist them (to the KV cache service)."""
         self.num_pages = num_pages
+        self.on_evict = on_evict
         self.page_size = page_size
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_pages
@@ -157,15 +162,19 @@ class BlockManager:
             raise RuntimeError(f"asked for {count} pages, {self.num_free_pages} free")
         pages: list[int] = []
         removed: list[int] = []
+        evicted: list[int] = []
         for _ in range(count):
             if self._free_uncached:
                 page = self._free_uncached.popleft()
             else:
                 page, _ = self._evictable.popitem(last=False)
                 removed.append(self._uncache(page))
+                evicted.append(page)
             self.ref_counts[page] = 1
             pages.append(page)
         if removed:
+            if self.on_evict is not None:
+                self.on_evict(evicted, removed)
             self._events.append(KVEvent("removed", removed, time.time()))
         return pages
 

@@ -16,7 +16,7 @@ from msaserve.engine.output import RequestOutputTracker, now
 from msaserve.engine.sampler import Sampler
 from msaserve.engine.scheduler import Scheduler
 from msaserve.engine.sequence import Sequence
-from msaserve.engine.swap import CachePageIO, HostPageStore, PageStore, Swapper
+from msaserve.engine.swap import CachePageIO, EvictedPageSink, HostPageStore, PageStore, Swapper
 from msaserve.engine.types import (
     ContextTooLong,
     EngineStats,
@@ -49,7 +49,10 @@ class LLMEngine:
         model: MSATransformer | None = None,
         tokenizer: object | None = None,
         page_store: PageStore | None = None,
+        evicted_page_sink: EvictedPageSink | None = None,
     ) -> None:
+        """page_store: where preempted sequences' pages go (host memory by default);
+        evicted_page_sink: where evicted prefix-cache pages go (dropped by default)."""
         if model is None:
             model, tokenizer = load_engine_model(config)
         elif getattr(model, "attention_backend", config.attention_backend) != config.attention_backend:
@@ -63,7 +66,12 @@ class LLMEngine:
         self.block_manager = BlockManager(self.runner.num_pages, self.page_size, config.enable_prefix_caching)
         pin = self.runner.device.type == "cuda"
         store = page_store or HostPageStore(config.swap_space_bytes, pin_memory=pin)
-        self.swapper = Swapper(store, CachePageIO(self.runner.caches), self.block_manager)
+        page_io = CachePageIO(self.runner.caches)
+        self.swapper = Swapper(store, page_io, self.block_manager)
+        if evicted_page_sink is not None:
+            self.block_manager.on_evict = lambda pages, hashes: evicted_page_sink.store_evicted(
+                hashes, page_io.read(pages)
+            )
         self.scheduler = Scheduler(
             self.block_manager, self.swapper, config.max_num_seqs, config.max_num_batched_tokens
         )

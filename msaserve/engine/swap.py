@@ -28,6 +28,12 @@ class PageStore(Protocol):
     def delete(self, key: str) -> None: ...
 
 
+class EvictedPageSink(Protocol):
+    def store_evicted(self, page_hashes: list[int], data: PageData) -> None:
+        """Keep evicted prefix-cache pages (one per hash, in order) instead of dropping them."""
+        ...
+
+
 def page_data_bytes(data: PageData) -> int:
     return sum(t.numel() * t.element_size() for t in data.values())
 

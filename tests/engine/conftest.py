@@ -33,10 +33,12 @@ def tiny_tokenizer(tiny_model: MSATransformer) -> Tokenizer:
     return Tokenizer.byte_level(tiny_model.config.vocab_size)
 
 
-def make_engine(model: MSATransformer, tokenizer: Tokenizer | None = None, **overrides) -> LLMEngine:
+def make_engine(model: MSATransformer, tokenizer: Tokenizer | None = None, evicted_page_sink=None,
+                **overrides) -> LLMEngine:
     settings = dict(model="tiny", num_pages=128, max_num_seqs=8, max_num_batched_tokens=64)
     settings.update(overrides)
-    return LLMEngine(EngineConfig(**settings), model=model, tokenizer=tokenizer)
+    return LLMEngine(EngineConfig(**settings), model=model, tokenizer=tokenizer,
+                     evicted_page_sink=evicted_page_sink)
 
 
 def random_prompt(length: int, seed: int, vocab: int = 512) -> list[int]:
