@@ -7,9 +7,11 @@ pages before the next step.
 """
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -110,6 +112,8 @@ class AsyncEngine:
         waiting = self.stats().num_waiting + self._num_waiting_commands
         if waiting >= self.config.max_waiting:
             raise QueueFull(waiting, self.config.max_waiting)
+        if request.arrival_time is None:  # TTFT counts the time in the command queue too
+            request = dataclasses.replace(request, arrival_time=time.time())
         stream: asyncio.Queue[GenerateOutput | BaseException] = asyncio.Queue()
         self._streams[request.request_id] = stream
         self._num_waiting_commands += 1
