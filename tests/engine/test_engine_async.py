@@ -73,30 +73,34 @@ def test_errors_are_raised_before_the_first_output(tiny_model, tiny_tokenizer):
 
 
 def test_cancelling_a_consumer_aborts_and_frees_its_pages(tiny_model, tiny_tokenizer):
+    async def wait_until_idle(engine: AsyncEngine) -> None:
+        for _ in range(500):
+            stats = engine.stats()
+            if stats.num_running == 0 and stats.num_free_pages == 64 and not engine.engine.trackers:
+                return
+            await asyncio.sleep(0.01)
+
     async def main():
         engine = make_async(tiny_model, tiny_tokenizer)
         stream = engine.generate(GenerateRequest("long", random_prompt(120, seed=1), greedy(300)))
         first = await stream.__anext__()
         assert first.token_ids and engine.stats().num_free_pages < 64
+        seq = engine.engine.trackers["long"].seq
         await stream.aclose()  # the client disconnected
-        for _ in range(200):
-            stats = engine.stats()
-            if stats.num_running == 0 and stats.num_free_pages == 64:
-                break
-            await asyncio.sleep(0.01)
-        # Pages freed long before the 300 tokens could have been generated.
-        assert engine.stats().num_free_pages == 64 and not engine.engine.trackers
+        await wait_until_idle(engine)
+        assert engine.stats().num_free_pages == 64
+        assert seq.finish_reason == "abort" and seq.num_output_tokens < 300
         # A task cancelled mid-stream aborts as well.
         task = asyncio.ensure_future(consume(engine, GenerateRequest("t", [9] * 40, greedy(300))))
-        await asyncio.sleep(0.05)
+        while "t" not in engine.engine.trackers or not engine.engine.trackers["t"].seq.num_output_tokens:
+            await asyncio.sleep(0.005)
+        seq = engine.engine.trackers["t"].seq
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
             await task
-        for _ in range(200):
-            if engine.stats().num_running == 0 and not engine.engine.trackers:
-                break
-            await asyncio.sleep(0.01)
+        await wait_until_idle(engine)
         assert engine.stats().num_free_pages == 64
+        assert seq.finish_reason == "abort" and seq.num_output_tokens < 300
         await engine.shutdown()
 
     asyncio.run(main())
