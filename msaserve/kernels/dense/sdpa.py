@@ -8,6 +8,7 @@ import math
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
 
 from msaserve.kernels.indexer_prefill.naive import gather_pages
 
@@ -34,12 +35,9 @@ def dense_prefill(
         v = gather_pages(v_cache, block_tables[b], length).transpose(0, 1)
         qb = q[start:end].transpose(0, 1)  # [Hq, Tq, D]
         num_q = end - start
-        if num_q == length:
-            mask = None
-        else:  # queries are the last num_q positions: query i sees keys ≤ length - num_q + i
-            key_pos = torch.arange(length, device=q.device)
-            q_pos = torch.arange(length - num_q, length, device=q.device)
-            mask = key_pos[None, :] <= q_pos[:, None]
+        # Queries are the last num_q positions: query i sees keys ≤ length - num_q + i. A
+        # lower-right causal bias (not a dense [Tq, T] mask) keeps SDPA on its flash path.
+        mask = None if num_q == length else causal_lower_right(num_q, length)
         o = F.scaled_dot_product_attention(
             qb, k.to(q.dtype), v.to(q.dtype), attn_mask=mask, is_causal=mask is None,
             scale=scale, enable_gqa=True,
