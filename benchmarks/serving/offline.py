@@ -140,8 +140,8 @@ def part_session(args: argparse.Namespace, sizes: Sizes, report: Report) -> None
     dense, dense_len = None, length
     while dense is None and dense_len >= min(1024, length):
         engine = None
-        try:  # dense prefills in one chunk: SDPA's causal kernel needs no [Tq, T] mask then
-            engine = build_engine(args, sizes, "dense", dense_len + decode + 256, 1, dense_len,
+        try:  # dense prefills in the same chunks as MSA (SDPA with a lower-right causal bias)
+            engine = build_engine(args, sizes, "dense", dense_len + decode + 256, 1, sizes.session_chunk,
                                   exact_pages=True)
             run_one_session(engine, min(1024, dense_len), 4, args.device, seed=1)
             dense = run_one_session(engine, dense_len, decode, args.device)
@@ -163,7 +163,7 @@ def part_session(args: argparse.Namespace, sizes: Sizes, report: Report) -> None
 
 def part_traffic(args: argparse.Namespace, sizes: Sizes, report: Report, name: str) -> None:
     """agentic or mooncake, at each concurrency, MSA then dense on the same sessions."""
-    levels = (1, 2) if args.quick else CONCURRENCY
+    levels = (1, 2) if args.quick else tuple(args.levels)
     throughput: dict[tuple[str, int], float] = {}
     for backend in ("msa", "dense"):
         engine = build_engine(args, sizes, backend, sizes.max_model_len, max(levels), sizes.chunk)
@@ -215,6 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=4, help="m3-proxy layers (reported with each figure)")
     parser.add_argument("--session-len", type=int, default=None, help="override the session length")
     parser.add_argument("--mooncake-requests", type=int, default=None)
+    parser.add_argument("--levels", type=int, nargs="+", default=list(CONCURRENCY),
+                        help="concurrency levels of the agentic and mooncake parts")
     parser.add_argument("--trace", default=TRACE)
     parser.add_argument("--cpu-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads, the same for both sides "

@@ -91,7 +91,8 @@ def _lse_merge_kernel(
     A row maps to output head block (row % heads_per_row) · G of output row row // heads_per_row.
     """
     flat = tl.arange(0, ROWS * GP)  # (row-in-program, head-in-group)
-    row = tl.program_id(0) * ROWS + flat // GP
+    # int64: a 32K-token chunk at the M3 shape has 2^32 partial elements, past int32 offsets.
+    row = tl.program_id(0).to(tl.int64) * ROWS + flat // GP
     g = flat % GP
     row_ok = (row < num_rows) & (g < G)
     offs_d = tl.arange(0, DP)

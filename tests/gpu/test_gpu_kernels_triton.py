@@ -93,3 +93,32 @@ def test_decode_step_replays_in_a_cuda_graph() -> None:
     graph.replay()
     torch.cuda.synchronize()
     torch.testing.assert_close(captured_out.float(), step().float(), atol=1e-3, rtol=1e-3)
+
+
+def test_sparse_prefill_32k_chunk_equals_two_16k_chunks() -> None:
+    """A 32K-token chunk at the M3 shape has 2^32 partial elements: offsets must be 64-bit."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tokens, page_size, hkv, group, dim, top_k = 32768, 128, 4, 16, 128, 16
+    pages = tokens // page_size
+    ops = get_ops("triton", "cuda")
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)
+
+    q, k_cache, v_cache = rand(tokens, hkv * group, dim), rand(pages, page_size, hkv, dim), rand(
+        pages, page_size, hkv, dim)
+    table = torch.randperm(pages, device="cuda", generator=gen).to(torch.int32)[None]
+    positions = torch.arange(tokens, device="cuda")
+    local = (positions // page_size)[:, None, None]
+    # the local block and the 15 blocks below it (clamped at 0, -1 where that would repeat)
+    selected = (local - torch.arange(top_k, device="cuda")[None, None, :]).expand(-1, hkv, -1)
+    selected = torch.where(selected >= 0, selected, -1).to(torch.int32).contiguous()
+    whole = ops.sparse_prefill(q, k_cache, v_cache, table, torch.tensor([tokens], device="cuda"),
+                               torch.tensor([0, tokens], device="cuda"), selected)
+    half = tokens // 2
+    parts = [
+        ops.sparse_prefill(q[a:b], k_cache, v_cache, table, torch.tensor([b], device="cuda"),
+                           torch.tensor([0, b - a], device="cuda"), selected[a:b])
+        for a, b in ((0, half), (half, tokens))
+    ]
+    torch.testing.assert_close(whole, torch.cat(parts), atol=0, rtol=0)
