@@ -39,21 +39,22 @@ def dense_prefill(
         gqa, mask = True, None
         if 1 < num_q < length:
             # Queries are the last num_q positions: query i sees keys ≤ length - num_q + i. A
-            # lower-right causal bias (not a dense [Tq, T] mask) keeps SDPA on a fused kernel.
-            # With GQA plus that bias, torch 2.11 on the H200 ran a 1M-token dense session out
-            # of memory (materialised scores), so on CUDA the KV heads are expanded instead: a
-            # transient copy, small next to the attention it enables.
+            # lower-right causal bias (not a dense [Tq, T] mask) keeps SDPA on a fused kernel;
+            # that bias's fused path does not take GQA, so on CUDA the KV heads are expanded:
+            # a transient copy, small next to the attention it enables.
             mask = causal_lower_right(num_q, length)
             if q.is_cuda:
                 group = q.shape[1] // k.shape[0]
                 k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
                 gqa = False
-        # num_q == length: plain causal; num_q == 1: the last position sees every key.
+        # num_q == length: plain causal; num_q == 1: the last position sees every key. The
+        # fused CUDA kernels take only 4-D [batch, heads, T, D] inputs (3-D fell back to
+        # materialised scores), hence the leading batch axis.
         o = F.scaled_dot_product_attention(
-            qb, k, v, attn_mask=mask, is_causal=num_q == length and num_q > 1, scale=scale,
-            enable_gqa=gqa,
+            qb[None], k[None], v[None], attn_mask=mask, is_causal=num_q == length and num_q > 1,
+            scale=scale, enable_gqa=gqa,
         )
-        out[start:end] = o.transpose(0, 1)
+        out[start:end] = o[0].transpose(0, 1)
     return out
 
 
