@@ -201,10 +201,5 @@ class LazyPageFetcher:
 @torch.inference_mode()
 def forward_with_ops(model, input_ids: torch.Tensor, meta: AttentionMetadata,
                      caches: list[LayerKVCache], ops: AttentionOps) -> torch.Tensor:
-    """`MSATransformer.forward` with the attention ops given instead of looked up (the model has no
-    hook for them yet): input_ids [T] → hidden [T, H]."""
-    x = model.embed_tokens(input_ids)
-    rotary = model._rotary(meta.positions, x.dtype)
-    for layer, cache in zip(model.layers, caches, strict=True):
-        x = layer(x, meta, cache, rotary, ops)
-    return model.norm(x)
+    """`MSATransformer.forward` with the given (wrapped) attention ops: input_ids [T] → hidden [T, H]."""
+    return model(input_ids, meta, caches, ops=ops)

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from msaserve.kernels import get_ops
+from msaserve.kernels import AttentionOps, get_ops
 from msaserve.kernels.dispatch import BACKENDS
 from msaserve.models.attention import MSAAttention, RotaryTables
 from msaserve.models.cache import LayerKVCache
@@ -55,16 +55,20 @@ class MSATransformer(nn.Module):
         meta: AttentionMetadata,
         caches: list[LayerKVCache],
         input_embeds: torch.Tensor | None = None,
+        ops: AttentionOps | None = None,
     ) -> torch.Tensor:
         """input_ids [T] int64 (flattened new tokens of all sequences) → hidden [T, H].
 
         input_embeds [T, H], if given, replaces the token embeddings (multimodal placeholders).
+        ops, if given, replaces the backend's attention ops (the KV cache service wraps the
+        indexers so that each layer fetches the pages it selects before attending).
         """
         if len(caches) != len(self.layers):
             raise ValueError(f"got {len(caches)} layer caches for {len(self.layers)} layers")
         x = self.embed_tokens(input_ids) if input_embeds is None else input_embeds
         rotary = self._rotary(meta.positions, x.dtype)
-        ops = get_ops(self.attention_backend, x.device)
+        if ops is None:
+            ops = get_ops(self.attention_backend, x.device)
         for layer, cache in zip(self.layers, caches, strict=True):
             x = layer(x, meta, cache, rotary, ops)
         return self.norm(x)
