@@ -16,6 +16,7 @@ from msaserve.engine.output import RequestOutputTracker, now
 from msaserve.engine.sampler import Sampler
 from msaserve.engine.scheduler import Scheduler
 from msaserve.engine.sequence import Sequence
+from msaserve.engine.sessions import EngineSessions, fetching_ops
 from msaserve.engine.swap import CachePageIO, EvictedPageSink, HostPageStore, PageStore, Swapper
 from msaserve.engine.types import (
     ContextTooLong,
@@ -26,6 +27,8 @@ from msaserve.engine.types import (
     KVEvent,
     QueueFull,
 )
+from msaserve.kvcache.adoption import PageLost
+from msaserve.kvcache.client import KVCacheClient
 from msaserve.models.transformer import MSATransformer
 
 logger = logging.getLogger(__name__)
@@ -50,9 +53,12 @@ class LLMEngine:
         tokenizer: object | None = None,
         page_store: PageStore | None = None,
         evicted_page_sink: EvictedPageSink | None = None,
+        kv_client: KVCacheClient | None = None,
     ) -> None:
         """page_store: where preempted sequences' pages go (host memory by default);
-        evicted_page_sink: where evicted prefix-cache pages go (dropped by default)."""
+        evicted_page_sink: where evicted prefix-cache pages go (dropped by default);
+        kv_client: the KV cache service, where requests with a session_id are persisted and from
+        which sessions whose pages are not local are adopted (`msaserve.engine.sessions`)."""
         if model is None:
             model, tokenizer = load_engine_model(config)
         elif getattr(model, "attention_backend", config.attention_backend) != config.attention_backend:
@@ -65,7 +71,9 @@ class LLMEngine:
         self.page_size = self.runner.page_size
         self.block_manager = BlockManager(self.runner.num_pages, self.page_size, config.enable_prefix_caching)
         pin = self.runner.device.type == "cuda"
-        store = page_store or HostPageStore(config.swap_space_bytes, pin_memory=pin)
+        store = page_store
+        if store is None:  # an empty store is falsy: test identity, not truth
+            store = HostPageStore(config.swap_space_bytes, pin_memory=pin)
         page_io = CachePageIO(self.runner.caches)
         self.swapper = Swapper(store, page_io, self.block_manager)
         if evicted_page_sink is not None:
@@ -82,6 +90,10 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.record_selections = False
         """Tests set this to keep each step's MSA selections in runner.last_selections."""
+        backend = getattr(model, "attention_backend", config.attention_backend)
+        self.sessions = None if kv_client is None else EngineSessions(
+            kv_client, self.runner.caches, self.block_manager, self.scheduler, sparse=backend != "dense"
+        )
 
     def _eos_token_ids(self) -> set[int]:
         ids = getattr(self.tokenizer, "eos_token_ids", None)
@@ -130,6 +142,8 @@ class LLMEngine:
         self.trackers[seq.request_id] = RequestOutputTracker(
             seq, self.tokenizer, self.eos_token_ids, self.max_model_len
         )
+        if self.sessions is not None and request.session_id and self.sessions.on_add(seq, request.session_id):
+            return  # adopted from the KV cache service: it runs from its stored pages
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> GenerateOutput | None:
@@ -138,6 +152,8 @@ class LLMEngine:
         if tracker is None:
             return None
         output = tracker.finish_without_token("abort")
+        if self.sessions is not None:
+            self.sessions.forget(request_id)
         self.scheduler.finish(tracker.seq)
         return output
 
@@ -150,7 +166,15 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if not batch.seqs:
             return []
-        inputs, logits = self.runner.execute(batch, self.record_selections)
+        wrap = self.sessions.before_step(batch) if self.sessions is not None else None
+        try:
+            with fetching_ops(self.model, wrap):  # adopted sequences fetch the pages they select
+                inputs, logits = self.runner.execute(batch, self.record_selections or wrap is not None)
+        except PageLost as lost:  # gone from the service: those sequences recompute instead
+            if self.sessions is None:
+                raise
+            self.sessions.on_page_lost(batch, lost)
+            return []
         self.scheduler.postprocess(batch)
         sampled: list[Sequence] = [batch.seqs[row] for row in inputs.sample_rows]
         if not sampled:
@@ -161,6 +185,8 @@ class LLMEngine:
         for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
             seq.token_ids.append(token)
             output = self.trackers[seq.request_id].on_token(token, logprob, timestamp)
+            if self.sessions is not None:
+                self.sessions.after_token(seq, output.finished)  # before finish() frees its pages
             if output.finished:
                 del self.trackers[seq.request_id]
                 self.scheduler.finish(seq)
