@@ -10,6 +10,7 @@ import torch
 
 from msaserve.engine.block_manager import BlockManager
 from msaserve.engine.config import EngineConfig
+from msaserve.engine.media import MediaPrompt, prepare_media
 from msaserve.engine.memory import model_dtype
 from msaserve.engine.model_runner import ModelRunner
 from msaserve.engine.output import RequestOutputTracker, now
@@ -90,10 +91,9 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.record_selections = False
         """Tests set this to keep each step's MSA selections in runner.last_selections."""
-        backend = getattr(model, "attention_backend", config.attention_backend)
-        self.sessions = None if kv_client is None else EngineSessions(
-            kv_client, self.runner.caches, self.block_manager, self.scheduler, sparse=backend != "dense"
-        )
+        self.sessions: EngineSessions | None = None
+        if kv_client is not None:
+            self.attach_kv_client(kv_client)
 
     def _eos_token_ids(self) -> set[int]:
         ids = getattr(self.tokenizer, "eos_token_ids", None)
@@ -113,12 +113,17 @@ class LLMEngine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameter("prompt_token_ids", bad, f"token ids from 0 to {vocab - 1}")
-        if request.media:
-            raise InvalidParameter(
-                "media", f"{len(request.media)} items", "none: this engine serves text only"
-            )
+        self._expand_media(request)  # placeholder/media and length checks (add_request redoes it: cheap)
+
+    def _expand_media(self, request: GenerateRequest) -> tuple[list[int], MediaPrompt | None]:
+        """(prompt ids with each medium's placeholder expanded, its MediaPrompt); checks the length."""
+        prompt, media = prepare_media(
+            list(request.prompt_token_ids), request.media, self.model.config,
+            getattr(self.model, "visual", None), self.page_size,
+        )
         if len(prompt) + request.sampling.max_tokens > self.max_model_len:
             raise ContextTooLong(len(prompt), request.sampling.max_tokens, self.max_model_len)
+        return prompt, media
 
     def add_request(self, request: GenerateRequest) -> None:
         self.validate(request)
@@ -131,10 +136,12 @@ class LLMEngine:
         if not sampling.greedy:
             seed = sampling.seed if sampling.seed is not None else self._seeds.getrandbits(63)
             generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        prompt, media = self._expand_media(request)
         seq = Sequence(
             request_id=request.request_id,
-            token_ids=list(request.prompt_token_ids),
-            num_prompt_tokens=len(request.prompt_token_ids),
+            token_ids=prompt,
+            num_prompt_tokens=len(prompt),
+            media=media,
             sampling=sampling,
             arrival_time=request.arrival_time if request.arrival_time is not None else now(),
             generator=generator,
@@ -156,6 +163,14 @@ class LLMEngine:
             self.sessions.forget(request_id)
         self.scheduler.finish(tracker.seq)
         return output
+
+    def attach_kv_client(self, client: KVCacheClient) -> None:
+        """Persist session requests to the KV cache service and adopt sessions from it (call
+        before the first request)."""
+        backend = getattr(self.model, "attention_backend", self.config.attention_backend)
+        self.sessions = EngineSessions(
+            client, self.runner.caches, self.block_manager, self.scheduler, sparse=backend != "dense"
+        )
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

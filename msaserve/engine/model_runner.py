@@ -7,6 +7,7 @@ import torch
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.cuda_graphs import DecodeGraphs
+from msaserve.engine.media import release_finished_media, step_input_embeds
 from msaserve.engine.memory import cache_dtypes, plan_num_pages
 from msaserve.engine.scheduler import ScheduledBatch
 from msaserve.engine.step_inputs import StepInputs, build_step_inputs
@@ -54,13 +55,20 @@ class ModelRunner:
     ) -> tuple[StepInputs, torch.Tensor]:
         """Run one step → (its inputs, logits [num sampled rows, vocab] fp32)."""
         inputs = build_step_inputs(batch, self.page_size, self.device, record_selections)
-        hidden = self.forward(inputs.input_ids, inputs.meta)
+        embeds = step_input_embeds(self.model, batch.seqs, batch.num_new_tokens, inputs.input_ids)
+        hidden = self.forward(inputs.input_ids, inputs.meta, embeds)
+        release_finished_media(batch.seqs, batch.num_new_tokens)
         self.last_selections = inputs.meta.selections
         rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
         last_token = inputs.meta.logits_indices[rows]  # [N]
         return inputs, self.model.compute_logits(hidden[last_token])
 
-    def forward(self, input_ids: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, input_embeds: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """input_embeds [T, H]: token embeddings with media rows merged (prefill steps with media)."""
+        if input_embeds is not None:
+            return self.model(input_ids, meta, self.caches, input_embeds=input_embeds)
         if self.graphs is not None and meta.selections is None and self.graphs.can_run(meta):
             return self.graphs.run(input_ids, meta)
         return self.model(input_ids, meta, self.caches)

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from msaserve.engine.media import MediaPrompt
 from msaserve.engine.types import FinishReason, SamplingParams
 
 
@@ -48,6 +49,8 @@ class Sequence:
     finish_reason: FinishReason | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
+    media: MediaPrompt | None = None
+    """Images/videos whose (expanded) placeholders are in the prompt; None for text."""
 
     @property
     def num_tokens(self) -> int:
@@ -71,3 +74,7 @@ class Sequence:
 
     def page_tokens(self, page: int, page_size: int) -> list[int]:
         return self.token_ids[page * page_size : (page + 1) * page_size]
+
+    def page_media_hashes(self, page: int) -> list[int]:
+        """Content hashes of the media with placeholders in `page` (folded into its page hash)."""
+        return self.media.page_media_hashes(page) if self.media is not None else []

@@ -63,6 +63,12 @@ class MSAConfig(BaseModel):
     vision: dict[str, Any] | None = Field(
         default=None, description="Vision tower settings (patch embedding, layers, merger); None = text only."
     )
+    image_token_id: int | None = Field(
+        default=None, ge=0, description="Placeholder token of one image (expanded to its patch count)."
+    )
+    video_token_id: int | None = Field(
+        default=None, ge=0, description="Placeholder token of one video (expanded to its patch count)."
+    )
 
     @model_validator(mode="after")
     def _check_relations(self) -> "MSAConfig":
@@ -86,13 +92,26 @@ class MSAConfig(BaseModel):
                 )
         if self.n_init >= self.top_k:
             raise ValueError(f"n_init={self.n_init} is invalid: allowed 0 ≤ n_init < top_k={self.top_k}")
-        for name in ("bos_token_id", "eos_token_id", "pad_token_id"):
+        for name in ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "video_token_id"):
             value = getattr(self, name)
             if value is not None and value >= self.vocab_size:
                 raise ValueError(
                     f"{name}={value} is invalid: allowed 0 ≤ {name} < vocab_size={self.vocab_size}"
                 )
+        if self.vision is not None:
+            self._check_vision()
         return self
+
+    def _check_vision(self) -> None:
+        from msaserve.models.vision import VisionConfig  # torch-free callers never reach this
+
+        out = VisionConfig.from_dict(self.vision).out_hidden_size
+        if out != self.hidden_size:
+            raise ValueError(f"vision.out_hidden_size={out} must equal hidden_size={self.hidden_size}")
+        if self.image_token_id is None or self.video_token_id is None:
+            raise ValueError("a model with a vision tower needs image_token_id and video_token_id")
+        if self.image_token_id == self.video_token_id:
+            raise ValueError(f"image_token_id and video_token_id must differ (both {self.image_token_id})")
 
     @property
     def group_size(self) -> int:

@@ -19,6 +19,7 @@ from msaserve.models.presets import PRESETS, get_preset
 from msaserve.models.safetensors_loader import load_safetensors
 from msaserve.models.tokenizer import Tokenizer
 from msaserve.models.transformer import MSATransformer, init_random_weights
+from msaserve.models.vision import VisionConfig, VisionTower
 
 
 @dataclass
@@ -68,7 +69,22 @@ def _load_preset(name: str, device: torch.device | str, dtype: torch.dtype, back
     with torch.device(device):
         model = MSATransformer(config, backend).to(dtype)
     init_random_weights(model, seed=seed)
+    attach_random_vision_tower(model, seed, device, dtype)
     return LoadedModel(model.eval(), Tokenizer.byte_level(config.vocab_size), config)
+
+
+def attach_random_vision_tower(
+    model: MSATransformer, seed: int, device: torch.device | str, dtype: torch.dtype
+) -> None:
+    """`model.visual`: the config's vision tower with PyTorch's default init drawn from `seed`
+    (unit LayerNorms, fan-in-scaled linears, so media embeddings have the scale of real ones).
+    Presets only: checkpoint loaders build the text model, whose state dict has no tower."""
+    if model.config.vision is None:
+        return
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        tower = VisionTower(VisionConfig.from_dict(model.config.vision))
+    model.visual = tower.to(device=device, dtype=dtype).eval()
 
 
 def _directory_tokenizer(directory: Path, config: MSAConfig) -> Tokenizer:

@@ -3,6 +3,7 @@
 from typing import Any
 
 from msaserve.models.config import MSAConfig
+from msaserve.models.vision import VISION_PRESETS
 
 PRESETS: dict[str, dict[str, Any]] = {
     # Small enough that a full CPU test runs in milliseconds; P·K = 64 tokens, so sequences
@@ -12,6 +13,9 @@ PRESETS: dict[str, dict[str, Any]] = {
         intermediate_size=128, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=4096,
         tie_word_embeddings=False, index_source="learned", num_index_heads=1, index_head_dim=16,
         page_size=16, top_k=4, n_init=1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+        # A 2-block vision tower whose merger projects to the LM's 64; ids above the byte
+        # tokenizer's 259, so no text ever encodes to a placeholder.
+        vision=VISION_PRESETS["tiny"].to_dict(), image_token_id=500, video_token_id=501,
     ),
     # The M3 attention shape with a dense SwiGLU MLP of about an M2/M3-class MoE's active
     # parameters per layer, so attention's share of time is realistic. num_layers is chosen per
