@@ -87,9 +87,9 @@ async def _start(ctx: Any, body: ChatCompletionRequest, request: Request, info: 
         extra_stop=[CLOSE] if prefix_forces_call else [],
     )
     prompt, prefix, parts = render_prompt(info.tokenizer, body)
-    items = await media.preprocess(ctx, parts)
-    token_ids = info.tokenizer.encode(prompt)
-    fit_max_tokens(params, given, len(token_ids), info)
+    items = await media.preprocess(ctx, parts, info)
+    token_ids, expanded = media.encode_prompt(info.tokenizer, prompt, items, info)
+    fit_max_tokens(params, given, expanded or len(token_ids), info)
     greq = GenerateRequest(
         request_id=request.state.request_id,
         prompt_token_ids=token_ids,

@@ -22,7 +22,8 @@ from msaserve.platform.preprocess_deployment import PreprocessDeployment
 ROUTER_CLASS = "msaserve.router.serve_router.MSARequestRouter"
 """The Ray Serve RequestRouter that implements the non-default policies (msaserve.router)."""
 
-TEXT_ONLY_PRESETS = ("smollm2", "tiny", "m3-proxy")
+TEXT_ONLY_PRESETS = ("smollm2", "m3-proxy")
+"""Models without a vision tower (`tiny` has one): no Preprocess deployment, media parts get 400."""
 
 APP_NAME = "msaserve"
 
@@ -36,7 +37,7 @@ def router_config(router: RouterConfig) -> RequestRouterConfig:
 
 
 def preprocess_app(config: ServeConfig) -> Application | None:
-    """The Preprocess deployment, for models that take media (not the text-only presets)."""
+    """The Preprocess deployment, for models that may take media (not the text-only presets)."""
     if config.model.spec in TEXT_ONLY_PRESETS:
         return None
     deployment = serve.deployment(PreprocessDeployment, name="Preprocess")

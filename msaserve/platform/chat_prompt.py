@@ -8,6 +8,7 @@ video_url) are collected for the preprocess hook; a deployment without one answe
 from typing import Any
 
 from msaserve.platform.errors import APIError
+from msaserve.platform.media import MEDIA_MARKER
 from msaserve.platform.openai_types import ChatCompletionRequest, ChatMessage, ContentPart
 from msaserve.platform.tools import forced_prefix, render_tool_call, render_tool_result, tools_system_prompt
 
@@ -30,6 +31,7 @@ def _text_of(message: ChatMessage, index: int, media: list[ContentPart]) -> str:
             texts.append(part.text)
         else:
             media.append(part)
+            texts.append(MEDIA_MARKER)  # becomes the medium's placeholder token (media.encode_prompt)
     return "".join(texts)
 
 

@@ -3,7 +3,10 @@
 The gateway never decodes media itself (DESIGN §4): it sends the parts to the CPU Preprocess
 deployment (`preprocess_deployment.py`, wrapping `msaserve.preprocess.Preprocessor`) and puts the
 returned items into `GenerateRequest.media`. A deployment serving a text-only model has no
-Preprocess deployment, and media parts get a 400 that says so.
+Preprocess deployment (or a model without a vision tower), and media parts get a 400 that says so.
+
+The rendered prompt holds MEDIA_MARKER where each medium was; `encode_prompt` turns each into the
+model's image/video token (one per medium: the engine expands it to the medium's patch count).
 """
 
 from typing import Any
@@ -12,11 +15,14 @@ from msaserve.platform.errors import APIError
 from msaserve.platform.model_messages import ModelError
 from msaserve.platform.openai_types import ContentPart
 
+MEDIA_MARKER = "<|msaserve_media|>"
+"""Stands for one medium in the rendered prompt text; never sent to the model as text."""
 
-async def preprocess(ctx: Any, parts: list[ContentPart]) -> list[object]:
+
+async def preprocess(ctx: Any, parts: list[ContentPart], info: Any) -> list[object]:
     if not parts:
         return []
-    if ctx.preprocess is None:
+    if ctx.preprocess is None or info.image_token_id is None:
         raise APIError(
             400,
             f"{parts[0].type} content parts need a vision model; {ctx.model_name!r} accepts text only",
@@ -29,3 +35,22 @@ async def preprocess(ctx: Any, parts: list[ContentPart]) -> list[object]:
     items, seconds = result
     ctx.metrics.observe("preprocess_latency_seconds", seconds, kind="request")
     return items
+
+
+def encode_prompt(tokenizer: Any, prompt: str, items: list[Any], info: Any) -> tuple[list[int], int]:
+    """(token ids with one image/video token per medium, the prompt length once the engine expands
+    each to its placeholder count)."""
+    if not items:
+        return tokenizer.encode(prompt), 0
+    pieces = prompt.split(MEDIA_MARKER)
+    if len(pieces) != len(items) + 1:
+        raise APIError(
+            400, f"message text must not contain {MEDIA_MARKER!r} (it marks where media go)",
+            param="messages", code="invalid_value",
+        )
+    ids = tokenizer.encode(pieces[0])
+    for item, text in zip(items, pieces[1:], strict=True):
+        ids.append(info.image_token_id if item.kind == "image" else info.video_token_id)
+        ids += tokenizer.encode(text)
+    expanded = len(ids) + sum(item.num_placeholder_tokens - 1 for item in items)
+    return ids, expanded

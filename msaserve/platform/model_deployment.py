@@ -90,12 +90,16 @@ class ModelDeployment:
     async def info(self) -> ModelInfo:
         if self.engine is None:
             return ModelInfo(name=self.name, ready=False, error=self.error)
+        model = self.engine.engine.model
+        has_vision = getattr(model, "visual", None) is not None
         return ModelInfo(
             name=self.name,
             ready=True,
             max_model_len=self.engine.max_model_len,
             page_size=self.engine.page_size,
             tokenizer=self.engine.tokenizer,
+            image_token_id=model.config.image_token_id if has_vision else None,
+            video_token_id=model.config.video_token_id if has_vision else None,
         )
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput | ModelError]:

@@ -32,6 +32,9 @@ class ModelInfo:
     """The engine's tokenizer (`encode`, `decode`, `apply_chat_template`, `eos_token_ids`)."""
     error: str | None = None
     """Set when loading failed; the gateway answers 503 with it."""
+    image_token_id: int | None = None
+    """The placeholder token of one image; None when the model has no vision tower."""
+    video_token_id: int | None = None
 
 
 @dataclass
