@@ -12,8 +12,9 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
+from typing import Any
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.llm_engine import LLMEngine
@@ -39,12 +40,18 @@ class _Abort:
     request_id: str
 
 
+@dataclass
+class _Call:
+    fn: Callable[[LLMEngine], Any]
+    future: asyncio.Future
+
+
 class AsyncEngine:
     def __init__(self, config: EngineConfig, model: object | None = None, tokenizer: object | None = None,
                  engine: LLMEngine | None = None) -> None:
         self.config = config
         self.engine = engine or LLMEngine(config, model, tokenizer)
-        self._commands: queue.SimpleQueue[_Add | _Abort | None] = queue.SimpleQueue()
+        self._commands: queue.SimpleQueue[_Add | _Abort | _Call | None] = queue.SimpleQueue()
         self._wakeup = threading.Event()
         self._streams: dict[str, asyncio.Queue[GenerateOutput | BaseException]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -135,7 +142,15 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._post(_Abort(request_id))
 
-    def _post(self, command: _Add | _Abort) -> None:
+    async def call(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        """Run fn(engine) on the engine thread between two steps (the engine is not thread-safe)
+        and return its result (or raise its exception)."""
+        await self.start()
+        future = asyncio.get_running_loop().create_future()
+        self._post(_Call(fn, future))
+        return await future
+
+    def _post(self, command: _Add | _Abort | _Call) -> None:
         self._commands.put(command)
         self._wakeup.set()
 
@@ -171,6 +186,8 @@ class AsyncEngine:
                 output = self.engine.abort(command.request_id)
                 if output is not None:
                     self._deliver(output)
+            elif isinstance(command, _Call):
+                self._run_call(command)
         self._publish()
 
     def _add(self, request: GenerateRequest) -> None:
@@ -179,6 +196,13 @@ class AsyncEngine:
             self.engine.add_request(request)
         except Exception as error:
             self._deliver_error(request.request_id, error)
+
+    def _run_call(self, command: _Call) -> None:
+        try:
+            result, error = command.fn(self.engine), None
+        except Exception as e:  # delivered to the caller
+            result, error = None, e
+        self._call_in_loop(_settle, command.future, result, error)
 
     def _added(self) -> None:
         self._num_waiting_commands -= 1
@@ -218,3 +242,12 @@ class AsyncEngine:
             callback(*args)  # shutdown() runs on the loop's own thread
         else:
             loop.call_soon_threadsafe(callback, *args)
+
+
+def _settle(future: asyncio.Future, result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -251,6 +251,12 @@ class EngineSessions:
         for table in (self.writers, self.session_of, self._steps_since_sync):
             table.pop(request_id, None)
 
+    def release(self, session_id: str) -> list[int]:
+        """Forget the session's pages in the local prefix cache (it moved to another replica, and
+        the router must not see them here); returns the page hashes dropped."""
+        record = self._record(session_id)
+        return [] if record is None else self.block_manager.drop_cached(list(record.page_hashes))
+
     def make_current(self, seq: Sequence) -> None:
         """Persist a running session now (before an explicit move)."""
         writer = self.writers.get(seq.request_id)

@@ -3,8 +3,14 @@
 A session (header `X-Session-Id`) keeps a conversation's pages on the replica that served it, so a
 later turn reuses them. The record lives on that replica; the request router's session affinity
 sends the session's calls there (with Ray Serve's `session_id` handle option).
+
+With the KV cache service (`kvcache.enabled`), every replica persists its sessions there, so a move
+only re-homes the session in the router: the next turn runs on the target, which adopts it from
+the service (index first, K/V pages as its indexer selects them). A session whose home died moves
+the same way on its next turn, by the router's own choice.
 """
 
+import json
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -19,6 +25,54 @@ def _not_found(session_id: str) -> APIError:
         param="session_id",
         code="session_not_found",
     )
+
+
+async def _move_target(request: Request) -> str | None:
+    """The optional `target_replica` of the move's JSON body (a replica id)."""
+    body = await request.body()
+    if not body:
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError as e:
+        raise APIError(400, f"the body is not JSON: {e}", code="invalid_json") from e
+    target = data.get("target_replica") if isinstance(data, dict) else None
+    if target is not None and not isinstance(target, str):
+        raise APIError(400, f"target_replica={target!r} is invalid: allowed a replica id (string)",
+                       param="target_replica")
+    return target
+
+
+def _router_core(handle: Any) -> Any:
+    """The `RouterCore` of the model deployment's request router in this process, or None before
+    the handle has routed anything. Ray Serve has no public way to reach a handle's router, so this
+    walks its attributes (Serve 2.60: handle._router._asyncio_router.request_router._core)."""
+    router = getattr(handle, "_router", None)
+    router = getattr(router, "_asyncio_router", router)
+    request_router = getattr(router, "_request_router", None)  # not the lazily-creating property
+    return getattr(request_router, "_core", None)
+
+
+def _rehome(core: Any, session_id: str, target: str | None) -> dict:
+    """Point the router's session → replica map at the target (given, or the least-loaded other
+    live replica). The session's record in the KV cache service is current after every turn, so
+    the new home adopts it on the next turn: index first, then the K/V pages its indexer selects."""
+    state = core.state
+    home = state.sessions.get(session_id)
+    if home is None:
+        raise _not_found(session_id)
+    live = [rid for rid, replica in state.replicas.items() if replica.alive and not replica.draining]
+    if target is not None and target not in live:
+        raise APIError(400, f"target_replica={target!r} is invalid: allowed one of {sorted(live)}",
+                       param="target_replica")
+    if target is None:
+        others = sorted((state.replicas[rid].load, rid) for rid in live if rid != home)
+        if not others:
+            raise APIError(409, f"session {session_id!r} cannot move: no other live replica",
+                           param="session_id", code="no_other_replica")
+        target = others[0][1]
+    state.sessions[session_id] = target
+    return {"id": session_id, "object": "session.move", "from_replica": home, "to_replica": target}
 
 
 def build_router(ctx: Any) -> APIRouter:
@@ -55,12 +109,25 @@ def build_router(ctx: Any) -> APIRouter:
                 param="session_id",
                 code="kvcache_disabled",
             )
-        raise APIError(
-            409,
-            "explicit session moves are not available yet: the router moves a session by itself when "
-            "its replica is overloaded, draining or dead",
-            param="session_id",
-            code="move_unsupported",
-        )
+        target = await _move_target(request)
+        core = _router_core(ctx.model)
+        if core is None:
+            raise APIError(
+                409, "the model deployment's request router is not reachable from this gateway yet "
+                "(no request has been routed); retry after the session's first turn",
+                param="session_id", code="router_unavailable",
+            )
+        home = core.state.sessions.get(session_id)
+        if home is None:
+            raise _not_found(session_id)
+        # The old home forgets the session's pages, and the router's view of them with it, so that
+        # the prefix it held does not outweigh the new home's affinity on the next turn.
+        dropped = await handle(session_id).release_session.remote(session_id)
+        replica = core.state.replicas.get(home)
+        if replica is not None:
+            replica.cached.difference_update(dropped)
+            for page_hash in dropped:
+                replica.estimated.pop(page_hash, None)
+        return {**_rehome(core, session_id, target), "pages_released": len(dropped)}
 
     return router

@@ -53,6 +53,16 @@ def engine_config_from(config: ServeConfig) -> EngineConfig:
     return EngineConfig(**kwargs)
 
 
+def attach_session_store(engine) -> None:
+    """Sessions go through the KV cache service the engine already swaps into: persisted as
+    they generate, adopted by whichever replica serves their next turn (after a move or a death)."""
+    from msaserve.kvcache.engine_adapter import ServicePageStore
+
+    store = engine.engine.swapper.store
+    if isinstance(store, ServicePageStore):
+        engine.engine.attach_kv_client(store.client)
+
+
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -80,6 +90,8 @@ class ModelDeployment:
             engine_config = engine_config_from(self.config)
             # Loading weights is blocking CPU work: keep the replica's event loop free for info().
             engine = await asyncio.to_thread(build_engine, self.config, engine_config)
+            if self.config.kvcache.enabled:
+                attach_session_store(engine)
             await engine.start()
             self.engine = engine
             logger.info("engine for %s ready in %.1fs", self.name, time.perf_counter() - start)
@@ -144,6 +156,13 @@ class ModelDeployment:
     async def stats(self) -> EngineStats | None:
         """The engine's load now (tests and `msaserve bench` read it)."""
         return None if self.engine is None else self.engine.stats()
+
+    async def release_session(self, session_id: str) -> list[int]:
+        """The session moves away: drop its pages from this replica's prefix cache (its record in
+        the KV cache service stays). Returns the page hashes dropped."""
+        if self.engine is None or self.engine.engine.sessions is None:
+            return []
+        return await self.engine.call(lambda engine: engine.sessions.release(session_id))
 
     async def session_info(self, session_id: str) -> SessionInfo | None:
         return self.sessions.get(session_id)
