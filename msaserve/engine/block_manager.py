@@ -75,7 +75,8 @@ class BlockManager:
         if not (self.enable_prefix_caching and seq.enable_prefix_caching):
             return 0
         max_pages = (seq.num_tokens - 1) // self.page_size
-        hashes = page_hashes(seq.token_ids[: max_pages * self.page_size], self.page_size)
+        media = [seq.page_media_hashes(i) for i in range(max_pages)] if seq.media is not None else None
+        hashes = page_hashes(seq.token_ids[: max_pages * self.page_size], self.page_size, media)
         pages = self.lookup(hashes, seq.token_ids)
         self.acquire(pages)
         seq.block_table = pages
@@ -116,7 +117,8 @@ class BlockManager:
         first = len(seq.page_hashes)
         for i in range(first, seq.num_computed_tokens // self.page_size):
             parent = seq.page_hashes[-1] if seq.page_hashes else ROOT_HASH
-            seq.page_hashes.append(hash_page(parent, seq.page_tokens(i, self.page_size)))
+            tokens = seq.page_tokens(i, self.page_size)
+            seq.page_hashes.append(hash_page(parent, tokens, seq.page_media_hashes(i)))
         self.register(seq, first)
 
     def register(self, seq: Sequence, first_page: int) -> None:
