@@ -7,8 +7,10 @@ hits the prefix cache and another image does not, bad inputs get their 4xx with 
 body, and the service answers normally afterwards.
 """
 
+import asyncio
 import base64
 import io
+from types import SimpleNamespace
 
 import av
 import httpx
@@ -17,8 +19,11 @@ import openai
 import pytest
 from PIL import Image
 
+from msaserve.platform import media
 from msaserve.platform.app import preprocess_app
 from msaserve.platform.config import PreprocessLimits, ServeConfig
+from msaserve.platform.errors import APIError
+from msaserve.platform.openai_types import ContentPart
 from msaserve.preprocess.config import PreprocessConfig
 from msaserve.preprocess.pipeline import Preprocessor
 
@@ -138,12 +143,17 @@ def post(live_app, messages: list[dict]) -> httpx.Response:
 
 def test_bad_media_get_their_4xx_and_the_service_stays_healthy(live_app, client) -> None:
     png = encoded(photo(20), "PNG")
+    clip = h264_clip()
+    tiny_png = encoded(photo(21, 8, 8), "PNG")
+    corrupt_mp4 = clip[: len(clip) // 3] + bytes(200) + clip[len(clip) // 2 :]
     loopback = {"type": "image_url", "image_url": {"url": "http://127.0.0.1:9/a.png"}}
     cases = [
         (user(image_part(png[: len(png) // 2])), 400, "corrupt_media"),
         (user(image_part(b"")), 400, "empty_media"),
         (user(loopback), 403, "url_not_allowed"),
-        (user(*[image_part(png)] * (MAX_ITEMS + 1)), 413, "too_many_media_items"),
+        (user(*[image_part(tiny_png)] * 1000), 413, "too_many_media_items"),
+        (user(video_part(encoded(photo(22), "JPEG"))), 415, "unsupported_media_type"),
+        (user(video_part(corrupt_mp4)), 400, "corrupt_media"),
         (user(image_part(png), text="<|msaserve_media|> smuggled"), 400, "invalid_value"),
     ]
     for messages, status, code in cases:
@@ -157,7 +167,23 @@ def test_bad_media_get_their_4xx_and_the_service_stays_healthy(live_app, client)
     assert chat(client, user(image_part(png))).choices[0].finish_reason in ("length", "stop")
 
 
-def test_only_models_with_a_vision_tower_get_a_preprocess_deployment() -> None:
-    """SmolLM2 is text-only: no Preprocess deployment, so its gateway answers media with 400."""
+def test_streaming_with_an_image_reports_the_expanded_prompt(client) -> None:
+    base = text_only_tokens(client)
+    png = image_part(encoded(photo(30), "PNG"))
+    stream = client.chat.completions.create(
+        model=MODEL, messages=user(png), max_tokens=3, temperature=0.0, stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert usage[-1].prompt_tokens == base + sum(placeholders(png))
+
+
+def test_a_text_only_model_answers_media_with_400() -> None:
+    """SmolLM2 has no vision tower: no Preprocess deployment, and the gateway's media hook says so."""
     assert preprocess_app(ServeConfig.from_dict({"model": {"spec": "smollm2"}})) is None
     assert preprocess_app(ServeConfig.from_dict(SERVE_CONFIG)) is not None
+    ctx = SimpleNamespace(preprocess=None, model_name="msaserve/smollm2")
+    part = ContentPart(**image_part(encoded(photo(40), "PNG")))
+    with pytest.raises(APIError) as raised:
+        asyncio.run(media.preprocess(ctx, [part], SimpleNamespace(image_token_id=None)))
+    assert raised.value.status == 400 and "accepts text only" in raised.value.message
