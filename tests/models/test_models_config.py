@@ -9,10 +9,6 @@ from msaserve.models.config import MSAConfig
 from msaserve.models.presets import PRESETS, get_preset
 
 
-def _error_fields(error: ValidationError) -> str:
-    return str(error)
-
-
 @pytest.mark.parametrize(
     ("override", "field"),
     [
