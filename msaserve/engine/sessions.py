@@ -15,9 +15,11 @@ corrupt) makes the sequence recompute from its token ids; a service that does no
 persistence for that request, never the request itself.
 """
 
+import collections
 import contextlib
 import dataclasses
 import logging
+import time
 from collections.abc import Callable, Iterator
 
 import torch
@@ -71,6 +73,9 @@ class EngineSessions:
         self._layer_of = {c.index_cache.data_ptr(): layer for layer, c in enumerate(caches)}
         self.stats = SessionStats()
         self.adoptions: dict[str, AdoptionStats] = {}
+        self.latencies: collections.deque[tuple[str, float]] = collections.deque(maxlen=10_000)
+        """("index_load" | "page_fetch", seconds) since the owner last drained them (the replica's
+        metrics loop, on another thread: deque appends and pops are atomic)."""
         """Per adopted request (the latest 1,000): index bytes and time, pages fetched on demand."""
 
     # ---- a request arrives ------------------------------------------------------------------
@@ -139,6 +144,7 @@ class EngineSessions:
         self.stats.adopted += 1
         self.stats.adopted_tokens += covered
         self.stats.index_seconds += fetcher.stats.index_seconds
+        self.latencies.append(("index_load", fetcher.stats.index_seconds))
         return True
 
     def _usable_record(self, record: SessionRecord, max_tokens: int) -> SessionRecord:
@@ -190,7 +196,10 @@ class EngineSessions:
                 return
             for (_, fetcher), rows_of_seq in zip(rows, row_slices, strict=True):
                 picked = selected[rows_of_seq]
+                fetches, start = fetcher.stats.on_demand_fetches, time.perf_counter()
                 fetcher.ensure(layer, torch.unique(picked[picked >= 0]).tolist())
+                if fetcher.stats.on_demand_fetches > fetches:  # a step waited on the service
+                    self.latencies.append(("page_fetch", time.perf_counter() - start))
 
         def wrap(ops: AttentionOps) -> AttentionOps:
             def decode(q_index, index_cache, block_tables, *args, **kwargs):

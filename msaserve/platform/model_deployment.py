@@ -189,6 +189,10 @@ class ModelDeployment:
             rate = (self._output_tokens - last_tokens) / max(now - last_time, 1e-9)
             self.metrics.set("tokens_per_second", rate, **tags)
             last_tokens, last_time = self._output_tokens, now
+            sessions = self.engine.engine.sessions
+            while sessions is not None and sessions.latencies:  # adoptions through the KV cache service
+                kind, seconds = sessions.latencies.popleft()
+                self.metrics.observe(f"{kind}_latency_seconds", seconds, **tags)
 
     async def __del__(self) -> None:
         for task in self._tasks:

@@ -93,6 +93,8 @@ def test_session_moved_between_turns_gives_identical_tokens_fetching_pages_lazil
     assert stats.index_bytes > 0  # the whole index came first
     # Sparse decode fetched the selected pages of each layer, not every page of every layer.
     assert 0 < stats.kv_pages_on_demand < adopted_pages * model.config.num_layers
+    kinds = {kind for kind, _ in other.sessions.latencies}  # what the replica's metrics export
+    assert kinds == {"index_load", "page_fetch"}
     # The new home persisted turn 2 on top of the adopted record.
     assert client.get_session("chat").token_ids == second + out2
     other.block_manager.check_consistency()

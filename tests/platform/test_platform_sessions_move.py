@@ -101,3 +101,9 @@ def test_moved_and_failed_over_sessions_continue_with_identical_tokens(live_app,
     assert response.status_code == 200, response.text
     assert service.get_session(SESSION).token_ids == expected[2]
     assert home_of(live_app)["replica_id"] != second["replica_id"]
+
+    # Adoptions are measured: index-load latency reaches the replicas' metrics export.
+    deadline = time.monotonic() + 20
+    while "ray_msaserve_index_load_latency_seconds_count" not in httpx.get(live_app.metrics_url).text:
+        assert time.monotonic() < deadline, "no index-load latency exported"
+        time.sleep(0.5)
