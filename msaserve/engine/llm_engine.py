@@ -149,8 +149,8 @@ class LLMEngine:
         self.trackers[seq.request_id] = RequestOutputTracker(
             seq, self.tokenizer, self.eos_token_ids, self.max_model_len
         )
-        if self.sessions is not None and request.session_id and self.sessions.on_add(seq, request.session_id):
-            return  # adopted from the KV cache service: it runs from its stored pages
+        if self.sessions is not None and self.sessions.admit(seq, request.session_id):
+            return  # started from pages in the KV cache service (its session's, or a shared prefix)
         self.scheduler.add(seq)
 
     def abort(self, request_id: str) -> GenerateOutput | None:

@@ -27,6 +27,7 @@ import torch
 from msaserve.engine.block_manager import BlockManager
 from msaserve.engine.scheduler import ScheduledBatch, Scheduler
 from msaserve.engine.sequence import Sequence, SequenceStatus
+from msaserve.engine.service_prefix import ServicePrefixCache
 from msaserve.kernels import AttentionOps, get_ops
 from msaserve.kvcache.adoption import AdoptionStats, LazyPageFetcher, PageLost
 from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
@@ -72,6 +73,7 @@ class EngineSessions:
         self._steps_since_sync: dict[str, int] = {}
         self._layer_of = {c.index_cache.data_ptr(): layer for layer, c in enumerate(caches)}
         self.stats = SessionStats()
+        self.prefix = ServicePrefixCache(client, caches, block_manager, scheduler)
         self.adoptions: dict[str, AdoptionStats] = {}
         self.latencies: collections.deque[tuple[str, float]] = collections.deque(maxlen=10_000)
         """("index_load" | "page_fetch", seconds) since the owner last drained them (the replica's
@@ -79,6 +81,13 @@ class EngineSessions:
         """Per adopted request (the latest 1,000): index bytes and time, pages fetched on demand."""
 
     # ---- a request arrives ------------------------------------------------------------------
+    def admit(self, seq: Sequence, session_id: str | None) -> bool:
+        """Before seq waits for admission: adopt its session, or load the prefix pages the service
+        holds beyond the local prefix cache. True when seq was started (it is running)."""
+        if session_id and self.on_add(seq, session_id):
+            return True
+        return self.prefix.load_into(seq)
+
     def on_add(self, seq: Sequence, session_id: str) -> bool:
         """Set up persistence of seq; adopt the session from the service if its pages are not
         local. Returns True when seq was adopted (it is then running, not waiting)."""

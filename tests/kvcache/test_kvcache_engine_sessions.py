@@ -37,8 +37,9 @@ def new_client(model: MSATransformer) -> KVCacheClient:
     return KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity)
 
 
-def new_engine(model: MSATransformer, client: KVCacheClient | None, prefetch_pages: int = 64) -> LLMEngine:
-    config = EngineConfig(model="tiny", attention_backend="msa", num_pages=96, max_num_seqs=4,
+def new_engine(model: MSATransformer, client: KVCacheClient | None, prefetch_pages: int = 64,
+               num_pages: int = 96) -> LLMEngine:
+    config = EngineConfig(model="tiny", attention_backend="msa", num_pages=num_pages, max_num_seqs=4,
                           max_num_batched_tokens=64, max_model_len=1024)
     engine = LLMEngine(config, model=model, kv_client=client)
     if engine.sessions is not None:
@@ -135,3 +136,21 @@ def test_a_rewritten_conversation_starts_a_fresh_record(model, conversation):
     rewritten = tokens(80, seed=9)
     run(engine, "w2", rewritten, 3, session_id="edit")
     assert client.get_session("edit").token_ids[: len(rewritten)] == rewritten
+
+
+def test_two_engines_share_an_evicted_prefix_through_the_service(model):
+    prompt = tokens(300, seed=11)
+    expected = run(new_engine(model, None), "ref", [*prompt, 7, 8, 9], TURN_TOKENS)
+    client = new_client(model)
+    first = new_engine(model, client, num_pages=24)  # too small to keep both prompts' pages
+    run(first, "a", prompt, 2)
+    for i, seed in enumerate((12, 13)):  # evict every page of the first prompt: they go to the service
+        run(first, f"b{i}", tokens(300, seed=seed), 2)
+    assert first.sessions.prefix.io.bytes_stored > 0
+
+    second = new_engine(model, client)
+    assert run(second, "c", [*prompt, 7, 8, 9], TURN_TOKENS) == expected
+    full_pages = len(prompt) // model.config.page_size
+    assert second.sessions.prefix.num_loaded_pages == full_pages  # loaded, not prefilled
+    assert second.stats().prefix_hit_rate > 0.9
+    second.block_manager.check_consistency()
