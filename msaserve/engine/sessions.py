@@ -270,8 +270,12 @@ class EngineSessions:
             table.pop(request_id, None)
 
     def release(self, session_id: str) -> list[int]:
-        """Forget the session's pages in the local prefix cache (it moved to another replica, and
-        the router must not see them here); returns the page hashes dropped."""
+        """The session moves to another replica: persist a turn still running here up to its last
+        token, and forget the session's unreferenced pages in the local prefix cache (so the router
+        does not see them here); returns the page hashes dropped."""
+        for seq in list(self.scheduler.running):
+            if self.session_of.get(seq.request_id) == session_id:
+                self.make_current(seq)
         record = self._record(session_id)
         return [] if record is None else self.block_manager.drop_cached(list(record.page_hashes))
 
