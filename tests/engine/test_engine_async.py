@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-from conftest import greedy, random_prompt
+from engine_helpers import greedy, random_prompt
 
 from msaserve.engine.async_engine import AsyncEngine
 from msaserve.engine.config import EngineConfig

@@ -1,7 +1,7 @@
 """Streaming text: incremental detokenization and stop strings held back until decided."""
 
 import pytest
-from conftest import make_engine, random_prompt
+from engine_helpers import make_engine, random_prompt
 
 from msaserve.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from msaserve.engine.types import GenerateRequest, SamplingParams

@@ -2,7 +2,7 @@
 index-K handed to the sink are what the reference computes for those tokens."""
 
 import torch
-from conftest import greedy, make_engine, random_prompt, run_to_completion
+from engine_helpers import greedy, make_engine, random_prompt, run_to_completion
 
 from msaserve.engine.swap import PageData
 from msaserve.engine.types import GenerateRequest

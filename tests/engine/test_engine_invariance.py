@@ -4,7 +4,7 @@ longer than K·P = 64 tokens of the tiny preset, so the MSA selection is really 
 
 import pytest
 import torch
-from conftest import greedy, make_engine, random_prompt, run_to_completion
+from engine_helpers import greedy, make_engine, random_prompt, run_to_completion
 
 from msaserve.engine.types import GenerateRequest
 from msaserve.models import reference_decode

@@ -7,7 +7,7 @@ import io
 import numpy as np
 import pytest
 import torch
-from conftest import greedy, make_engine, run_to_completion
+from engine_helpers import greedy, make_engine, run_to_completion
 from PIL import Image
 
 from msaserve.engine.types import GenerateRequest, InvalidParameter

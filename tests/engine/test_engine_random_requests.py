@@ -5,7 +5,7 @@ request has exactly one final output and every page is free."""
 from collections import Counter
 
 import torch
-from conftest import make_engine
+from engine_helpers import make_engine
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from conftest import make_engine, random_prompt, run_to_completion
+from engine_helpers import make_engine, random_prompt, run_to_completion
 
 from msaserve.engine.sampler import Sampler, filter_top_k_top_p
 from msaserve.engine.types import GenerateRequest, InvalidParameter, SamplingParams

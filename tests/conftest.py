@@ -1,0 +1,13 @@
+"""Test-session setup shared by every test folder.
+
+Without CUDA, Triton kernels can only run under its interpreter, and Triton decides that when it is
+first imported (its own standard-library functions are decorated then). Some torch modules import
+Triton as a side effect, so the choice is made here, before any test module imports anything.
+"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
