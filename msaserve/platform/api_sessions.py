@@ -53,10 +53,9 @@ def _router_core(handle: Any) -> Any:
     return getattr(request_router, "_core", None)
 
 
-def _rehome(core: Any, session_id: str, target: str | None) -> dict:
-    """Point the router's session → replica map at the target (given, or the least-loaded other
-    live replica). The session's record in the KV cache service is current after every turn, so
-    the new home adopts it on the next turn: index first, then the K/V pages its indexer selects."""
+def _choose_target(core: Any, session_id: str, target: str | None) -> tuple[str, str]:
+    """(home, target): the given target if it is a live replica, else the least-loaded live replica
+    other than the session's home."""
     state = core.state
     home = state.sessions.get(session_id)
     if home is None:
@@ -71,8 +70,7 @@ def _rehome(core: Any, session_id: str, target: str | None) -> dict:
             raise APIError(409, f"session {session_id!r} cannot move: no other live replica",
                            param="session_id", code="no_other_replica")
         target = others[0][1]
-    state.sessions[session_id] = target
-    return {"id": session_id, "object": "session.move", "from_replica": home, "to_replica": target}
+    return home, target
 
 
 def build_router(ctx: Any) -> APIRouter:
@@ -109,25 +107,24 @@ def build_router(ctx: Any) -> APIRouter:
                 param="session_id",
                 code="kvcache_disabled",
             )
+        await ctx.require_ready()
         target = await _move_target(request)
-        core = _router_core(ctx.model)
+        core = _router_core(ctx.model)  # None until this gateway has routed a request
         if core is None:
-            raise APIError(
-                409, "the model deployment's request router is not reachable from this gateway yet "
-                "(no request has been routed); retry after the session's first turn",
-                param="session_id", code="router_unavailable",
-            )
-        home = core.state.sessions.get(session_id)
-        if home is None:
             raise _not_found(session_id)
-        # The old home forgets the session's pages, and the router's view of them with it, so that
-        # the prefix it held does not outweigh the new home's affinity on the next turn.
+        home, target = _choose_target(core, session_id, target)
+        # The old home makes a running turn current in the service and forgets the session's pages,
+        # and the router's view of them goes too, so that the prefix it held does not outweigh the
+        # new home's affinity. The record in the service is current after every turn, so the new
+        # home adopts the session on its next turn: index first, then the pages its indexer selects.
         dropped = await handle(session_id).release_session.remote(session_id)
         replica = core.state.replicas.get(home)
         if replica is not None:
             replica.cached.difference_update(dropped)
             for page_hash in dropped:
                 replica.estimated.pop(page_hash, None)
-        return {**_rehome(core, session_id, target), "pages_released": len(dropped)}
+        core.state.sessions[session_id] = target
+        return {"id": session_id, "object": "session.move", "from_replica": home, "to_replica": target,
+                "pages_released": len(dropped)}
 
     return router

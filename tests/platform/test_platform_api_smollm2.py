@@ -45,12 +45,12 @@ def test_streamed_answer_is_the_same(client) -> None:
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole
 
 
-def test_session_move_with_kvcache_is_a_clear_409(live_app) -> None:
+def test_moving_an_unknown_session_is_a_clear_404(live_app) -> None:
     import httpx
 
     r = httpx.post(live_app.base_url + "/v1/sessions/s1/move")
-    assert r.status_code == 409
-    assert r.json()["error"]["code"] == "move_unsupported"
+    assert r.status_code == 404
+    assert r.json()["error"]["code"] == "session_not_found"
 
 
 def test_kvcache_shard_is_running(live_app) -> None:

@@ -80,6 +80,10 @@ def test_moved_and_failed_over_sessions_continue_with_identical_tokens(live_app,
     first = home_of(live_app)["replica_id"]
     assert service.get_session(SESSION).token_ids == expected[0]  # persisted at the end of the turn
 
+    unknown = httpx.post(f"{live_app.base_url}/v1/sessions/nobody/move", timeout=30)
+    assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "session_not_found"
+    bogus = httpx.post(f"{live_app.base_url}/v1/sessions/{SESSION}/move", json={"target_replica": "x"})
+    assert bogus.status_code == 400 and first in bogus.json()["error"]["message"]  # names the allowed
     moved = httpx.post(f"{live_app.base_url}/v1/sessions/{SESSION}/move", timeout=30)
     assert moved.status_code == 200, moved.text
     assert moved.json()["from_replica"] == first and moved.json()["to_replica"] != first
