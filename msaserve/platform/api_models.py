@@ -6,19 +6,21 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from msaserve.platform.errors import APIError, error_response
-from msaserve.platform.openai_types import ModelCard, ModelList
+from msaserve.platform.openai_types import ErrorResponse, ModelCard, ModelList
+
+_ERRORS: dict[int | str, dict[str, Any]] = {code: {"model": ErrorResponse} for code in (401, 429, 503)}
 
 
 def build_router(ctx: Any) -> APIRouter:
     router = APIRouter()
 
-    @router.get("/v1/models", response_model=ModelList)
+    @router.get("/v1/models", response_model=ModelList, responses=_ERRORS)
     async def models(request: Request) -> ModelList:
         ctx.authorize(request)
         info = await ctx.model_info()
         return ModelList(data=[ModelCard(id=ctx.model_name, max_model_len=info.max_model_len)])
 
-    @router.get("/health")
+    @router.get("/health", responses={503: {"model": ErrorResponse}})
     async def health(request: Request) -> Any:
         """200 when the model is loaded and serving; 503 (with Retry-After) while it warms up."""
         try:

@@ -16,6 +16,12 @@ from typing import Any
 from fastapi import APIRouter, Request
 
 from msaserve.platform.errors import APIError
+from msaserve.platform.openai_types import ErrorResponse
+
+# Documented in the served OpenAPI schema, so that clients (and schemathesis) know every status.
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse} for code in (400, 401, 404, 409, 429, 501, 503)
+}
 
 
 def _not_found(session_id: str) -> APIError:
@@ -79,7 +85,7 @@ def build_router(ctx: Any) -> APIRouter:
     def handle(session_id: str) -> Any:
         return ctx.model.options(session_id=session_id)
 
-    @router.get("/v1/sessions/{session_id}")
+    @router.get("/v1/sessions/{session_id}", responses=_ERRORS)
     async def get_session(session_id: str, request: Request) -> dict:
         ctx.authorize(request)
         await ctx.require_ready()
@@ -88,7 +94,7 @@ def build_router(ctx: Any) -> APIRouter:
             raise _not_found(session_id)
         return {"object": "session", **vars(info)}
 
-    @router.delete("/v1/sessions/{session_id}")
+    @router.delete("/v1/sessions/{session_id}", responses=_ERRORS)
     async def delete_session(session_id: str, request: Request) -> dict:
         ctx.authorize(request)
         await ctx.require_ready()
@@ -96,7 +102,7 @@ def build_router(ctx: Any) -> APIRouter:
             raise _not_found(session_id)
         return {"id": session_id, "object": "session", "deleted": True}
 
-    @router.post("/v1/sessions/{session_id}/move")
+    @router.post("/v1/sessions/{session_id}/move", responses=_ERRORS)
     async def move_session(session_id: str, request: Request) -> dict:
         ctx.authorize(request)
         if not ctx.config.kvcache.enabled:

@@ -1,0 +1,71 @@
+"""A real local Ray Serve app (loopback only) for the reliability tests and benchmarks.
+
+tests/ has no packages, so this helper has a unique module name; it mirrors
+tests/platform/conftest.py's fixture but lets the caller choose replicas and keep the Ray logs dir.
+"""
+
+import socket
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import ray
+from ray import serve
+
+from msaserve.platform.app import APP_NAME, build_app
+from msaserve.platform.config import ServeConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LiveApp:
+    base_url: str
+    metrics_url: str
+    config: ServeConfig
+    logs_dir: str
+    """The Ray session's log folder (every replica's stdout/stderr and Serve logs)."""
+
+
+def wait_healthy(base_url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base_url + "/health", timeout=10).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise TimeoutError(f"{base_url}/health not 200 after {timeout_s}s")
+
+
+@contextmanager
+def live_app(data: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveApp]:
+    """Start Ray + the msaserve app for `data` (a ServeConfig dict); always shut both down."""
+    http_port, metrics_port = free_port(), free_port()
+    config = ServeConfig.from_dict({**data, "http": {**data.get("http", {}), "port": http_port}})
+    context = ray.init(
+        address="local",
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        _metrics_export_port=metrics_port,
+        _system_config={"metrics_report_interval_ms": 1000},
+        configure_logging=False,
+    )
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
+        base_url = f"http://127.0.0.1:{http_port}"
+        wait_healthy(base_url, timeout_s=120)
+        logs_dir = context.address_info["session_dir"] + "/logs"
+        yield LiveApp(base_url, f"http://127.0.0.1:{metrics_port}/metrics", config, logs_dir)
+    finally:
+        serve.shutdown()
+        ray.shutdown()
