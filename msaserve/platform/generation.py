@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from msaserve.engine.types import (
     ContextTooLong,
     GenerateOutput,
@@ -96,7 +98,7 @@ class Generation:
                 yield item
                 if item.finished:
                     return
-                item = await self.stream.__anext__()
+                item = await _next_from_replica(self.stream)
         finally:
             self.close()
 
@@ -117,12 +119,30 @@ async def start_generation(ctx: Any, request: GenerateRequest) -> Generation:
     start = time.perf_counter()
     stream = handle.generate.remote(request)
     try:
-        first = await stream.__anext__()
+        first = await _next_from_replica(stream)
     except StopAsyncIteration:
         raise APIError(500, "the model deployment ended the stream without output") from None
     if isinstance(first, ModelError):
         raise _api_error(first)
     return Generation(request=request, first=first, stream=stream, start_time=start)
+
+
+REPLICA_LOST_RETRY_AFTER_S = 1.0
+
+
+async def _next_from_replica(stream: Any) -> Any:
+    """The next item; a model replica that dies (or becomes unreachable) mid-request becomes a 503
+    the client may retry, instead of a stream that just stops (or a 500 naming a Ray exception)."""
+    try:
+        return await stream.__anext__()
+    except RayActorError as e:
+        logger.warning("model replica lost mid-request: %s", type(e).__name__)
+        raise APIError(
+            503,
+            "the model replica serving this request stopped; retry the request (other replicas serve it)",
+            code="replica_unavailable",
+            retry_after_s=REPLICA_LOST_RETRY_AFTER_S,
+        ) from None
 
 
 def _api_error(e: ModelError) -> APIError:
