@@ -115,17 +115,26 @@ class BodyLimitMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await self._reject(scope, receive, send, headers, int(declared))
             return
-        received = 0
+        received, exceeded = 0, False
 
         async def counting_receive() -> Message:
-            nonlocal received
+            nonlocal received, exceeded
             message = await receive()
             received += len(message.get("body", b""))
             if received > self.max_body_bytes:
+                exceeded = True
                 raise APIError(413, self._message(received), param=None, code="body_too_large")
             return message
 
-        await self.app(scope, counting_receive, send)
+        async def guarded_send(message: Message) -> None:
+            # FastAPI turns an error raised while reading the body into its own 400 ("error parsing
+            # the body"): once the limit was crossed, answer the 413 instead of what the app sends.
+            if not exceeded:
+                await send(message)
+            elif message["type"] == "http.response.start":
+                await self._reject(scope, receive, send, headers, received)
+
+        await self.app(scope, counting_receive, guarded_send)
 
     def _message(self, size: int) -> str:
         return f"request body of {size} bytes exceeds http.max_body_bytes={self.max_body_bytes}"
