@@ -120,6 +120,10 @@ def test_in_flight_streams_complete_or_fail_clearly_and_new_requests_succeed(app
     completed = [o for o in outcomes if o.finish_reason == "length" and o.done and o.error is None]
     cut = [o for o in outcomes if o not in completed]
     report = "\n".join(map(repr, outcomes))
+    worst = max((o.ended_at - killed_at for o in cut), default=0.0)
+    print(
+        f"replica kill: {len(completed)} completed, {len(cut)} cut (last error {worst:.2f} s after the kill)"
+    )
     assert all(o.status == 200 for o in outcomes), report
     assert all(o.transport_error is None for o in outcomes), report  # never cut off without a word
     assert all(o.tokens == MAX_TOKENS for o in completed), report
