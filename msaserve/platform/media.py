@@ -11,6 +11,8 @@ model's image/video token (one per medium: the engine expands it to the medium's
 
 from typing import Any
 
+from ray.exceptions import RayActorError
+
 from msaserve.platform.errors import APIError
 from msaserve.platform.model_messages import ModelError
 from msaserve.platform.openai_types import ContentPart
@@ -29,7 +31,15 @@ async def preprocess(ctx: Any, parts: list[ContentPart], info: Any) -> list[obje
             param="messages",
             code="unsupported_content",
         )
-    result = await ctx.preprocess.process.remote([p.model_dump(exclude_none=True) for p in parts])
+    try:
+        result = await ctx.preprocess.process.remote([p.model_dump(exclude_none=True) for p in parts])
+    except RayActorError:  # the replica died with this call on it; Serve replaces it
+        raise APIError(
+            503,
+            "the media preprocessing replica stopped while handling this request; retry it",
+            code="preprocess_unavailable",
+            retry_after_s=1.0,
+        ) from None
     if isinstance(result, ModelError):
         raise APIError(result.status, result.message, param=result.param, code=result.code)
     items, seconds = result
