@@ -19,9 +19,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "reliability"))
+sys.path.insert(0, str(ROOT / "tests"))
 
+from local_serve_app import start_live_app  # noqa: E402
 from reliability_fuzzing import fuzz  # noqa: E402
-from reliability_live import live_app  # noqa: E402
 
 API_KEY = "fuzz-bench-key"
 SERVE_CONFIG = {
@@ -51,7 +52,7 @@ def main() -> int:
     parser.add_argument("--examples-per-operation", type=int, default=120)
     parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
-    with live_app(SERVE_CONFIG) as app:
+    with start_live_app(SERVE_CONFIG) as app:
         start = time.monotonic()
         report = fuzz(app.base_url, API_KEY, "msaserve/tiny", args.examples_per_operation, args.seed)
         elapsed = time.monotonic() - start

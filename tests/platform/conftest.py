@@ -1,50 +1,9 @@
 """A real local Ray Serve app per test module (loopback only), driven over HTTP."""
 
-import socket
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
-import httpx
 import pytest
-import ray
-from ray import serve
-
-from msaserve.platform.app import APP_NAME, build_app
-from msaserve.platform.config import ServeConfig
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class LiveApp:
-    base_url: str
-    metrics_url: str
-    config: ServeConfig
-    first_health: httpx.Response
-    """The /health answer right after serve.run returned (before the engine finished loading)."""
-
-    def model_handle(self):
-        return serve.get_deployment_handle("Model", app_name=APP_NAME)
-
-    def engine_stats(self):
-        return self.model_handle().stats.remote().result(timeout_s=30)
-
-
-def wait_healthy(base_url: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(base_url + "/health", timeout=10).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"{base_url}/health not 200 after {timeout_s}s")
+from local_serve_app import LiveApp, start_live_app
 
 
 @pytest.fixture(scope="module")
@@ -52,23 +11,5 @@ def live_app(request) -> Iterator[LiveApp]:
     """Parametrise with `@pytest.mark.parametrize("live_app", [config_dict], indirect=True)` or set
     `SERVE_CONFIG` (a dict) in the test module."""
     data = getattr(request, "param", None) or request.module.SERVE_CONFIG
-    http_port, metrics_port = free_port(), free_port()
-    config = ServeConfig.from_dict({**data, "http": {**data.get("http", {}), "port": http_port}})
-    ray.init(
-        address="local",
-        num_cpus=4,
-        include_dashboard=False,
-        _metrics_export_port=metrics_port,
-        _system_config={"metrics_report_interval_ms": 1000},
-        configure_logging=False,
-    )
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
-        base_url = f"http://127.0.0.1:{http_port}"
-        first = httpx.get(base_url + "/health", timeout=30)
-        wait_healthy(base_url, timeout_s=120)
-        yield LiveApp(base_url, f"http://127.0.0.1:{metrics_port}/metrics", config, first)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with start_live_app(data) as app:
+        yield app

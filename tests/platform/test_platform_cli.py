@@ -3,13 +3,13 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+from local_serve_app import free_port
 
 from msaserve.platform.cli.bench import format_table
 from msaserve.platform.loadgen import (
@@ -56,15 +56,9 @@ def test_bench_table_lists_every_level() -> None:
     assert "c=4" in table and "TTFT p50" in table and "100.0" in table
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_serve_then_chat_then_ctrl_c(tmp_path: Path) -> None:
-    port, dashboard = _free_port(), _free_port()
+    port, dashboard = free_port(), free_port()
     log = open(tmp_path / "serve.log", "w")  # noqa: SIM115 (closed below; the process writes to it)
     server = subprocess.Popen(
         [*MSASERVE, "serve", "--model", "tiny", "--port", str(port), "--dashboard-port", str(dashboard)],

@@ -7,8 +7,8 @@ body); a schema-violating request must be refused with a 4xx. Seeded, so CI is d
 import time
 
 import pytest
+from local_serve_app import start_live_app
 from reliability_fuzzing import fuzz
-from reliability_live import live_app
 
 pytestmark = pytest.mark.slow
 
@@ -25,7 +25,7 @@ EXAMPLES_PER_OPERATION = 10  # 7 operations x 2-3 kinds of case: at most 160 cas
 
 
 def test_generated_requests_get_no_5xx_and_match_the_schema() -> None:
-    with live_app(SERVE_CONFIG) as app:
+    with start_live_app(SERVE_CONFIG) as app:
         start = time.monotonic()
         report = fuzz(app.base_url, API_KEY, "msaserve/tiny", EXAMPLES_PER_OPERATION, rng_seed=20261129)
         elapsed = time.monotonic() - start

@@ -17,8 +17,8 @@ import httpx
 import numpy as np
 import pytest
 import ray
+from local_serve_app import LiveApp, start_live_app
 from PIL import Image
-from reliability_live import LiveApp, live_app
 
 from msaserve.platform.app import APP_NAME
 
@@ -35,7 +35,7 @@ NUM_REQUESTS = 12
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[LiveApp]:
-    with live_app(SERVE_CONFIG) as running:
+    with start_live_app(SERVE_CONFIG) as running:
         yield running
 
 

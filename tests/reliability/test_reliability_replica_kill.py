@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import httpx
 import pytest
 import ray
-from reliability_live import LiveApp, live_app
+from local_serve_app import LiveApp, start_live_app
 
 from msaserve.platform.app import APP_NAME
 
@@ -50,7 +50,7 @@ class Outcome:
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[LiveApp]:
-    with live_app(SERVE_CONFIG) as running:
+    with start_live_app(SERVE_CONFIG) as running:
         yield running
 
 

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from reliability_live import LiveApp, live_app
+from local_serve_app import LiveApp, start_live_app
 from starlette.testclient import TestClient
 
 from msaserve.platform.auth import Authenticator
@@ -37,7 +37,7 @@ ORIGIN = "https://evil.example"
 
 @pytest.fixture(scope="module")
 def app() -> Iterator[LiveApp]:
-    with live_app(SERVE_CONFIG) as running:
+    with start_live_app(SERVE_CONFIG) as running:
         yield running
 
 

@@ -4,7 +4,6 @@
 `usage.prompt_tokens_details.cached_tokens` (the engine's prefix-cache hits)."""
 
 import random
-import socket
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -12,10 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import ray
-from ray import serve
+from local_serve_app import start_live_app
 
-from msaserve.platform.app import APP_NAME, build_app
-from msaserve.platform.config import ServeConfig
+from msaserve.platform.app import APP_NAME
 
 pytestmark = pytest.mark.slow
 
@@ -31,35 +29,11 @@ SERVE_CONFIG = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def base_url() -> Iterator[str]:
-    port = _free_port()
-    config = ServeConfig.from_dict({**SERVE_CONFIG, "http": {"port": port}})
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False)
-    try:
-        serve.start(http_options={"host": "127.0.0.1", "port": port})
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 180
-        while True:
-            try:
-                if httpx.get(url + "/health", timeout=10).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            assert time.monotonic() < deadline, "the app did not become healthy in 180 s"
-            time.sleep(0.5)
-        _wait_all_replicas_ready(url)
-        yield url
-    finally:
-        serve.shutdown()
-        ray.shutdown()
+    with start_live_app(SERVE_CONFIG, timeout_s=180) as app:
+        _wait_all_replicas_ready(app.base_url)
+        yield app.base_url
 
 
 def _wait_all_replicas_ready(url: str) -> None:

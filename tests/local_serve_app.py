@@ -1,7 +1,7 @@
-"""A real local Ray Serve app (loopback only) for the reliability tests and benchmarks.
+"""A real local Ray Serve app (loopback only) for the live tests and the reliability benchmark.
 
-tests/ has no packages, so this helper has a unique module name; it mirrors
-tests/platform/conftest.py's fixture but lets the caller choose replicas and keep the Ray logs dir.
+One starter for every test folder (tests/ has no packages; pytest puts this folder on sys.path
+through tests/conftest.py, and benchmarks add it themselves).
 """
 
 import socket
@@ -30,8 +30,16 @@ class LiveApp:
     base_url: str
     metrics_url: str
     config: ServeConfig
+    first_health: httpx.Response
+    """The /health answer right after serve.run returned (before the engine finished loading)."""
     logs_dir: str
     """The Ray session's log folder (every replica's stdout/stderr and Serve logs)."""
+
+    def model_handle(self):
+        return serve.get_deployment_handle("Model", app_name=APP_NAME)
+
+    def engine_stats(self):
+        return self.model_handle().stats.remote().result(timeout_s=30)
 
 
 def wait_healthy(base_url: str, timeout_s: float) -> None:
@@ -47,8 +55,9 @@ def wait_healthy(base_url: str, timeout_s: float) -> None:
 
 
 @contextmanager
-def live_app(data: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveApp]:
-    """Start Ray + the msaserve app for `data` (a ServeConfig dict); always shut both down."""
+def start_live_app(data: dict[str, Any], num_cpus: int = 4, timeout_s: float = 120) -> Iterator[LiveApp]:
+    """Start Ray + the msaserve app for `data` (a ServeConfig dict) on free loopback ports, wait
+    until /health is 200, and always shut both down."""
     http_port, metrics_port = free_port(), free_port()
     config = ServeConfig.from_dict({**data, "http": {**data.get("http", {}), "port": http_port}})
     context = ray.init(
@@ -63,9 +72,10 @@ def live_app(data: dict[str, Any], num_cpus: int = 4) -> Iterator[LiveApp]:
         serve.start(http_options={"host": "127.0.0.1", "port": http_port})
         serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
         base_url = f"http://127.0.0.1:{http_port}"
-        wait_healthy(base_url, timeout_s=120)
+        first = httpx.get(base_url + "/health", timeout=30)
+        wait_healthy(base_url, timeout_s)
         logs_dir = context.address_info["session_dir"] + "/logs"
-        yield LiveApp(base_url, f"http://127.0.0.1:{metrics_port}/metrics", config, logs_dir)
+        yield LiveApp(base_url, f"http://127.0.0.1:{metrics_port}/metrics", config, first, logs_dir)
     finally:
         serve.shutdown()
         ray.shutdown()
