@@ -43,6 +43,19 @@ def make_case(
     )
 
 
+def select(case, top_k, n_init):
+    """The reference selection for every query of a case made by make_case."""
+    return NAIVE.indexer_prefill(
+        case["q_index"],
+        case["index_cache"],
+        case["block_tables"],
+        case["seq_lens"],
+        case["cu_seqlens_q"],
+        top_k,
+        n_init,
+    )
+
+
 def plain_selection(scores_row, t, page_size, top_k, n_init):
     """DESIGN §2 selection for one (query, head), written as directly as possible."""
     c = t // page_size
@@ -65,15 +78,7 @@ def plain_selection(scores_row, t, page_size, top_k, n_init):
 def test_selection_matches_definition(page_size, top_k, n_init, index_heads):
     seq_lens, q_lens = [page_size * 9 + 5, page_size * 2 + 1], [page_size * 9 + 5, 7]
     case = make_case(1, seq_lens, q_lens, 2, 2, 8, index_heads, page_size)
-    selected = NAIVE.indexer_prefill(
-        case["q_index"],
-        case["index_cache"],
-        case["block_tables"],
-        case["seq_lens"],
-        case["cu_seqlens_q"],
-        top_k,
-        n_init,
-    )
+    selected = select(case, top_k, n_init)
     for b, (length, q_len) in enumerate(zip(seq_lens, q_lens, strict=True)):
         keys = gather_pages(case["index_cache"], case["block_tables"][b], length)
         start = int(case["cu_seqlens_q"][b])
@@ -95,15 +100,7 @@ def test_ties_go_to_lower_block():
     page_size, top_k, length = 16, 4, 16 * 10
     case = make_case(2, [length], [length], 1, 1, 8, 1, page_size)
     case["index_cache"][:] = 1.0
-    selected = NAIVE.indexer_prefill(
-        case["q_index"],
-        case["index_cache"],
-        case["block_tables"],
-        case["seq_lens"],
-        case["cu_seqlens_q"],
-        top_k,
-        1,
-    )
+    selected = select(case, top_k, 1)
     t = length - 1  # c = 9 → forced {0, 9}, then ties → {1, 2}
     assert selected[t, 0].tolist() == [0, 1, 2, 9]
 
@@ -115,15 +112,7 @@ def test_short_sequences_equal_dense(group, page_size, top_k, index_heads):
     seq_lens = [top_k * page_size, top_k * page_size - 7, 5]
     case = make_case(3, seq_lens, [seq_lens[0], 9, 5], 2, group, 16, index_heads, page_size)
     args = (case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], case["cu_seqlens_q"])
-    selected = NAIVE.indexer_prefill(
-        case["q_index"],
-        case["index_cache"],
-        case["block_tables"],
-        case["seq_lens"],
-        case["cu_seqlens_q"],
-        top_k,
-        1,
-    )
+    selected = select(case, top_k, 1)
     sparse = NAIVE.sparse_prefill(case["q"], *args, selected)
     dense = NAIVE.dense_prefill(case["q"], *args)
     torch.testing.assert_close(sparse, dense, atol=ATOL, rtol=0)
@@ -135,15 +124,7 @@ def test_long_sequences_differ_from_dense():
     page_size, top_k = 16, 2
     case = make_case(4, [page_size * 8], [page_size * 8], 1, 2, 16, 1, page_size)
     args = (case["k_cache"], case["v_cache"], case["block_tables"], case["seq_lens"], case["cu_seqlens_q"])
-    selected = NAIVE.indexer_prefill(
-        case["q_index"],
-        case["index_cache"],
-        case["block_tables"],
-        case["seq_lens"],
-        case["cu_seqlens_q"],
-        top_k,
-        1,
-    )
+    selected = select(case, top_k, 1)
     assert (
         NAIVE.sparse_prefill(case["q"], *args, selected) - NAIVE.dense_prefill(case["q"], *args)
     ).abs().max() > 1e-2
@@ -154,15 +135,7 @@ def test_chunks_and_decode_steps_equal_one_prefill(group, index_heads):
     """Property 2: any split into prefill chunks and decode steps gives the same output."""
     page_size, top_k, length = 16, 3, 16 * 7 + 3
     case = make_case(5, [length], [length], 2, group, 16, index_heads, page_size)
-    full_sel = NAIVE.indexer_prefill(
-        case["q_index"],
-        case["index_cache"],
-        case["block_tables"],
-        case["seq_lens"],
-        case["cu_seqlens_q"],
-        top_k,
-        1,
-    )
+    full_sel = select(case, top_k, 1)
     caches = (case["k_cache"], case["v_cache"], case["block_tables"])
     full = NAIVE.sparse_prefill(case["q"], *caches, case["seq_lens"], case["cu_seqlens_q"], full_sel)
     # The cache already holds all tokens: a query at t must ignore everything after t anyway,
@@ -206,15 +179,7 @@ def test_selection_order_does_not_matter():
     """Property 3."""
     page_size, top_k, length = 16, 4, 16 * 9
     case = make_case(6, [length], [length], 2, 2, 16, 1, page_size)
-    sel = NAIVE.indexer_prefill(
-        case["q_index"],
-        case["index_cache"],
-        case["block_tables"],
-        case["seq_lens"],
-        case["cu_seqlens_q"],
-        top_k,
-        1,
-    )
+    sel = select(case, top_k, 1)
     shuffled = sel.gather(
         -1, torch.argsort(torch.rand(sel.shape, generator=torch.Generator().manual_seed(0)), dim=-1)
     )
@@ -295,15 +260,7 @@ def test_decode_ops_equal_varlen_ops_and_paging_is_transparent(num_q):
     )
     assert torch.equal(sel, sel2)
     torch.testing.assert_close(out, out2, atol=ATOL, rtol=0)
-    flat_sel = NAIVE.indexer_prefill(
-        case["q_index"],
-        case["index_cache"],
-        case["block_tables"],
-        case["seq_lens"],
-        case["cu_seqlens_q"],
-        top_k,
-        1,
-    )
+    flat_sel = select(case, top_k, 1)
     assert torch.equal(flat_sel.view_as(sel), sel)
 
 
@@ -311,15 +268,7 @@ def test_attention_matches_softmax_formula():
     """One query by hand: o = Σ softmax(q·k/√D) v over p ≤ t in the selected blocks."""
     page_size, top_k, length = 16, 2, 16 * 5 + 3
     case = make_case(9, [length], [1], 1, 1, 8, 1, page_size)
-    sel = NAIVE.indexer_prefill(
-        case["q_index"],
-        case["index_cache"],
-        case["block_tables"],
-        case["seq_lens"],
-        case["cu_seqlens_q"],
-        top_k,
-        1,
-    )
+    sel = select(case, top_k, 1)
     out = NAIVE.sparse_prefill(
         case["q"],
         case["k_cache"],
