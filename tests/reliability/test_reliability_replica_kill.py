@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 KEY = "fault-key"
 MODEL = "msaserve/tiny"
-NUM_STREAMS, MAX_TOKENS = 16, 96
+NUM_STREAMS, MAX_TOKENS = 16, 384  # long enough to be mid-stream at the kill on an idle machine
 ERROR_BOUND_S = 10.0
 """A stream cut by the kill must end (with its error event) this soon after the kill."""
 SERVE_CONFIG = {
@@ -91,16 +91,18 @@ async def stream_one(http: httpx.AsyncClient, url: str, i: int, started: list[in
     return out
 
 
-def kill_one_model_replica() -> str:
+def one_model_replica():
+    """A model replica's actor handle, looked up before the streams start: listing named actors
+    is slow on a loaded machine, and the kill must land while the streams are in flight."""
     prefix = f"SERVE_REPLICA::{APP_NAME}#Model#"
     names = sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                    if a["name"].startswith(prefix))  # fmt: skip
     assert len(names) == 3, names
-    ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
-    return names[0]
+    return ray.get_actor(names[0], namespace="serve")
 
 
 async def streams_with_a_kill(url: str) -> tuple[list[Outcome], float]:
+    victim = await asyncio.to_thread(one_model_replica)
     started = [0]
     timeout = httpx.Timeout(30.0, connect=10.0)
     async with httpx.AsyncClient(timeout=timeout, headers={"Authorization": f"Bearer {KEY}"}) as http:
@@ -109,7 +111,7 @@ async def streams_with_a_kill(url: str) -> tuple[list[Outcome], float]:
         while started[0] < NUM_STREAMS and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         assert started[0] == NUM_STREAMS, f"only {started[0]} streams started in 30 s"
-        await asyncio.to_thread(kill_one_model_replica)
+        ray.kill(victim, no_restart=True)
         killed_at = time.monotonic()
         outcomes = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
     return list(outcomes), killed_at
