@@ -215,7 +215,8 @@ def run(args: argparse.Namespace) -> dict:
     # Adoption, then lazy decode with background prefetch.
     replica_b, fetcher, adopt_token, adopt_s = adopt(client, model, ops, capacity, "bench")
     first_fetch = (fetcher.stats.index_bytes, fetcher.stats.kv_bytes_on_demand)
-    log(f"adopted: next token in {adopt_s:.4f} s (index {fetcher.stats.index_seconds:.4f} s)")
+    log(f"adopted: next token in {adopt_s:.4f} s (index {fetcher.stats.index_seconds:.4f} s, "
+        f"of which reading the service {fetcher.stats.index_fetch_seconds:.4f} s)")
 
     def background(fetcher: LazyPageFetcher = fetcher) -> None:
         fetcher.poll()

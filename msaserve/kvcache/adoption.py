@@ -41,6 +41,7 @@ class AdoptionStats:
     on_demand_fetches: int = 0
     on_demand_seconds: float = 0.0
     index_seconds: float = 0.0
+    index_fetch_seconds: float = 0.0  # of index_seconds: reading the payloads from the service
 
 
 class LazyPageFetcher:
@@ -72,6 +73,7 @@ class LazyPageFetcher:
             payloads = self.client.get_index(self.hashes)
         except ServiceUnavailable:
             payloads = [None] * len(self.hashes)  # adopt nothing: the caller recomputes
+        self.stats.index_fetch_seconds = time.perf_counter() - start
         usable = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
         self.codec.import_index(self.caches, self.block_table[:usable], payloads[:usable])
         self.num_pages = usable

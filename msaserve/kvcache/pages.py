@@ -10,7 +10,7 @@ Two payload kinds, chosen by the adoption access pattern (DESIGN §4):
 
 Payloads are raw bytes without a header: the layout follows from `ModelIdentity`, which is part
 of every page key, so writer and reader always agree. Bulk imports concatenate payloads on the
-host and copy once per layer to the device.
+host in reused pinned buffers and copy chunk by chunk to the device (`staging.py`).
 """
 
 from collections.abc import Sequence
@@ -18,8 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from msaserve.kvcache.codec import Payload, as_payload
+from msaserve.kvcache.codec import Payload
 from msaserve.kvcache.keys import ModelIdentity
+from msaserve.kvcache.staging import check_sizes, to_device_chunks
 from msaserve.models.cache import LayerKVCache
 
 
@@ -104,13 +105,17 @@ class PageCodec:
     def import_kv(
         self, cache: LayerKVCache, physical_pages: Sequence[int], payloads: Sequence[Payload]
     ) -> None:
-        """Write K+V payloads of one layer into `cache` at `physical_pages`."""
+        """Write K+V payloads of one layer into `cache` at `physical_pages` (through pinned
+        staging on CUDA: `staging.py`)."""
         if not payloads:
             return
-        tensor = self.decode_kv(payloads).to(cache.k_cache.device)
-        index = torch.as_tensor(list(physical_pages), dtype=torch.long, device=cache.k_cache.device)
-        cache.k_cache[index] = tensor[:, 0]
-        cache.v_cache[index] = tensor[:, 1]
+        device = cache.k_cache.device
+        index = torch.as_tensor(list(physical_pages), dtype=torch.long, device=device)
+        for start, chunk in to_device_chunks(payloads, self.kv_bytes, device, "K+V", self.model.name):
+            rows = index[start : start + chunk.shape[0]]
+            kv = chunk.view(self.kv_dtype).view(chunk.shape[0], *self.kv_shape)  # [n, 2, P, Hkv, D]
+            cache.k_cache[rows] = kv[:, 0]
+            cache.v_cache[rows] = kv[:, 1]
 
     def import_index(
         self, caches: Sequence[LayerKVCache], physical_pages: Sequence[int], payloads: Sequence[Payload]
@@ -118,24 +123,25 @@ class PageCodec:
         """Write index payloads (every layer) into the caches at `physical_pages`."""
         if not payloads:
             return
-        ix, scales = self.decode_index(payloads)
-        index = torch.as_tensor(list(physical_pages), dtype=torch.long, device=caches[0].index_cache.device)
-        ix = ix.to(index.device)
-        scales = None if scales is None else scales.to(index.device)
-        for layer, cache in enumerate(caches):
-            cache.index_cache[index] = ix[:, layer]
-            if scales is not None:
-                cache.index_scale[index] = scales[:, layer]
+        device = caches[0].index_cache.device
+        index = torch.as_tensor(list(physical_pages), dtype=torch.long, device=device)
+        nbytes = self.index_bytes + self.scale_bytes
+        for start, chunk in to_device_chunks(payloads, nbytes, device, "index", self.model.name):
+            n = chunk.shape[0]
+            rows = index[start : start + n]
+            ix = chunk[:, : self.index_bytes].contiguous().view(self.index_dtype).view(n, *self.index_shape)
+            scales = None
+            if self.fp8_index:
+                scales = chunk[:, self.index_bytes :].contiguous().view(torch.float32)
+                scales = scales.view(n, *self.scale_shape)
+            for layer, cache in enumerate(caches):
+                cache.index_cache[rows] = ix[:, layer]
+                if scales is not None:
+                    cache.index_scale[rows] = scales[:, layer]
 
     def _stack(self, payloads: Sequence[Payload], nbytes: int, what: str) -> np.ndarray:
         """[n, nbytes] uint8: one host copy of all payloads, checked for the expected size."""
-        arrays = [as_payload(p) for p in payloads]
-        for a in arrays:
-            if a.nbytes != nbytes:
-                raise ValueError(
-                    f"{what} payload has {a.nbytes} bytes; the layout of {self.model.name} needs {nbytes}"
-                )
-        return np.stack(arrays)
+        return np.stack(check_sizes(payloads, nbytes, what, self.model.name))
 
 
 def _host_bytes(tensor: torch.Tensor) -> np.ndarray:

@@ -1,0 +1,25 @@
+"""Payloads reach the device in chunks, in order and unchanged, whatever the chunk size."""
+
+import numpy as np
+import pytest
+import torch
+
+from msaserve.kvcache.staging import to_device_chunks
+
+
+@pytest.mark.parametrize("chunk_bytes", [64, 100, 1 << 20])
+def test_chunks_cover_every_payload_in_order(chunk_bytes):
+    rng = np.random.default_rng(0)
+    payloads = [rng.integers(0, 256, 48, dtype=np.uint8) for _ in range(7)]
+    rows = []
+    for start, chunk in to_device_chunks(payloads, 48, torch.device("cpu"), "index", "tiny", chunk_bytes):
+        assert start == len(rows) and chunk.dtype == torch.uint8 and chunk.shape[1] == 48
+        rows.extend(chunk.numpy())
+    assert len(rows) == 7
+    assert all(np.array_equal(a, b) for a, b in zip(payloads, rows, strict=True))
+
+
+def test_a_payload_of_the_wrong_size_is_refused_by_name():
+    payloads = [np.zeros(48, dtype=np.uint8), np.zeros(40, dtype=np.uint8)]
+    with pytest.raises(ValueError, match="K\\+V payload has 40 bytes; the layout of tiny needs 48"):
+        list(to_device_chunks(payloads, 48, torch.device("cpu"), "K+V", "tiny"))
