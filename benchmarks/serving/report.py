@@ -36,17 +36,23 @@ class Report:
         self.model = model
         self.command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
         self.entries: dict[str, dict] = {}
+        self.revision = git_revision()
 
-    def add(self, metric: str, value: float, unit: str, model: str | None = None) -> None:
-        self.entries[f"engine.{metric}"] = {
+    def add(self, metric: str, value: float, unit: str, model: str | None = None, note: str | None = None
+            ) -> None:
+        """note: how the figure was measured (e.g. the traffic parts' window rule)."""
+        entry = {
             "value": None if isinstance(value, float) and math.isnan(value) else round(float(value), 4),
             "unit": unit,
             "command": self.command,
             "hardware": hardware(self.device if model is None else "cpu"),
             "model": model or self.model,
             "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "git_revision": git_revision(),
+            "git_revision": self.revision,
         }
+        if note:
+            entry["note"] = note
+        self.entries[f"engine.{metric}"] = entry
         print(f"{metric}: {value:.4g} {unit}", file=sys.stderr, flush=True)
 
     def write(self, path: str) -> None:

@@ -44,10 +44,11 @@ class ModelRunner:
         self.last_selections: list[torch.Tensor] | None = None
 
     def _ops_capturable(self) -> bool:
-        """Only the Triton ops run without host synchronisation; the naive and SDPA paths loop over
-        sequences on the host (`int(seq_lens[b])`), which a CUDA graph cannot hold."""
+        """Only the Triton MSA ops and the dense backend's paged decode kernel run without host
+        synchronisation; the naive and SDPA paths loop over sequences on the host
+        (`int(seq_lens[b])`), which a CUDA graph cannot hold."""
         backend = getattr(self.model, "attention_backend", self.config.attention_backend)
-        return get_ops(backend, self.device).name == "triton"
+        return get_ops(backend, self.device).graph_capturable
 
     @torch.inference_mode()
     def execute(

@@ -1,7 +1,8 @@
 """Pick one implementation of every attention op per backend.
 
 Backends (DESIGN §4, engine): `naive` (MSA, PyTorch reference ops), `triton` (MSA, GPU kernels),
-`dense` (dense causal SDPA, the baseline), and `msa` (triton on CUDA, naive elsewhere).
+`dense` (dense causal attention, the baseline: SDPA, and on CUDA a paged flash-decoding kernel for
+the decode rows, `dense/gpu.py`), and `msa` (triton on CUDA, naive elsewhere).
 """
 
 from collections.abc import Callable
@@ -18,6 +19,7 @@ class AttentionOps:
     """One backend's ops; signatures as in each op's naive.py.
 
     sparse: whether the model runs the MSA index branch (False → dense causal attention).
+    graph_capturable: whether a decode step runs without host synchronisation (CUDA graphs).
     """
 
     name: str
@@ -28,6 +30,7 @@ class AttentionOps:
     sparse_decode: Callable[..., torch.Tensor]
     dense_prefill: Callable[..., torch.Tensor]
     dense_decode: Callable[..., torch.Tensor]
+    graph_capturable: bool = False
 
 
 def _load(impl: str, op: str, fn: str | None = None) -> Callable[..., torch.Tensor]:
@@ -35,7 +38,7 @@ def _load(impl: str, op: str, fn: str | None = None) -> Callable[..., torch.Tens
     return getattr(module, fn or op)
 
 
-def _ops(name: str, impl: str, sparse: bool, dense_impl: str) -> AttentionOps:
+def _ops(name: str, impl: str, sparse: bool, dense_impl: str, graph_capturable: bool = False) -> AttentionOps:
     return AttentionOps(
         name=name,
         sparse=sparse,
@@ -45,6 +48,7 @@ def _ops(name: str, impl: str, sparse: bool, dense_impl: str) -> AttentionOps:
         sparse_decode=_load(impl, "sparse_decode"),
         dense_prefill=_load(dense_impl, "dense", "dense_prefill"),
         dense_decode=_load(dense_impl, "dense", "dense_decode"),
+        graph_capturable=graph_capturable,
     )
 
 
@@ -58,10 +62,12 @@ def get_ops(backend: str, device: torch.device | str = "cpu") -> AttentionOps:
     if backend == "naive":
         return _ops("naive", "naive", True, "naive")
     if backend == "dense":
+        if device.type == "cuda":
+            return _ops("dense", "naive", False, "gpu", graph_capturable=True)
         return _ops("dense", "naive", False, "sdpa")
     if device.type != "cuda":
         raise ValueError(
             f"attention backend 'triton' needs a CUDA device, got {device.type!r}; "
             "use 'naive' or 'msa' on CPU"
         )
-    return _ops("triton", "triton", True, "sdpa")
+    return _ops("triton", "triton", True, "sdpa", graph_capturable=True)
