@@ -66,11 +66,16 @@ def random_tokens(rng: np.random.Generator, n: int, vocab: int) -> list[int]:
     return rng.integers(3, vocab, size=n).tolist()
 
 
+def agentic_prefix(vocab: int, seed: int, prefix_len: int) -> list[int]:
+    """The prefix (system prompt and tools) every session of `agentic_stream(…, seed, …)` shares."""
+    return random_tokens(np.random.default_rng(seed), prefix_len, vocab)
+
+
 def agentic_stream(vocab: int, seed: int, prefix_len: int, append: tuple[int, int], output: tuple[int, int],
                    turns: int) -> Iterator[Session]:
     """Endless sessions sharing one `prefix_len`-token prefix (system prompt and tools); each turn
     appends `append` (min, max) tokens and asks for `output` (min, max) tokens."""
-    shared = random_tokens(np.random.default_rng(seed), prefix_len, vocab)
+    shared = agentic_prefix(vocab, seed, prefix_len)
     for s in itertools.count():
         yield AgenticSession(shared, np.random.default_rng(seed + 1 + s), vocab, append, output, turns)
 
@@ -139,6 +144,14 @@ def percentile(values: list[float], q: float) -> float:
     if len(values) == 1:
         return values[0]
     return statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1]
+
+
+def run_to_end(engine: LLMEngine, prompt: list[int], max_tokens: int = 1) -> None:
+    """One untimed request (e.g. to put a shared prefix in the prefix cache)."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    engine.add_request(GenerateRequest("untimed", prompt, params))
+    while engine.has_unfinished():
+        engine.step()
 
 
 def _prompt_list(ids: list[int] | np.ndarray) -> list[int]:
