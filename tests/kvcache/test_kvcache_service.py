@@ -13,6 +13,7 @@ from msaserve.engine.config import EngineConfig
 from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.types import GenerateRequest, SamplingParams
 from msaserve.kernels import get_ops
+from msaserve.kvcache import adoption
 from msaserve.kvcache.adoption import LazyPageFetcher, PageLost, forward_with_ops
 from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable, start_shards
 from msaserve.kvcache.config import ServiceConfig
@@ -223,15 +224,23 @@ def run_replica_b(
     return out, fetcher
 
 
-@pytest.mark.parametrize("corrupt", [None, "index", "kv"])
-def test_session_moved_mid_generation_gives_identical_greedy_tokens(service, shared, tiny, corrupt):
+@pytest.mark.parametrize("corrupt,group_pages", [
+    (None, adoption.INDEX_GROUP_PAGES), (None, 3), ("index", adoption.INDEX_GROUP_PAGES), ("index", 3),
+    ("kv", adoption.INDEX_GROUP_PAGES),
+])
+def test_session_moved_mid_generation_gives_identical_greedy_tokens(
+    service, shared, tiny, corrupt, group_pages, monkeypatch
+):
+    """group_pages 3: the index arrives in several pipelined reads (the bad page 4 in the second)."""
+    monkeypatch.setattr(adoption, "INDEX_GROUP_PAGES", group_pages)
     model, prompt, identity = tiny
     reference = generate(model, prompt, 16)
     if corrupt is None:
         config, shards = shared
     else:  # a service of its own, to restart
-        config, shards = service(num_shards=1, memory_bytes=8 << 20, prefix=f"move-{corrupt}")
+        config, shards = service(num_shards=1, memory_bytes=8 << 20, prefix=f"move-{corrupt}-{group_pages}")
     client = KVCacheClient(shards, identity)
+    client.delete_session("moved")  # the shared service may hold it from another case
     before, state_a = run_replica_a(client, model, prompt, 6, capacity=200)
     record = client.get_session("moved")
     assert len(record.token_ids) == 156 and len(record.page_hashes) == 155 // 16
@@ -239,7 +248,8 @@ def test_session_moved_mid_generation_gives_identical_greedy_tokens(service, sha
     if corrupt is not None:  # restart (memory empty) and flip a byte in one page file on disk
         for shard in shards:
             ray.kill(shard)
-        config, shards = service(num_shards=1, memory_bytes=8 << 20, prefix=f"move-{corrupt}-restarted")
+        config, shards = service(num_shards=1, memory_bytes=8 << 20,
+                                 prefix=f"move-{corrupt}-{group_pages}-restarted")
         client = KVCacheClient(shards, identity)
         victim = record.page_hashes[0 if corrupt == "kv" else 4]
         key = kv_key(identity.key, victim, 0) if corrupt == "kv" else index_key(identity.key, victim)
