@@ -69,16 +69,14 @@ def _check(lens: tuple[int, ...], group: int, num_q: int, num_splits: int | None
     torch.testing.assert_close(got.float(), want, atol=atol, rtol=1e-3)
 
 
-@pytest.mark.parametrize("num_splits", [None, 1, 3])
-@pytest.mark.parametrize("group", [1, 4, 6, 16])
+@pytest.mark.parametrize(("group", "num_splits"), [(1, 3), (4, 3), (6, 3), (16, 3), (4, 1), (4, None)])
 def test_decode_matches_reference(group: int, num_splits: int | None) -> None:
     _check(LENS, group, 1, num_splits, seed=group)
 
 
-@pytest.mark.parametrize("num_splits", [1, 5])
-def test_several_queries_per_sequence_are_causal(num_splits: int) -> None:
+def test_several_queries_per_sequence_are_causal() -> None:
     # The 3 queries of a sequence sit at its last 3 positions: each sees a different key count.
-    _check((3, 17, 150), 4, 3, num_splits, seed=11)
+    _check((3, 17, 150), 4, 3, 5, seed=11)
 
 
 def test_more_splits_than_pages() -> None:
@@ -151,10 +149,10 @@ def test_rejects_bad_inputs() -> None:
 
 
 def test_split_heuristic_fills_the_gpu_and_is_a_power_of_two() -> None:
-    device = torch.device("cpu")  # num_sms = 8 off CUDA
-    assert paged.default_num_splits(4, 1563, device) == 4  # cdiv(16, 4) = 4
-    assert paged.default_num_splits(2, 1563, device) == 8
-    assert paged.default_num_splits(3, 1563, device) == 4  # cdiv(16, 3) = 6 → 4
+    device = torch.device("cpu")  # num_sms = 8 off CUDA: 32 CTAs wanted
+    assert paged.default_num_splits(4, 1563, device) == 8  # cdiv(32, 4) = 8
+    assert paged.default_num_splits(2, 1563, device) == 16
+    assert paged.default_num_splits(3, 1563, device) == 8  # cdiv(32, 3) = 11 → 8
     assert paged.default_num_splits(64, 1563, device) == 1
     assert paged.default_num_splits(1, 3, device) == 2  # never more than the table's pages
 

@@ -34,11 +34,13 @@ _LOG2E = 1.4426950408889634
 
 
 def default_num_splits(rows: int, max_pages: int, device: torch.device) -> int:
-    """About two waves of CTAs: split each row's pages when rows alone do not fill the GPU.
+    """About four CTAs per SM: split each row's pages when rows alone do not fill the GPU. The K/V
+    loads of one page are not software-pipelined (Triton keeps them synchronous here), so latency
+    is hidden by several resident CTAs per SM, and a short tail by many of them.
 
     A power of two (≤ max_pages) so that eager steps of varying width compile few merge variants.
     """
-    want = min(triton.cdiv(2 * num_sms(device), rows), max(1, max_pages))
+    want = min(triton.cdiv(4 * num_sms(device), rows), max(1, max_pages))
     return 1 << (want.bit_length() - 1)
 
 
