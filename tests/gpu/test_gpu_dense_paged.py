@@ -1,6 +1,8 @@
 """The compiled dense paged decode kernel on a CUDA GPU at real sizes (M3 shape: Hkv=4, G=16, D=128,
 P=128) against the dense reference, its CUDA-graph capture, and the dense engine's graph decode."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -10,7 +12,9 @@ if not torch.cuda.is_available():
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.types import GenerateRequest, SamplingParams
+from msaserve.kernels.dense.gpu import dense_prefill
 from msaserve.kernels.dense.naive import dense_decode as naive_dense_decode
+from msaserve.kernels.dense.naive import dense_prefill as naive_dense_prefill
 from msaserve.kernels.dense.paged_decode import dense_decode
 from msaserve.kernels.random_inputs import PagedInputs, make_paged_inputs
 from msaserve.models.presets import get_preset
@@ -54,6 +58,18 @@ def test_fp8_kv_cache() -> None:
     q = _query(2, 1, seed=4)
     got = dense_decode(q, inputs.k_cache, inputs.v_cache, inputs.block_tables, inputs.seq_lens)
     torch.testing.assert_close(got.float(), _reference(q, inputs), atol=3e-2, rtol=3e-2)
+
+
+def test_mixed_prefill_and_decode_step() -> None:
+    """A step that prefills chunks while other sequences decode one token (continuous batching)."""
+    q_lens = (1, 300, 1, 128, 1)
+    inputs = _m3_inputs((4097, 2000, 65541, 128, 1), seed=6)
+    q = torch.randn(sum(q_lens), 64, 128, generator=torch.Generator().manual_seed(6)).to("cuda", BF16)
+    cu = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device="cuda")
+    args = (inputs.block_tables, inputs.seq_lens, cu)
+    got = dense_prefill(q, inputs.k_cache, inputs.v_cache, *args)
+    want = naive_dense_prefill(q.float(), inputs.k_cache.float(), inputs.v_cache.float(), *args)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
 
 
 def test_cuda_graph_replays_with_new_lengths_and_tables() -> None:
