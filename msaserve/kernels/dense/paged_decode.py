@@ -61,7 +61,7 @@ def _paged_decode_kernel(
     stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
     stride_tb, stride_ob, stride_oq, stride_oh,
     NUM_Q: tl.constexpr, G: tl.constexpr, GP: tl.constexpr, P: tl.constexpr, D: tl.constexpr,
-    DIRECT: tl.constexpr, UPCAST: tl.constexpr,
+    DIRECT: tl.constexpr, UPCAST: tl.constexpr, PRECISION: tl.constexpr,
 ):
     bq = tl.program_id(0)  # sequence · NUM_Q + query
     h = tl.program_id(1)
@@ -95,7 +95,7 @@ def _paged_decode_kernel(
         keys = tl.load(k_ptr + page * stride_kp + h * stride_kh + kv_off)  # [P, D]
         values = tl.load(v_ptr + page * stride_vp + h * stride_vh + offs_p[:, None] * stride_vt
                          + offs_d[None, :])  # [P, D]
-        logits = tl.dot(q, tl.trans(keys.to(q.dtype))) * qk_scale  # [GP, P], log2 units
+        logits = tl.dot(q, tl.trans(keys.to(q.dtype)), input_precision=PRECISION) * qk_scale  # [GP, P], log2
         visible = ((j * P + offs_p) <= pos) & resident
         logits = tl.where(visible[None, :], logits, float("-inf"))
         m_new = tl.maximum(m, tl.max(logits, axis=1))
@@ -103,7 +103,7 @@ def _paged_decode_kernel(
         alpha = tl.exp2(m - m_safe)
         probs = tl.exp2(logits - m_safe[:, None])
         denom = denom * alpha + tl.sum(probs, axis=1)
-        acc = acc * alpha[:, None] + tl.dot(probs.to(q.dtype), values.to(q.dtype))
+        acc = acc * alpha[:, None] + tl.dot(probs.to(q.dtype), values.to(q.dtype), input_precision=PRECISION)
         m = m_new
     out = acc / tl.where(denom > 0, denom, 1.0)[:, None]
     if DIRECT:
@@ -171,6 +171,7 @@ def dense_decode(
         block_tables.stride(0), out.stride(0), out.stride(1), out.stride(2),
         NUM_Q=num_q, G=group, GP=pow2(group, 16), P=k_cache.shape[1], D=head_dim,
         DIRECT=direct, UPCAST=INTERPRET,
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # fp32 stays fp32 (no TF32 rounding)
     )
     if not direct:
         valid = torch.zeros((rows, num_splits), device=q.device, dtype=torch.int32)
