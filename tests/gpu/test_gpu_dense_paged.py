@@ -110,7 +110,7 @@ def test_cuda_graph_replays_with_new_lengths_and_tables() -> None:
 
 
 def _engine_tokens(model: MSATransformer, cuda_graphs: bool) -> tuple[LLMEngine, dict[str, list[int]]]:
-    engine = LLMEngine(EngineConfig(model="tiny", device="cuda", dtype="bfloat16", attention_backend="dense",
+    engine = LLMEngine(EngineConfig(model="tiny", device="cuda", dtype="float32", attention_backend="dense",
                                     num_pages=128, max_num_seqs=8, max_num_batched_tokens=64,
                                     max_model_len=512, cuda_graphs=cuda_graphs), model=model)
     generator = torch.Generator().manual_seed(0)
@@ -126,8 +126,11 @@ def _engine_tokens(model: MSATransformer, cuda_graphs: bool) -> tuple[LLMEngine,
 
 
 def test_dense_engine_decodes_in_cuda_graphs() -> None:
+    # fp32: a graph pads the batch and its block tables to fixed sizes, so the kernel splits the
+    # pages differently than eagerly (a different summation order); in bf16 that rounding can flip
+    # near-tied greedy tokens of a random tiny model, in fp32 (IEEE dots) it does not.
     with torch.device("cuda"):
-        model = init_random_weights(MSATransformer(get_preset("tiny"), "dense").to(BF16), seed=0).eval()
+        model = init_random_weights(MSATransformer(get_preset("tiny"), "dense"), seed=0).eval()
     graphed, with_graphs = _engine_tokens(model, cuda_graphs=True)
     assert graphed.runner.graphs is not None, "the dense backend's decode graphs were not captured"
     _, eager = _engine_tokens(model, cuda_graphs=False)
