@@ -82,9 +82,10 @@ async def drive(
 
 def progress(state: SoakState):
     def on_minute(measure_from: float) -> None:
-        rows = minute_rows(state, measure_from)
+        completed = round((time.monotonic() - measure_from) / 60)  # the minute that just ended
+        rows = [r for r in minute_rows(state, measure_from) if r["minute"] == completed]
         if rows:
-            r = rows[-1]
+            r = rows[0]
             log(f"minute {r['minute']:>3}: {r['requests']} requests, {r['errors']} errors, "
                 f"TTFT p50 {r['ttft_p50_ms']} ms p99 {r['ttft_p99_ms']} ms, RSS {r['rss_mib']} MiB, "
                 f"{len(state.kills)} kills")  # fmt: skip

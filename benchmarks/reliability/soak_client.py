@@ -160,8 +160,8 @@ def process_kind(p: psutil.Process) -> str:
         return "gone"
     if p.pid == os.getpid():
         return "driver"
-    if argv0.startswith("ray::"):
-        return argv0.split()[0]
+    if argv0.startswith("ray::"):  # ray::<actor class>.<method running now>
+        return argv0.split()[0].split(".")[0]
     return os.path.basename(argv0)
 
 
