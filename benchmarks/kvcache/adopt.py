@@ -63,9 +63,11 @@ def timed(device: torch.device, fn):
 class Replica:
     """One sequence's caches on a replica, decoding with the given ops."""
 
+    index_dtype: torch.dtype | None = None  # set from --index-dtype
+
     def __init__(self, model: MSATransformer, capacity: int, ops) -> None:
         self.model, self.ops = model, ops
-        self.state = SequenceState(model, capacity)
+        self.state = SequenceState(model, capacity, index_dtype=Replica.index_dtype)
         self.device = next(model.parameters()).device
 
     def run(self, token_ids: list[int], start: int, decode: bool) -> int:
@@ -185,7 +187,9 @@ def run(args: argparse.Namespace) -> dict:
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, config.vocab_size, (args.context,), generator=generator).tolist()
     capacity = args.context + args.steps + 2
-    identity = identity_for(config, f"m3-proxy-random-seed0-L{args.num_layers}", dtype)
+    index_dtype = getattr(torch, args.index_dtype) if args.index_dtype else None
+    Replica.index_dtype = index_dtype
+    identity = identity_for(config, f"m3-proxy-random-seed0-L{args.num_layers}", dtype, index_dtype)
 
     session_bytes = 2 * identity_bytes(identity, args.context)
     service = ServiceConfig(num_shards=args.shards, memory_bytes=max(2 * session_bytes, 64 << 20))
@@ -302,7 +306,8 @@ def report(args: argparse.Namespace, r: dict) -> None:
                 git_revision=git_revision())
     shape = "m3-proxy (quick shapes)" if args.quick else "m3-proxy"
     where = "Ray shard actors" if args.transport == "ray" else "in-process shards, no Ray"
-    label = f"{shape}, {r['config'].num_layers} layers, {args.context} tokens, {args.shards} {where}"
+    index = f", {args.index_dtype} index keys" if args.index_dtype else ""
+    label = f"{shape}, {r['config'].num_layers} layers{index}, {args.context} tokens, {args.shards} {where}"
     entries = {
         "kvcache.adopt_vs_reprefill": dict(value=round(r["reprefill_s"] / r["adopt_s"], 2), unit="x"),
         "kvcache.adopt_vs_full_copy": dict(value=round(r["full_copy_s"] / r["adopt_s"], 2), unit="x"),
@@ -343,6 +348,8 @@ def main() -> None:
     parser.add_argument("--transport", choices=("ray", "local"), default=None,
                         help="shards as Ray actors (default when Ray is installed) or in this process")
     parser.add_argument("--prefetch-pages", type=int, default=256, help="(page, layer) reads in flight")
+    parser.add_argument("--index-dtype", choices=("float8_e4m3fn",), default=None,
+                        help="index-K cache dtype (default: the K/V dtype); fp8 stores per-key fp32 scales")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     args.context = args.context or (4096 if args.quick else 1 << 20)

@@ -33,13 +33,15 @@ def step_metadata(start: int, num_tokens: int, max_pages: int, page_size: int, d
 class SequenceState:
     """The caches of one sequence, sized for `capacity` tokens."""
 
-    def __init__(self, model: MSATransformer, capacity: int, cache_dtype: torch.dtype | None = None):
+    def __init__(self, model: MSATransformer, capacity: int, cache_dtype: torch.dtype | None = None,
+                 index_dtype: torch.dtype | None = None):
+        """index_dtype: of the index-K cache (fp8 adds per-key scales); default the K/V dtype."""
         self.model = model
         param = next(model.parameters())
         page_size = model.config.page_size
         self.max_pages = (capacity + page_size - 1) // page_size
         self.caches: list[LayerKVCache] = allocate_caches(
-            model.config, self.max_pages, param.device, cache_dtype or param.dtype
+            model.config, self.max_pages, param.device, cache_dtype or param.dtype, index_dtype
         )
 
     def forward(self, token_ids: list[int] | torch.Tensor, start: int, decode: bool = False) -> torch.Tensor:
