@@ -1,0 +1,86 @@
+"""Where the adoption index load spends its time: index pages of 64 KiB (m3-proxy, 2 layers, bf16)
+in 4 in-process shards; each step of `LazyPageFetcher.load_index` timed apart (best of 3), then the
+pipelined load under cProfile. A diagnostic for docs/performance-kvcache.md: prints, writes nothing.
+
+    python benchmarks/kvcache/profile_index_load.py [num_pages]    # default 8192 (1M tokens)
+"""
+
+import cProfile
+import pstats
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+
+from msaserve.kvcache import adoption, staging
+from msaserve.kvcache.client import KVCacheClient
+from msaserve.kvcache.config import ServiceConfig
+from msaserve.kvcache.pages import PageCodec, identity_for
+from msaserve.models.cache import allocate_caches
+from msaserve.models.presets import get_preset
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def best_of(label: str, fn, reps: int = 3):
+    best, result = float("inf"), None
+    for _ in range(reps):
+        sync()
+        start = time.perf_counter()
+        result = fn()
+        sync()
+        best = min(best, time.perf_counter() - start)
+    print(f"{label:<40} {best * 1e3:8.1f} ms", flush=True)
+    return result
+
+
+def main() -> None:
+    n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
+    config = get_preset("m3-proxy", num_layers=2)
+    identity = identity_for(config, "m3-proxy-L2", torch.bfloat16)
+    codec = PageCodec(identity)
+    service = ServiceConfig(num_shards=4, memory_bytes=4 << 30, index_fraction=0.5)
+    client = KVCacheClient.in_process(service, identity)
+    rng = np.random.default_rng(0)
+    hashes = [int(h) for h in rng.integers(1, 2**62, n)]
+    pages = rng.integers(0, 255, (n, codec.index_bytes), dtype=np.uint8)
+    client.put_pages([(h, None, pages[i]) for i, h in enumerate(hashes)])
+    caches = allocate_caches(config, n + 8, DEVICE, torch.bfloat16)
+
+    payloads = best_of("read + verify (4 shard threads)", lambda: client.get_index(hashes))
+    best_of("size checks", lambda: staging.check_sizes(payloads, codec.index_bytes, "index", "m3"))
+    out = np.empty((n, codec.index_bytes), np.uint8)
+    best_of(f"pack ({staging.PACK_THREADS} threads)", lambda: staging._pack(payloads, out))
+    best_of("pack (1 thread)", lambda: np.stack(payloads, out=out))
+    host = torch.empty(n * codec.index_bytes, dtype=torch.uint8, pin_memory=DEVICE == "cuda")
+    device = torch.empty(n * codec.index_bytes, dtype=torch.uint8, device=DEVICE)
+    best_of("host→device copy (pinned)", lambda: device.copy_(host, non_blocking=True))
+    best_of("import_index (all pages at once)", lambda: codec.import_index(caches, list(range(n)), payloads))
+
+    def pipelined_load() -> None:  # as load_index does it
+        size = adoption.INDEX_GROUP_PAGES
+        groups = [range(i, min(i + size, n)) for i in range(0, n, size)]
+        fetch = lambda r: client.get_index_async([hashes[q] for q in r])  # noqa: E731
+        for group, pending in adoption.pipelined(groups, fetch):
+            codec.import_index(caches, list(group), pending.result())
+
+    best_of("pipelined load (as load_index)", pipelined_load)
+    profile = cProfile.Profile()
+    profile.enable()
+    pipelined_load()
+    sync()
+    profile.disable()
+    pstats.Stats(profile).sort_stats("tottime").print_stats(14)
+
+
+if __name__ == "__main__":
+    main()
