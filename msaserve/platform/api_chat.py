@@ -186,6 +186,8 @@ async def _stream(
         yield SSE_DONE
     except APIError as e:
         # Headers are sent already: report in the stream, as OpenAI does.
+        code = e.code or e.type
+        ctx.metrics.inc("stream_errors", model=ctx.model_name, route="/v1/chat/completions", code=code)
         yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
     finally:
         gen.close()

@@ -147,6 +147,7 @@ async def _stream(
             yield sse(Completion(id=cid, model=ctx.model_name, choices=[], usage=usage))
         yield SSE_DONE
     except APIError as e:
+        ctx.metrics.inc("stream_errors", model=ctx.model_name, route=_ROUTE, code=e.code or e.type)
         yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
     finally:
         gen.close()

@@ -40,6 +40,11 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "HTTP requests finished, by route and status code.",
         ("model", "route", "status"),
     ),
+    "stream_errors": (
+        "counter",
+        "Streams ended by an error event after their 200 was sent (e.g. a replica lost mid-stream).",
+        ("model", "route", "code"),
+    ),
     "ttft_seconds": ("histogram", "Time to first token.", ("model",)),
     "tpot_seconds": ("histogram_fast", "Mean time per output token after the first.", ("model",)),
     "e2e_latency_seconds": ("histogram", "End-to-end request latency at the gateway.", ("model", "route")),

@@ -18,6 +18,7 @@ import httpx
 import pytest
 import ray
 from local_serve_app import LiveApp, start_live_app
+from reliability_metrics import metric, requests_counted, samples, scrape, wait_for_metric
 
 from msaserve.platform.app import APP_NAME
 
@@ -117,7 +118,13 @@ async def streams_with_a_kill(url: str) -> tuple[list[Outcome], float]:
     return list(outcomes), killed_at
 
 
+def stream_errors(text: str) -> float:
+    labels = {"route": "/v1/completions", "code": "replica_unavailable"}
+    return metric(text, "ray_msaserve_stream_errors_total", **labels)
+
+
 def test_in_flight_streams_complete_or_fail_clearly_and_new_requests_succeed(app: LiveApp) -> None:
+    before = scrape(app.metrics_url)
     outcomes, killed_at = asyncio.run(streams_with_a_kill(app.base_url))
     completed = [o for o in outcomes if o.finish_reason == "length" and o.done and o.error is None]
     cut = [o for o in outcomes if o not in completed]
@@ -151,3 +158,11 @@ def test_in_flight_streams_complete_or_fail_clearly_and_new_requests_succeed(app
     failures = [r.text for r in after if r.status_code != 200]
     assert not failures, failures
     assert len({tuple(r.json()["choices"][0]["text"]) for r in after}) == 1  # greedy: same answer everywhere
+
+    # The metrics: every request a 200 (the cut streams had started), each cut stream one
+    # stream error with the client's code, no 5xx.
+    text = wait_for_metric(app.metrics_url, lambda t: stream_errors(t) - stream_errors(before) >= len(cut)
+                           and requests_counted(before, t, "200") >= NUM_STREAMS + len(after))  # fmt: skip
+    assert stream_errors(text) - stream_errors(before) == len(cut)
+    assert requests_counted(before, text, "200") == NUM_STREAMS + len(after)
+    assert not [s for s in samples(text, "ray_msaserve_requests_total") if s.labels["status"][0] == "5"]
