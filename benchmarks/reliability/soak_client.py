@@ -1,9 +1,9 @@
 """The soak's closed-loop clients, its replica killer and its RSS sampler (see soak.py).
 
 Each of `concurrency` workers loops until told to stop: half the time a whole multi-turn session
-(a script from soak_workload, a fresh X-Session-Id, each turn checked against the reference), half
+(a script from reliability_sessions, a fresh X-Session-Id, each turn checked exactly), half
 the time a one-shot request with a random prompt; streaming or not at random. A turn cut by a
-retryable 503 (or a 429) is sent again after its Retry-After, at most MAX_ATTEMPTS times.
+retryable 503 (or a 429) is sent again 1 s later, at most MAX_ATTEMPTS times.
 """
 
 import asyncio
@@ -95,7 +95,7 @@ async def send_with_retries(state: SoakState, http: httpx.AsyncClient, body: dic
     for _ in range(MAX_ATTEMPTS):
         outcome = await send(http, state.url, body, "session", sid)
         state.outcomes.append(outcome)
-        if outcome.ok or not (outcome.retryable or outcome.status == 429):
+        if outcome.ok or not (outcome.retryable or outcome.status in (429, 503)):  # documented retryable
             return outcome
         await asyncio.sleep(1.0)
     return outcome

@@ -8,6 +8,7 @@ hands the request router as this replica's load and cached page hashes.
 """
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -25,6 +26,9 @@ from msaserve.platform.sessions import SessionTable
 from msaserve.router.stats import RoutingStatsRecorder, routing_stats_payload
 
 logger = logging.getLogger("ray.serve.msaserve.model")
+
+ENGINE_WAIT_S = 30.0
+"""How long a request that reaches a replica whose engine is still loading waits for it."""
 
 
 def engine_config_from(config: ServeConfig) -> EngineConfig:
@@ -114,9 +118,19 @@ class ModelDeployment:
             video_token_id=model.config.video_token_id if has_vision else None,
         )
 
+    async def _engine_ready(self) -> bool:
+        """Wait (at most ENGINE_WAIT_S) for an engine still loading. Serve routes to a replica as
+        soon as it is constructed: a replacement for a dead replica got requests while its engine
+        loaded, and answered them 503 warming_up although the other replicas were serving."""
+        load = self._tasks[0]
+        if self.engine is None and not load.done():
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(load), ENGINE_WAIT_S)
+        return self.engine is not None
+
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput | ModelError]:
         """Stream the engine's outputs; a refusal before the first output comes as one ModelError."""
-        if self.engine is None:
+        if not await self._engine_ready():
             yield ModelError(
                 503, f"model {self.name!r} is warming up; retry shortly", code="warming_up", retry_after_s=5.0
             )
