@@ -228,13 +228,13 @@ def _time_pipelined(c: dict, tables: torch.Tensor, totals: dict, reps: int) -> N
 
     totals["pipelined_ms"] = time_ms(whole, reps=reps, warmup=0)
     totals["sparse_pipelined_ms"] = time_ms(sparse_all, reps=reps, warmup=0)
-    if len(chunks) <= 8:  # exploration: 128-row sub-tiles per work item (the committed kernel uses 16)
+    if len(chunks) <= 8:  # exploration: 128-row sub-tiles per work item (the committed kernel uses 8)
         from msaserve.kernels.sparse_prefill import triton as spre
 
         committed = spre._queries_per_item
-        variants = {16: totals["sparse_pipelined_ms"]}
+        variants = {8: totals["sparse_pipelined_ms"]}
         try:
-            for subtiles in (8, 32):
+            for subtiles in (4, 16):
                 spre._queries_per_item = lambda group, n=subtiles: max(1, n * 128 // group)
                 variants[subtiles] = time_ms(sparse_all, reps=reps, warmup=1)
         finally:

