@@ -17,6 +17,7 @@ from ray import serve
 
 from msaserve.platform.app import APP_NAME, build_app
 from msaserve.platform.config import ServeConfig
+from msaserve.platform.ray_defaults import apply_ray_defaults
 
 
 def free_port() -> int:
@@ -60,6 +61,7 @@ def start_live_app(data: dict[str, Any], num_cpus: int = 4, timeout_s: float = 1
     until /health is 200, and always shut both down."""
     http_port, metrics_port = free_port(), free_port()
     config = ServeConfig.from_dict({**data, "http": {**data.get("http", {}), "port": http_port}})
+    apply_ray_defaults()  # as `msaserve serve` does, before the GCS starts
     context = ray.init(
         address="local",
         num_cpus=num_cpus,

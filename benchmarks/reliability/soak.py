@@ -137,7 +137,8 @@ def main() -> int:
     parser.add_argument("--no-write", action="store_true", help="do not write the JSON (smoke runs)")
     parser.add_argument(
         "--gcs-task-events", type=int, default=0,
-        help="cap on task events the GCS keeps (RAY_task_events_max_num_task_in_gcs; Ray's default: 100,000)",
+        help="cap on task events the GCS keeps (RAY_task_events_max_num_task_in_gcs), overriding msaserve's "
+        "default of 10,000 (Ray's own: 100,000); figures then go under soak_gcs<N>_ / kill_gcs<N>_",
     )  # fmt: skip
     args = parser.parse_args()
     torch.set_num_threads(1)  # the reference model is tiny; leave the cores to the platform
@@ -173,8 +174,9 @@ def main() -> int:
             + (f" --gcs-task-events {args.gcs_task_events}" if args.gcs_task_events else "")
         )
         figures = {k: v for k, v in summary.items() if k.startswith("reliability.")}
-        if args.gcs_task_events:  # a variant: kept apart from the figures under Ray's defaults
-            figures = {k.replace("soak_", "soak_gcs_capped_").replace("kill_", "kill_gcs_capped_"): v
+        if args.gcs_task_events:  # a variant: kept apart from the figures under msaserve's defaults
+            tag = f"gcs{args.gcs_task_events}_"
+            figures = {k.replace("soak_", "soak_" + tag).replace("kill_", "kill_" + tag): v
                        for k, v in figures.items()}  # fmt: skip
         write_results(figures, command)
     return 0

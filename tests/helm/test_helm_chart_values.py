@@ -55,6 +55,9 @@ def test_default_groups_and_head_has_no_gpu(rendered) -> None:
     assert "nvidia.com/gpu" not in head["template"]["spec"]["containers"][0]["resources"]["limits"]
     ports = {p["name"] for p in head["template"]["spec"]["containers"][0]["ports"]}
     assert {"dashboard", "gcs-server", "serve", "metrics"} <= ports
+    # The GCS's task-event buffer is capped (Ray's default let it grow 250 MiB in a soak).
+    env = {e["name"]: e.get("value") for e in head["template"]["spec"]["containers"][0]["env"]}
+    assert env["RAY_task_events_max_num_task_in_gcs"] == "10000"
     assert groups["kvcache"]["resources"] == {"msaserve_kvcache_group": "1000"}
     # API traffic stays off the head, which holds the GCS and the Serve controller.
     assert _one(rendered["default"], "RayService")["spec"]["excludeHeadPodFromServeSvc"] is True

@@ -106,8 +106,10 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from msaserve.platform.app import APP_NAME, build_app
+    from msaserve.platform.ray_defaults import apply_ray_defaults
 
     metrics_port = args.metrics_port or _free_port()
+    apply_ray_defaults()  # before ray.init: the GCS reads them at start
     context = ray.init(
         address="local",
         _node_ip_address="127.0.0.1",  # Ray's own services on loopback too, not only HTTP
