@@ -279,6 +279,12 @@ class EngineSessions:
         record = self._record(session_id)
         return [] if record is None else self.block_manager.drop_cached(list(record.page_hashes))
 
+    def delete(self, session_id: str) -> bool:
+        """The client deleted the session: drop its record (and its pins and tail page) from the
+        service and its pages from the local prefix cache. True if the service held a record."""
+        self.release(session_id)
+        return bool(self._call(lambda: self.client.delete_session(session_id)))
+
     def make_current(self, seq: Sequence) -> None:
         """Persist a running session now (before an explicit move)."""
         writer = self.writers.get(seq.request_id)

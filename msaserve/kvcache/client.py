@@ -160,14 +160,16 @@ class KVCacheClient:
         self.model.check_compatible(record.model, f"session {session_id!r}")
         return record
 
-    def delete_session(self, session_id: str) -> None:
-        """Forget a session. Its pages stay (other sessions may share them) but lose its pins."""
+    def delete_session(self, session_id: str) -> bool:
+        """Forget a session (True if the service held it). Its pages stay (other sessions may share
+        them) but lose its pins; its partial tail page, its alone, goes."""
         record = self._session_call(session_id, "session_delete", session_id)
         if record is not None and record.model == self.model:
             if record.pinned:
                 self.pin_pages(record.page_hashes, pin=False)
             if record.tail_hash is not None:  # the tail is this session's alone
                 self.delete_pages([record.tail_hash])
+        return record is not None
 
     def list_sessions(self) -> list[str]:
         return sorted(s for ids in self._every_shard("session_list") for s in ids)

@@ -20,6 +20,8 @@ class ServiceConfig:
     """Write every page and session to disk at once, so a restart keeps everything."""
     fsync: bool = False
     """fsync page and manifest files (survive a machine crash, not just a process restart)."""
+    max_sessions: int = 100_000
+    """Session records kept over all shards; past it the least recently updated unpinned ones go."""
     actor_name_prefix: str = "msaserve_kvcache_shard"
     namespace: str = "msaserve"
 
@@ -32,16 +34,21 @@ class ServiceConfig:
             raise ValueError(f"kvcache disk_bytes={self.disk_bytes} must be ≥ 0")
         if self.disk_bytes > 0 and not self.disk_path:
             raise ValueError("kvcache disk_bytes > 0 needs disk_path")
+        if self.max_sessions < self.num_shards:
+            raise ValueError(
+                f"kvcache max_sessions={self.max_sessions} must be ≥ num_shards={self.num_shards}"
+            )
         if not 0.0 < self.index_fraction < 1.0:
             raise ValueError(f"kvcache index_fraction={self.index_fraction} must be in (0, 1)")
 
     @classmethod
     def from_platform(cls, kvcache_config, **overrides) -> "ServiceConfig":
         """From the platform's pydantic `KVCacheConfig` (num_shards, memory_bytes, disk_path,
-        disk_bytes); overrides set the fields it does not have."""
+        disk_bytes, max_sessions); overrides set the fields it does not have."""
         fields = dict(
             num_shards=kvcache_config.num_shards, memory_bytes=kvcache_config.memory_bytes,
             disk_path=kvcache_config.disk_path, disk_bytes=kvcache_config.disk_bytes,
+            max_sessions=max(kvcache_config.max_sessions, kvcache_config.num_shards),
         )
         return cls(**{**fields, **overrides})
 
@@ -52,6 +59,10 @@ class ServiceConfig:
 
     def actor_name(self, shard_id: int) -> str:
         return f"{self.actor_name_prefix}_{shard_id}_of_{self.num_shards}"
+
+    @property
+    def max_sessions_per_shard(self) -> int:
+        return -(-self.max_sessions // self.num_shards)
 
     def split(self, total: int, index: bool) -> int:
         """One shard's share of `total` bytes for the index store (index=True) or block store."""

@@ -17,6 +17,7 @@ import json
 import os
 import shutil
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,16 +78,27 @@ class SessionRecord:
 
 
 class SessionStore:
-    """Records by session id, in memory, persisted under `path` when given."""
+    """Records by session id, in memory, persisted under `path` when given.
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, fsync: bool = False) -> None:
+    At most `max_sessions` records: a new one past the limit evicts the least recently updated
+    unpinned record (its files too); pinned records (live sessions) are never evicted, so the
+    limit can be exceeded only by pinned ones."""
+
+    def __init__(
+        self, path: str | os.PathLike[str] | None = None, fsync: bool = False, max_sessions: int | None = None
+    ) -> None:
         self.path = Path(path) if path is not None else None
         self.fsync = fsync
+        self.max_sessions = max_sessions
         self.corruptions = 0
-        self._records: dict[str, SessionRecord] = {}
+        self.evictions = 0
+        self._records: OrderedDict[str, SessionRecord] = OrderedDict()  # least recently updated first
         if self.path is not None:
             self.path.mkdir(parents=True, exist_ok=True)
             self._load_all()
+
+    def __len__(self) -> int:
+        return len(self._records)
 
     def get(self, session_id: str) -> SessionRecord:
         record = self._records.get(session_id)
@@ -101,6 +113,8 @@ class SessionStore:
         """Create or replace a session (replacing rewrites its files)."""
         record.updated_at = time.time()
         self._records[record.session_id] = record
+        self._records.move_to_end(record.session_id)
+        self._evict_beyond_limit()
         if self.path is not None:
             directory = self._dir(record.session_id)
             shutil.rmtree(directory, ignore_errors=True)
@@ -128,6 +142,7 @@ class SessionStore:
         if tail is not None:
             record.tail_hash, record.tail_tokens = tail
         record.updated_at = time.time()
+        self._records.move_to_end(session_id)
         if self.path is not None:
             self._write(record, old_tokens, old_pages)
         return record
@@ -144,6 +159,17 @@ class SessionStore:
         if self.path is not None:
             shutil.rmtree(self._dir(session_id), ignore_errors=True)
         return record
+
+    def _evict_beyond_limit(self) -> None:
+        if self.max_sessions is None:
+            return
+        excess = len(self._records) - self.max_sessions
+        if excess <= 0:
+            return
+        victims = [sid for sid, r in self._records.items() if not r.pinned][:excess]
+        for session_id in victims:
+            self.delete(session_id)
+            self.evictions += 1
 
     # ---- disk --------------------------------------------------------------------------------
     def _dir(self, session_id: str) -> Path:
@@ -192,6 +218,9 @@ class SessionStore:
                 shutil.rmtree(directory, ignore_errors=True)
             else:
                 self._records[record.session_id] = record
+        for record in sorted(self._records.values(), key=lambda r: r.updated_at):
+            self._records.move_to_end(record.session_id)  # least recently updated first
+        self._evict_beyond_limit()
 
 
 def _append_array(file: Path, committed_bytes: int, values: np.ndarray) -> None:

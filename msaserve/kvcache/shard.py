@@ -35,7 +35,8 @@ class KVCacheShard:
             )
 
         self.stores = {"kv": store("kv", index=False), "index": store("index", index=True)}
-        self.sessions = SessionStore(None if root is None else root / "sessions", fsync=config.fsync)
+        self.sessions = SessionStore(None if root is None else root / "sessions", fsync=config.fsync,
+                                     max_sessions=config.max_sessions_per_shard)
         self.metrics = None
         if publish_metrics:
             from msaserve.kvcache.metrics import ShardMetrics
@@ -124,8 +125,9 @@ class KVCacheShard:
 
     # ---- observability -----------------------------------------------------------------------
     def stats(self) -> dict[str, object]:
-        out: dict[str, object] = {"shard": self.shard_id, "sessions": len(self.sessions.session_ids()),
-                                  "session_corruptions": self.sessions.corruptions}
+        out: dict[str, object] = {"shard": self.shard_id, "sessions": len(self.sessions),
+                                  "session_corruptions": self.sessions.corruptions,
+                                  "session_evictions": self.sessions.evictions}
         for name, store in self.stores.items():
             out[name] = {
                 **store.stats.as_dict(),
@@ -145,7 +147,7 @@ class KVCacheShard:
             return
         for name, store in self.stores.items():
             self.metrics.publish(name, store)
-        self.metrics.publish_sessions(len(self.sessions.session_ids()), self.sessions.corruptions)
+        self.metrics.publish_sessions(len(self.sessions), self.sessions.corruptions)
 
 
 @functools.cache

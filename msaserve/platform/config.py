@@ -146,6 +146,11 @@ class KVCacheConfig(StrictModel):
     disk_bytes: int = Field(
         0, ge=0, le=1 << 50, description="Disk-tier capacity in bytes (0 = no disk tier)."
     )
+    max_sessions: int = Field(
+        100_000, ge=1, le=1 << 32,
+        description="Session records kept across all shards; past it the least recently updated "
+        "unpinned records are evicted (pinned, live sessions never are).",
+    )
 
     @model_validator(mode="after")
     def _disk_needs_path(self) -> Self:

@@ -182,7 +182,13 @@ class ModelDeployment:
         return self.sessions.get(session_id)
 
     async def delete_session(self, session_id: str) -> bool:
-        return self.sessions.delete(session_id)
+        """Forget the session here and, with the KV cache service on, its record there too (any
+        replica can delete it: the record is the service's). True if either held it."""
+        known_here = self.sessions.delete(session_id)
+        if self.engine is None or self.engine.engine.sessions is None:
+            return known_here
+        in_service = await self.engine.call(lambda engine: engine.sessions.delete(session_id))
+        return known_here or in_service
 
     async def _report_loop(self) -> None:
         """Replica gauges for the dashboard: load, pages, prefix hits, tokens/s."""

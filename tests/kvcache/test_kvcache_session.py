@@ -80,3 +80,18 @@ def test_incompatible_model_is_refused_naming_the_fields():
     with pytest.raises(IncompatibleModel, match=r"page_size: stored 4, this replica 8.*kv_dtype"):
         other.check_compatible(record().model, "session 's1'")
     MODEL.check_compatible(record().model, "session 's1'")
+
+
+def test_records_past_the_limit_evict_the_least_recently_updated_unpinned(tmp_path):
+    store = SessionStore(tmp_path, max_sessions=3)
+    for name in ("a", "b", "c"):
+        store.put(record(name))
+    store.set_pinned("a", True)  # a live session: never evicted
+    store.append("b", [6], [], None)  # b is now more recent than c
+    store.put(record("d"))
+    assert store.session_ids() == ["a", "b", "d"] and store.evictions == 1
+    assert len(list(tmp_path.iterdir())) == 3  # c's files went too
+    store.put(record("e"))  # b is now the least recently updated unpinned
+    assert store.session_ids() == ["a", "d", "e"] and len(store) == 3
+    restarted = SessionStore(tmp_path, max_sessions=2)  # a smaller limit on restart
+    assert restarted.session_ids() == ["a", "e"] and restarted.evictions == 1

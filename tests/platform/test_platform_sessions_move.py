@@ -111,3 +111,10 @@ def test_moved_and_failed_over_sessions_continue_with_identical_tokens(live_app,
     while "ray_msaserve_index_load_latency_seconds_count" not in httpx.get(live_app.metrics_url).text:
         assert time.monotonic() < deadline, "no index-load latency exported"
         time.sleep(0.5)
+
+    # DELETE forgets the session everywhere: the replica's table and the service's record.
+    deleted = httpx.delete(f"{live_app.base_url}/v1/sessions/{SESSION}", timeout=30)
+    assert deleted.status_code == 200 and deleted.json()["deleted"] is True, deleted.text
+    assert SESSION not in service.list_sessions()
+    again = httpx.delete(f"{live_app.base_url}/v1/sessions/{SESSION}", timeout=30)
+    assert again.status_code == 404
