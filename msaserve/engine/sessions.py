@@ -279,6 +279,11 @@ class EngineSessions:
         record = self._record(session_id)
         return [] if record is None else self.block_manager.drop_cached(list(record.page_hashes))
 
+    def unpin_idle(self, idle_s: float) -> int:
+        """Release the pins of this model's sessions idle for idle_s seconds (any replica may do
+        it; each record is unpinned once). Returns how many were released."""
+        return self._call(lambda: self.client.unpin_idle_sessions(idle_s)) or 0
+
     def delete(self, session_id: str) -> bool:
         """The client deleted the session: drop its record (and its pins and tail page) from the
         service and its pages from the local prefix cache. True if the service held a record."""

@@ -13,6 +13,7 @@ as read-only uint8 arrays mapped from the object store.
 Without Ray: `KVCacheClient.in_process(config, model)` runs the shards in this process.
 """
 
+import time
 from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
@@ -193,6 +194,18 @@ class KVCacheClient:
                 count += 1
         return count
 
+    def unpin_idle_sessions(self, idle_s: float) -> int:
+        """Release the pins of this model's sessions not updated for idle_s seconds: their records
+        and pages become evictable (LRU) like any other; a session that comes back re-pins what is
+        still held (`SessionWriter`) and recomputes what was evicted. Returns the sessions unpinned."""
+        older_than = time.time() - idle_s
+        replies = self._every_shard_args("session_unpin_idle", self.model_key, older_than)
+        records = [record for reply in replies for record in reply]
+        hashes = [h for record in records for h in record.page_hashes]
+        if hashes:
+            self.pin_pages(hashes, pin=False)
+        return len(records)
+
     def stats(self) -> list[dict]:
         return self._every_shard("stats")
 
@@ -203,6 +216,9 @@ class KVCacheClient:
 
     def _every_shard(self, method: str) -> list[Any]:
         return self.transport.gather([self.transport.submit(s, method) for s in self.shards])
+
+    def _every_shard_args(self, method: str, *args: Any) -> list[Any]:
+        return self.transport.gather([self.transport.submit(s, method, *args) for s in self.shards])
 
     def _per_shard(self, method: str, hashes: list[int], items: list, *args: Any) -> PendingFetch:
         """Call `method(model_key, items of this shard, *args)` on every shard holding one of the

@@ -38,6 +38,9 @@ class SessionWriter:
             record = client.get_session(session_id)
             self.num_tokens, self.hashes = len(record.token_ids), list(record.page_hashes)
             self.tail_hash = record.tail_hash
+            if pinned and not record.pinned:  # back after its pins were released as idle: one pin
+                client.set_session_pinned(session_id, True)  # per listed page again (evicted ones
+                # are recomputed by an adoption that misses them)
         except SessionNotFound:
             client.put_session(SessionRecord(session_id, client.model, pinned=pinned))
 

@@ -154,6 +154,17 @@ class SessionStore:
             self._write_meta(record)
         return record
 
+    def unpin_idle(self, older_than: float, model_key: str) -> list[SessionRecord]:
+        """Unpin this model's pinned records not updated since `older_than` (a time.time() value);
+        returns them (their page pins are the caller's to release). Records stay, now evictable."""
+        idle = [r for r in self._records.values()
+                if r.pinned and r.updated_at < older_than and r.model.key == model_key]
+        for record in idle:
+            record.pinned = False
+            if self.path is not None:
+                self._write_meta(record)
+        return idle
+
     def delete(self, session_id: str) -> SessionRecord | None:
         record = self._records.pop(session_id, None)
         if self.path is not None:

@@ -115,6 +115,9 @@ class KVCacheShard:
     def session_set_pinned(self, session_id: str, pinned: bool) -> SessionRecord:
         return self.sessions.set_pinned(session_id, pinned)
 
+    def session_unpin_idle(self, model_key: str, older_than: float) -> list[SessionRecord]:
+        return self.sessions.unpin_idle(older_than, model_key)
+
     def session_delete(self, session_id: str) -> SessionRecord | None:
         record = self.sessions.delete(session_id)
         self._publish()

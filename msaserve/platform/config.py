@@ -151,6 +151,11 @@ class KVCacheConfig(StrictModel):
         description="Session records kept across all shards; past it the least recently updated "
         "unpinned records are evicted (pinned, live sessions never are).",
     )
+    session_idle_unpin_s: float = Field(
+        3600.0, ge=60.0, le=30 * 86400.0,
+        description="A persisted session not updated for this long loses its pins: its record and pages "
+        "become evictable; if it comes back it is pinned again and recomputes what was evicted.",
+    )
 
     @model_validator(mode="after")
     def _disk_needs_path(self) -> Self:

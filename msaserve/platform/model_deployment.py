@@ -194,6 +194,8 @@ class ModelDeployment:
         """Replica gauges for the dashboard: load, pages, prefix hits, tokens/s."""
         period = self.config.router.stats_period_s
         last_tokens, last_time = 0, time.perf_counter()
+        idle_s = self.config.kvcache.session_idle_unpin_s
+        next_unpin = time.monotonic() + max(60.0, idle_s / 10)
         while True:
             await asyncio.sleep(period)
             if self.engine is None:
@@ -213,6 +215,11 @@ class ModelDeployment:
             while sessions is not None and sessions.latencies:  # adoptions through the KV cache service
                 kind, seconds = sessions.latencies.popleft()
                 self.metrics.observe(f"{kind}_latency_seconds", seconds, **tags)
+            if sessions is not None and time.monotonic() >= next_unpin:  # idle sessions' pins go
+                next_unpin = time.monotonic() + max(60.0, idle_s / 10)
+                released = await self.engine.call(lambda engine: engine.sessions.unpin_idle(idle_s))
+                if released:
+                    logger.info("KV cache service: released the pins of %d idle sessions", released)
 
     async def __del__(self) -> None:
         for task in self._tasks:

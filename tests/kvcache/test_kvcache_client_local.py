@@ -61,3 +61,31 @@ def test_swap_protocol_round_trip_and_full_service():
     tiny = KVCacheClient.in_process(ServiceConfig(num_shards=1, memory_bytes=4096), MODEL)
     assert not ServicePageStore(tiny).put("req-2", data)  # no room: the engine recomputes
     assert tiny.shards[0].stats()["kv"]["memory_pages"] == 0  # the part that fitted was dropped
+
+
+def test_idle_sessions_release_their_pins_and_come_back_pinned():
+    from msaserve.kvcache.persist import SessionWriter
+
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=1 << 20), MODEL)
+    client.put_pages([(h, [kv(h), kv(h + 1)], kv(h + 2)[:256]) for h in (7, 8)])  # pinned by the record
+    client.put_session(SessionRecord("idle", MODEL, list(range(8)), page_hashes=[7, 8], pinned=True))
+    client.put_session(SessionRecord("busy", MODEL, token_ids=[1], page_hashes=[], pinned=True))
+    other = ModelIdentity("other@test", **{k: v for k, v in MODEL.as_dict().items() if k != "name"})
+    theirs = KVCacheClient(client.shards, other, client.transport)  # another model, same service
+    theirs.put_session(SessionRecord("theirs", other, token_ids=[1], page_hashes=[], pinned=True))
+
+    def pinned(h: int) -> bool:
+        store = client.shards[shard_of_page(h, 2)].stores["kv"]
+        return store.is_pinned(f"kv/{MODEL.key}/{h:016x}/0")
+
+    assert pinned(7) and pinned(8)
+    for shard in client.shards:  # "idle" was last updated an hour ago
+        if "idle" in shard.sessions.session_ids():
+            shard.sessions.get("idle").updated_at -= 3600
+    assert client.unpin_idle_sessions(idle_s=600) == 1  # not "busy", not another model's
+    assert not pinned(7) and not pinned(8) and not client.get_session("idle").pinned
+    assert client.get_session("busy").pinned and theirs.get_session("theirs").pinned
+    SessionWriter(client, "idle")  # the session comes back: one pin per page again
+    assert pinned(7) and pinned(8) and client.get_session("idle").pinned
+    client.delete_session("idle")  # and DELETE releases exactly that pin
+    assert not pinned(7) and not pinned(8)
