@@ -199,7 +199,7 @@ class KVCacheClient:
         and pages become evictable (LRU) like any other; a session that comes back re-pins what is
         still held (`SessionWriter`) and recomputes what was evicted. Returns the sessions unpinned."""
         older_than = time.time() - idle_s
-        replies = self._every_shard_args("session_unpin_idle", self.model_key, older_than)
+        replies = self._every_shard("session_unpin_idle", self.model_key, older_than)
         records = [record for reply in replies for record in reply]
         hashes = [h for record in records for h in record.page_hashes]
         if hashes:
@@ -214,10 +214,7 @@ class KVCacheClient:
         shard = self.shards[shard_of_session(session_id, self.num_shards)]
         return self.transport.gather([self.transport.submit(shard, method, *args)])[0]
 
-    def _every_shard(self, method: str) -> list[Any]:
-        return self.transport.gather([self.transport.submit(s, method) for s in self.shards])
-
-    def _every_shard_args(self, method: str, *args: Any) -> list[Any]:
+    def _every_shard(self, method: str, *args: Any) -> list[Any]:
         return self.transport.gather([self.transport.submit(s, method, *args) for s in self.shards])
 
     def _per_shard(self, method: str, hashes: list[int], items: list, *args: Any) -> PendingFetch:

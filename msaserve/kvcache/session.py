@@ -81,8 +81,8 @@ class SessionStore:
     """Records by session id, in memory, persisted under `path` when given.
 
     At most `max_sessions` records: a new one past the limit evicts the least recently updated
-    unpinned record (its files too); pinned records (live sessions) are never evicted, so the
-    limit can be exceeded only by pinned ones."""
+    unpinned record (its files too); pinned records (live sessions) and the record being written
+    are never evicted, so only they can exceed the limit."""
 
     def __init__(
         self, path: str | os.PathLike[str] | None = None, fsync: bool = False, max_sessions: int | None = None
@@ -114,7 +114,7 @@ class SessionStore:
         record.updated_at = time.time()
         self._records[record.session_id] = record
         self._records.move_to_end(record.session_id)
-        self._evict_beyond_limit()
+        self._evict_beyond_limit(keep=record.session_id)
         if self.path is not None:
             directory = self._dir(record.session_id)
             shutil.rmtree(directory, ignore_errors=True)
@@ -171,13 +171,13 @@ class SessionStore:
             shutil.rmtree(self._dir(session_id), ignore_errors=True)
         return record
 
-    def _evict_beyond_limit(self) -> None:
+    def _evict_beyond_limit(self, keep: str | None = None) -> None:
         if self.max_sessions is None:
             return
         excess = len(self._records) - self.max_sessions
         if excess <= 0:
             return
-        victims = [sid for sid, r in self._records.items() if not r.pinned][:excess]
+        victims = [sid for sid, r in self._records.items() if not r.pinned and sid != keep][:excess]
         for session_id in victims:
             self.delete(session_id)
             self.evictions += 1

@@ -62,6 +62,9 @@ class PinnedStaging:
         if done is not None:
             done.synchronize()
         if len(self._buffers) < 2 or self._buffers[which].numel() < nbytes:
+            for other in self._done:  # both buffers are replaced: the other's copy must be over too
+                if other is not None:
+                    other.synchronize()
             size = max(nbytes, self.chunk_bytes)
             self._buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
             self._done = [None, None]

@@ -95,3 +95,13 @@ def test_records_past_the_limit_evict_the_least_recently_updated_unpinned(tmp_pa
     assert store.session_ids() == ["a", "d", "e"] and len(store) == 3
     restarted = SessionStore(tmp_path, max_sessions=2)  # a smaller limit on restart
     assert restarted.session_ids() == ["a", "e"] and restarted.evictions == 1
+
+
+def test_a_new_record_is_kept_even_when_every_other_one_is_pinned(tmp_path):
+    store = SessionStore(tmp_path, max_sessions=2)
+    for name in ("a", "b"):
+        store.put(record(name))
+        store.set_pinned(name, True)
+    store.put(record("c"))  # over the limit, but nothing else may go: c stays, files and all
+    assert store.session_ids() == ["a", "b", "c"] and store.evictions == 0
+    assert SessionStore(tmp_path, max_sessions=3).get("c").token_ids == [1, 2, 3, 4, 5]
