@@ -86,7 +86,8 @@ class ModelDeployment:
         self.routing = RoutingStatsRecorder()
         self.metrics = get_metrics()
         self._output_tokens = 0
-        self._tasks = [asyncio.create_task(self._load()), asyncio.create_task(self._report_loop())]
+        self._load_task = asyncio.create_task(self._load())
+        self._tasks = [self._load_task, asyncio.create_task(self._report_loop())]
 
     async def _load(self) -> None:
         start = time.perf_counter()
@@ -122,10 +123,9 @@ class ModelDeployment:
         """Wait (at most ENGINE_WAIT_S) for an engine still loading. Serve routes to a replica as
         soon as it is constructed: a replacement for a dead replica got requests while its engine
         loaded, and answered them 503 warming_up although the other replicas were serving."""
-        load = self._tasks[0]
-        if self.engine is None and not load.done():
+        if self.engine is None and not self._load_task.done():
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(asyncio.shield(load), ENGINE_WAIT_S)
+                await asyncio.wait_for(asyncio.shield(self._load_task), ENGINE_WAIT_S)
         return self.engine is not None
 
     async def generate(self, request: GenerateRequest) -> AsyncIterator[GenerateOutput | ModelError]:
