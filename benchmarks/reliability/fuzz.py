@@ -22,16 +22,10 @@ sys.path.insert(0, str(ROOT / "tests" / "reliability"))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from local_serve_app import start_live_app  # noqa: E402
-from reliability_fuzzing import fuzz  # noqa: E402
+from reliability_fuzzing import fuzz, fuzz_serve_config  # noqa: E402
 
 API_KEY = "fuzz-bench-key"
-SERVE_CONFIG = {
-    "model": {"spec": "tiny"},
-    "engine": {"max_num_seqs": 8, "max_waiting": 32, "max_model_len": 512},
-    "auth": {"api_keys": [API_KEY]},
-    "http": {"max_body_bytes": 65536},
-    "kvcache": {"enabled": True, "memory_bytes": 32 << 20},
-}
+SERVE_CONFIG = fuzz_serve_config(API_KEY)
 RESULTS = ROOT / "benchmarks" / "results" / "reliability.json"
 
 

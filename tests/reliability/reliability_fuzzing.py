@@ -18,6 +18,19 @@ from schemathesis.checks import positive_data_acceptance
 from schemathesis.core.failures import Failure, FailureGroup
 
 
+def fuzz_serve_config(api_key: str) -> dict:
+    """The live app every fuzz run targets (the CI test and the benchmark): API key on, a body
+    limit, and the KV cache service on so that session moves are real (404/200) instead of a
+    deliberate 501."""
+    return {
+        "model": {"spec": "tiny"},
+        "engine": {"max_num_seqs": 8, "max_waiting": 32, "max_model_len": 512},
+        "auth": {"api_keys": [api_key]},
+        "http": {"max_body_bytes": 65536},
+        "kvcache": {"enabled": True, "memory_bytes": 32 << 20},
+    }
+
+
 @dataclass
 class FuzzReport:
     num_cases: int = 0

@@ -8,19 +8,12 @@ import time
 
 import pytest
 from local_serve_app import start_live_app
-from reliability_fuzzing import fuzz
+from reliability_fuzzing import fuzz, fuzz_serve_config
 
 pytestmark = pytest.mark.slow
 
 API_KEY = "fuzz-key"
-SERVE_CONFIG = {
-    "model": {"spec": "tiny"},
-    "engine": {"max_num_seqs": 8, "max_waiting": 32, "max_model_len": 512},
-    "auth": {"api_keys": [API_KEY]},
-    "http": {"max_body_bytes": 65536},
-    # With the KV cache service on, session moves are real (404/200) instead of a deliberate 501.
-    "kvcache": {"enabled": True, "memory_bytes": 32 << 20},
-}
+SERVE_CONFIG = fuzz_serve_config(API_KEY)
 EXAMPLES_PER_OPERATION = 10  # 7 operations x 2-3 kinds of case: at most 160 cases
 
 
