@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -57,6 +58,8 @@ def main() -> None:
     caches = allocate_caches(config, n + 8, DEVICE, torch.bfloat16)
 
     payloads = best_of("read + verify (4 shard threads)", lambda: client.get_index(hashes))
+    views = [pages[i] for i in range(n)]
+    best_of("verify only, 1 thread", lambda: [xxhash.xxh3_64_intdigest(p) for p in views])
     best_of("size checks", lambda: staging.check_sizes(payloads, codec.index_bytes, "index", "m3"))
     out = np.empty((n, codec.index_bytes), np.uint8)
     best_of(f"pack ({staging.PACK_THREADS} threads)", lambda: staging._pack(payloads, out))
@@ -66,14 +69,20 @@ def main() -> None:
     best_of("host→device copy (pinned)", lambda: device.copy_(host, non_blocking=True))
     best_of("import_index (all pages at once)", lambda: codec.import_index(caches, list(range(n)), payloads))
 
-    def pipelined_load() -> None:  # as load_index does it
-        size = adoption.INDEX_GROUP_PAGES
+    def pipelined_load(depth: int = 2, size: int = adoption.INDEX_GROUP_PAGES) -> None:  # as load_index
         groups = [range(i, min(i + size, n)) for i in range(0, n, size)]
         fetch = lambda r: client.get_index_async([hashes[q] for q in r])  # noqa: E731
-        for group, pending in adoption.pipelined(groups, fetch):
+        for group, pending in adoption.pipelined(groups, fetch, depth):
             codec.import_index(caches, list(group), pending.result())
 
     best_of("pipelined load (as load_index)", pipelined_load)
+    for depth, size in ((0, 512), (1, 512), (4, 256), (8, 128), (2, 2048)):
+        best_of(f"pipelined load, depth {depth}, groups of {size}",
+                lambda d=depth, g=size: pipelined_load(d, g))
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)  # the GIL handed over 50× more often
+    best_of("pipelined load, GIL switch 0.1 ms", pipelined_load)
+    sys.setswitchinterval(interval)
     profile = cProfile.Profile()
     profile.enable()
     pipelined_load()
