@@ -60,8 +60,12 @@ class ModelRunner:
         hidden = self.forward(inputs.input_ids, inputs.meta, embeds)
         release_finished_media(batch.seqs, batch.num_new_tokens)
         self.last_selections = inputs.meta.selections
-        rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
-        last_token = inputs.meta.logits_indices[rows]  # [N]
+        last_token = inputs.meta.logits_indices  # [B]
+        if len(inputs.sample_rows) < len(batch):  # some rows are mid-prefill: no token yet
+            rows = torch.tensor(inputs.sample_rows, dtype=torch.long, device=self.device)
+            last_token = last_token[rows]  # [N]
+        if inputs.meta.is_decode and len(inputs.sample_rows) == hidden.shape[0]:
+            return inputs, self.model.compute_logits(hidden)  # one row per sequence, all sample
         return inputs, self.model.compute_logits(hidden[last_token])
 
     def forward(

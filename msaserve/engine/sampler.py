@@ -69,6 +69,8 @@ class Sampler:
         """logits [N, V] fp32, one row per sequence → N token ids (and logprobs where asked)."""
         greedy = [i for i, p in enumerate(params) if p.greedy]
         token_ids = [0] * len(params)
+        if len(greedy) == len(params) and not any(p.logprobs for p in params):
+            return SamplerOutput(torch.argmax(logits, dim=-1).tolist(), [None] * len(params))
         if greedy:  # one argmax for all greedy rows
             index = torch.tensor(greedy, device=logits.device)
             for i, token in zip(greedy, torch.argmax(logits[index], dim=-1).tolist(), strict=True):
