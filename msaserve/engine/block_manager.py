@@ -24,7 +24,7 @@ from msaserve.kvcache.page_hash import ROOT_HASH, hash_page, page_hashes
 class _CachedPage:
     page_hash: int
     parent_hash: int
-    token_ids: tuple[int, ...]
+    token_ids: list[int]
 
 
 class BlockManager:
@@ -95,7 +95,7 @@ class BlockManager:
             if page is None:
                 break
             cached = self._cached[page]
-            tokens = tuple(token_ids[i * self.page_size : (i + 1) * self.page_size])
+            tokens = token_ids[i * self.page_size : (i + 1) * self.page_size]
             if cached is None or cached.parent_hash != parent or cached.token_ids != tokens:
                 break  # a hash collision: the same hash for other tokens
             pages.append(page)
@@ -129,7 +129,7 @@ class BlockManager:
             if page_hash in self._hash_to_page or self._cached[page] is not None:
                 continue  # already cached elsewhere (or this page is a shared cached page)
             parent = seq.page_hashes[i - 1] if i else ROOT_HASH
-            self._cached[page] = _CachedPage(page_hash, parent, tuple(seq.page_tokens(i, self.page_size)))
+            self._cached[page] = _CachedPage(page_hash, parent, seq.page_tokens(i, self.page_size))
             self._hash_to_page[page_hash] = page
             stored.append(page_hash)
         if stored:

@@ -31,10 +31,22 @@ def page_hashes(
     media_hashes_per_page: Sequence[Sequence[int]] | None = None,
     parent: int = ROOT_HASH,
 ) -> list[int]:
-    """Hashes of every *full* page of token_ids (a trailing partial page has none)."""
+    """Hashes of every *full* page of token_ids (a trailing partial page has none).
+
+    The same digests as chaining `hash_page`, computed from one int64 copy of the ids: converting
+    each page's ids apart cost most of the time (5 ms for a 64K-token prompt, paid at admission)."""
+    num_pages = len(token_ids) // page_size
+    if num_pages == 0:
+        return []
+    data = np.asarray(token_ids[: num_pages * page_size], dtype=np.int64).tobytes()
+    step = page_size * 8
+    digest = xxhash.xxh3_64_intdigest
     hashes: list[int] = []
-    for i in range(len(token_ids) // page_size):
+    for i in range(num_pages):
         media = media_hashes_per_page[i] if media_hashes_per_page else ()
-        parent = hash_page(parent, token_ids[i * page_size : (i + 1) * page_size], media)
+        if media:
+            parent = hash_page(parent, token_ids[i * page_size : (i + 1) * page_size], media)
+        else:  # xxh3 of (parent, ids) in one call: the digest of hash_page's two updates
+            parent = digest(parent.to_bytes(8, "little") + data[i * step : (i + 1) * step])
         hashes.append(parent)
     return hashes
