@@ -120,6 +120,17 @@ def _lse_merge_kernel(
     tl.store(ptrs, result.to(out.dtype.element_ty), mask=row_ok[:, None] & mask_d)
 
 
+# Bulk merges (a prefill chunk's partials: GBs) pick their tile and pipelining by autotuning;
+# small ones (decode) keep the fixed launch below, cheap to capture in a CUDA graph.
+_MERGE_TILES = [(rows, w, s) for rows in (2, 4, 8) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
+_lse_merge_tuned = triton.autotune(
+    configs=[triton.Config({"ROWS": rows}, num_warps=w, num_stages=s) for rows, w, s in _MERGE_TILES],
+    key=["NUM_PARTS", "G", "D"],
+)(_lse_merge_kernel)
+TUNED_MERGE_MIN_ROWS = 1 << 16
+"""Partial rows from which a merge is autotuned (a 16K-token chunk at the M3 shape has 1M)."""
+
+
 def lse_merge(
     part_o: torch.Tensor, part_lse: torch.Tensor, valid: torch.Tensor, out: torch.Tensor
 ) -> None:
@@ -131,11 +142,14 @@ def lse_merge(
     rows, parts, group, head_dim = part_o.shape
     heads_per_row = rows // out.shape[0]
     group_p2 = pow2(group)
+    args = (part_o, part_lse, valid, out, rows,
+            part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1),
+            valid.stride(0), valid.stride(1), out.stride(0), heads_per_row, out.stride(1))
+    shape = dict(NUM_PARTS=parts, G=group, GP=group_p2, D=head_dim, DP=pow2(head_dim))
+    if not INTERPRET and rows >= TUNED_MERGE_MIN_ROWS and group_p2 <= 16:
+        _lse_merge_tuned[lambda meta: (triton.cdiv(rows, meta["ROWS"]),)](*args, **shape)
+        return
     rows_per_program = max(1, (2048 if INTERPRET else 64) // group_p2)
     _lse_merge_kernel[(triton.cdiv(rows, rows_per_program),)](
-        part_o, part_lse, valid, out, rows,
-        part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1),
-        valid.stride(0), valid.stride(1), out.stride(0), heads_per_row, out.stride(1),
-        NUM_PARTS=parts, G=group, GP=group_p2, D=head_dim, DP=pow2(head_dim), ROWS=rows_per_program,
-        num_warps=4,
+        *args, **shape, ROWS=rows_per_program, num_warps=4,
     )

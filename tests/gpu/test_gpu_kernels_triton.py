@@ -21,6 +21,7 @@ from test_kernels_triton_cases import (
     check_sparse_prefill,
 )
 
+from msaserve.kernels import triton_common
 from msaserve.kernels.dispatch import get_ops
 from msaserve.kernels.random_inputs import make_paged_inputs
 
@@ -122,3 +123,20 @@ def test_sparse_prefill_32k_chunk_equals_two_16k_chunks() -> None:
         for a, b in ((0, half), (half, tokens))
     ]
     torch.testing.assert_close(whole, torch.cat(parts), atol=0, rtol=0)
+
+
+def test_bulk_lse_merge_equals_the_fixed_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prefill chunk's merge (≥ TUNED_MERGE_MIN_ROWS rows, autotuned tile) gives the fixed launch's
+    result on the same partials, some of them invalid."""
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    rows, parts, group, dim, heads = triton_common.TUNED_MERGE_MIN_ROWS, 16, 16, 128, 4
+    part_o = torch.randn(rows, parts, group, dim, device="cuda", dtype=BF16, generator=gen)
+    part_lse = 4 * torch.randn(rows, parts, group, device="cuda", generator=gen)
+    valid = torch.randint(-1, 64, (rows, parts), device="cuda", dtype=torch.int32, generator=gen)
+    valid[:, 0] = 0  # every row has a partial
+    tuned = torch.full((rows // heads, heads * group, dim), float("nan"), device="cuda", dtype=BF16)
+    triton_common.lse_merge(part_o, part_lse, valid, tuned)
+    monkeypatch.setattr(triton_common, "TUNED_MERGE_MIN_ROWS", 1 << 62)
+    fixed = torch.full_like(tuned, float("nan"))
+    triton_common.lse_merge(part_o, part_lse, valid, fixed)
+    torch.testing.assert_close(tuned, fixed, rtol=1e-2, atol=1e-2)
