@@ -14,6 +14,7 @@ with everything resident (the TPOT penalty). Tokens are checked equal to A's at 
 """
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -28,12 +29,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from msaserve.kernels import get_ops  # noqa: E402
-from msaserve.kvcache.adoption import (  # noqa: E402
-    INDEX_GROUP_PAGES,
-    LazyPageFetcher,
-    forward_with_ops,
-    pipelined,
-)
+from msaserve.kvcache import staging  # noqa: E402
+from msaserve.kvcache.adoption import LazyPageFetcher, PackedUnit, forward_with_ops, load_packed  # noqa: E402
 from msaserve.kvcache.client import KVCacheClient, start_shards  # noqa: E402
 from msaserve.kvcache.config import ServiceConfig  # noqa: E402
 from msaserve.kvcache.pages import PageCodec, identity_for  # noqa: E402
@@ -136,41 +133,55 @@ def adopt(client, model, ops, capacity: int, session: str) -> tuple[Replica, Laz
 
 
 def full_copy(client, model, ops, capacity: int, session: str) -> tuple[int, float, int]:
-    """Baseline (b): fetch every page's index and K/V, then decode. Reads and imports are pipelined
-    exactly as adoption's index load is (groups of pages, the next groups' reads in flight while
-    one is imported), with every layer of a group read at once."""
+    """Baseline (b): fetch every page's index and K/V, then decode. Reads and uploads run exactly
+    as adoption's index load does (`load_packed`: packed reads into the pinned upload buffers, the
+    next reads in flight while one buffer is copied and scattered), index and K/V alike."""
     codec = PageCodec(client.model)
     num_layers = model.config.num_layers
 
-    def fetch(pages: range):
-        hashes = [all_hashes[p] for p in pages]
-        return client.get_index_async(hashes), [
-            client.get_kv_async([(h, layer) for h in hashes]) for layer in range(num_layers)
-        ]
-
     def go():
-        nonlocal all_hashes
         record = client.get_session(session)
         replica = Replica(model, capacity, ops)
-        all_hashes = record.page_hashes + ([record.tail_hash] if record.tail_hash is not None else [])
-        groups = [range(i, min(i + INDEX_GROUP_PAGES, len(all_hashes)))
-                  for i in range(0, len(all_hashes), INDEX_GROUP_PAGES)]
-        moved = 0
-        for pages, (index_fetch, kv_fetches) in pipelined(groups, fetch):
-            index = index_fetch.result()
-            codec.import_index(replica.state.caches, list(pages), index)
-            moved += sum(p.nbytes for p in index)
-            for layer, kv_fetch in enumerate(kv_fetches):
-                payloads = kv_fetch.result()
-                codec.import_kv(replica.state.caches[layer], list(pages), payloads)
-                moved += sum(p.nbytes for p in payloads)
+        caches = replica.state.caches
+        hashes = record.page_hashes + ([record.tail_hash] if record.tail_hash is not None else [])
+        device = caches[0].k_cache.device
+        physical = torch.arange(len(hashes), device=device)
+        ring = staging.ring_for(device)
+        index_bytes = codec.index_bytes + codec.scale_bytes
+        units: list[PackedUnit] = []
+        targets: list[tuple[int | None, range]] = []  # (layer or None for the index, pages) per unit
+        with ring.lock:
+            kinds = [(None, index_bytes)] + [(layer, codec.kv_bytes) for layer in range(num_layers)]
+            for layer, row_bytes in kinds:
+                size = ring.rows_per_buffer(row_bytes)
+                for first in range(0, len(hashes), size):
+                    pages = range(first, min(first + size, len(hashes)))
+                    if layer is None:
+                        start = lambda out, p=pages: client.get_index_packed_async(  # noqa: E731
+                            [hashes[i] for i in p], out)
+                    else:
+                        start = lambda out, p=pages, layer=layer: client.get_kv_packed_async(  # noqa: E731
+                            [(hashes[i], layer) for i in p], out)
+                    units.append((row_bytes, len(pages), start))
+                    targets.append((layer, pages))
+            moved = 0
+            with contextlib.closing(load_packed(ring, units)) as loads:
+                for i, ok, upload in loads:
+                    layer, pages = targets[i]
+                    if not all(ok):
+                        raise RuntimeError(f"full copy: a page of layer {layer} is missing from the service")
+                    rows = physical[pages.start : pages.stop]
+                    if layer is None:
+                        codec.scatter_index(caches, rows, upload(len(pages)))
+                    else:
+                        codec.scatter_kv(caches[layer], rows, upload(len(pages)))
+                    moved += len(pages) * units[i][0]
         covered = record.num_stored_tokens
         with torch.inference_mode():
             tail = record.token_ids[covered:]  # 1 token when the tail page was stored
             token = replica.run(tail, covered, decode=len(tail) == 1)
         return token, moved
 
-    all_hashes: list[int] = []
     (token, moved), seconds = timed(next(model.parameters()).device, go)
     return token, seconds, moved
 
@@ -233,8 +244,7 @@ def run(args: argparse.Namespace) -> dict:
     # Adoption, then lazy decode with background prefetch.
     replica_b, fetcher, adopt_token, adopt_s = adopt(client, model, ops, capacity, "bench")
     first_fetch = (fetcher.stats.index_bytes, fetcher.stats.kv_bytes_on_demand)
-    log(f"adopted: next token in {adopt_s:.4f} s (index {fetcher.stats.index_seconds:.4f} s, "
-        f"of which waiting for the service {fetcher.stats.index_wait_seconds:.4f} s)")
+    log(f"adopted: next token in {adopt_s:.4f} s (index {fetcher.stats.index_seconds:.4f} s)")
 
     def background(fetcher: LazyPageFetcher = fetcher) -> None:
         fetcher.poll()

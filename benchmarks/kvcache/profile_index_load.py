@@ -75,17 +75,32 @@ def main() -> None:
         for group, pending in adoption.pipelined(groups, fetch, depth):
             codec.import_index(caches, list(group), pending.result())
 
-    best_of("pipelined load (as load_index)", pipelined_load)
-    for depth, size in ((0, 512), (1, 512), (4, 256), (8, 128), (2, 2048)):
+    best_of("pipelined load (per-page payloads, before)", pipelined_load)
+    for depth, size in ((0, 512), (2, 2048)):
         best_of(f"pipelined load, depth {depth}, groups of {size}",
                 lambda d=depth, g=size: pipelined_load(d, g))
-    interval = sys.getswitchinterval()
-    sys.setswitchinterval(1e-4)  # the GIL handed over 50× more often
-    best_of("pipelined load, GIL switch 0.1 ms", pipelined_load)
-    sys.setswitchinterval(interval)
+
+    def packed_load() -> None:  # as load_index does it now: pages verified straight into pinned buffers
+        ring = staging.ring_for(torch.device(DEVICE))
+        row = codec.index_bytes
+        size = min(adoption.INDEX_GROUP_PAGES, ring.rows_per_buffer(row))
+        groups = [range(i, min(i + size, n)) for i in range(0, n, size)]
+        units = [(row, len(r), lambda out, r=r: client.get_index_packed_async([hashes[q] for q in r], out))
+                 for r in groups]
+        physical = torch.arange(n, device=DEVICE)
+        with ring.lock:
+            for i, _, upload in adoption.load_packed(ring, units):
+                group = groups[i]
+                codec.scatter_index(caches, physical[group.start : group.stop], upload(len(group)))
+
+    best_of("packed load (as load_index)", packed_load)
+    shard_pages = [hashes[i::4] for i in range(4)]
+    best_of("packed reads only (4 shard threads)", lambda: [
+        f.result() for f in [client.get_index_packed_async(h, np.empty((len(h), codec.index_bytes), np.uint8))
+                             for h in shard_pages]])
     profile = cProfile.Profile()
     profile.enable()
-    pipelined_load()
+    packed_load()
     sync()
     profile.disable()
     pstats.Stats(profile).sort_stats("tottime").print_stats(14)

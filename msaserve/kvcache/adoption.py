@@ -1,8 +1,10 @@
 """Adopting a session on a replica that has never seen it: the index first, K/V on demand.
 
 1. `load_index` fetches the index-K of every stored page (all layers) into the caches; decode can
-   select blocks from then on. Pages after the first missing or corrupt index page are not adopted:
-   the caller recomputes them from the record's token ids (never serving a bad page). The stored
+   select blocks from then on. It reads packed (`load_packed`): the service writes verified pages
+   straight into pinned upload buffers, which are copied to the device while later groups are
+   read. Pages after the first missing or corrupt index page are not adopted: the caller
+   recomputes them from the record's token ids (never serving a bad page). The stored
    partial tail page, if any, also gets its K/V now: new tokens are written into it, so it must be
    resident before they are (a lazy import later would overwrite them).
 2. Each step, the wrapped indexer ops (`wrap_ops`) learn which pages layer l selected and fetch
@@ -14,16 +16,19 @@
 One fetcher serves one sequence: its block table is row 0 of the step's metadata.
 """
 
+import contextlib
 import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
+import numpy as np
 import torch
 
 from msaserve.kernels import AttentionOps
-from msaserve.kvcache.client import KVCacheClient, PendingFetch, ServiceUnavailable
+from msaserve.kvcache import staging
+from msaserve.kvcache.client import KVCacheClient, PackedFetch, PendingFetch, ServiceUnavailable
 from msaserve.kvcache.pages import PageCodec
 from msaserve.kvcache.session import SessionRecord
 from msaserve.models.cache import LayerKVCache
@@ -49,6 +54,56 @@ def pipelined(groups: Sequence[G], fetch: Callable[[G], F], depth: int = 2) -> I
         yield pending.popleft()
 
 
+PackedUnit = tuple[int, int, Callable[[np.ndarray], PackedFetch]]
+"""One read of a bulk load: (row bytes, rows, start(out [rows, row bytes]) → its PackedFetch)."""
+
+
+def load_packed(ring: staging.UploadRing, units: Sequence[PackedUnit], depth: int = 2
+                ) -> Iterator[tuple[int, list[bool], Callable[[int], torch.Tensor]]]:
+    """Run the units' packed reads into the ring's buffers, up to `depth` reads ahead of the one
+    handed out. Yields (unit index, ok per item, rows(n) → the rows of items 0..n-1 on the
+    device [n, row bytes]) in order; the buffer is copied to the device once, at the first call.
+    The caller holds `ring.lock`; close the generator (or run it to the end) before releasing
+    it: every read started is awaited then, since in-process shards write into the buffers until
+    their call returns."""
+    started: deque[tuple[int, int, PackedFetch]] = deque()
+    following = iter(range(len(units)))
+
+    def begin() -> None:
+        i = next(following, None)
+        if i is not None:
+            row_bytes, rows, start = units[i]
+            slot, host = ring.acquire(rows, row_bytes)
+            started.append((i, slot, start(host)))
+
+    def on_device(slot: int, row_bytes: int, fetch: PackedFetch) -> Callable[[int], torch.Tensor]:
+        uploaded: list[torch.Tensor] = []
+
+        def rows(n: int) -> torch.Tensor:
+            if not uploaded:
+                uploaded.append(ring.upload(slot, len(fetch.rows), row_bytes))
+            chunk = uploaded[0]
+            order = fetch.rows[:n]
+            if (order == np.arange(n)).all():
+                return chunk[:n]
+            return chunk.index_select(0, torch.as_tensor(order, device=chunk.device))
+
+        return rows
+
+    try:
+        for _ in range(depth + 1):
+            begin()
+        while started:
+            i, slot, fetch = started.popleft()
+            ok = fetch.result()
+            yield i, ok, on_device(slot, units[i][0], fetch)
+            begin()
+    finally:
+        for _, _, fetch in started:  # an early exit: wait until no shard writes into the buffers
+            with contextlib.suppress(Exception):  # the error that ended the load is already raised
+                fetch.result()
+
+
 class PageLost(RuntimeError):
     """A page the session needs is missing or corrupt in the service: recompute from tokens."""
 
@@ -62,7 +117,6 @@ class AdoptionStats:
     on_demand_fetches: int = 0
     on_demand_seconds: float = 0.0
     index_seconds: float = 0.0
-    index_wait_seconds: float = 0.0  # of index_seconds: waiting for service reads (not overlapped)
 
 
 class LazyPageFetcher:
@@ -90,27 +144,35 @@ class LazyPageFetcher:
         """Load the index of every stored page; returns the number of tokens now covered
         (adopted pages × page size); the caller prefills the rest of the record's tokens.
 
-        Pages are read in groups of INDEX_GROUP_PAGES with the next groups' reads in flight while
-        one group is imported (`pipelined`), so service reads and host→device copies overlap."""
+        Pages are read in groups of up to INDEX_GROUP_PAGES (one upload buffer each) with the next
+        groups' reads in flight while one is copied to the device and scattered (`load_packed`)."""
         start = time.perf_counter()
-        groups = [range(i, min(i + INDEX_GROUP_PAGES, len(self.hashes)))
-                  for i in range(0, len(self.hashes), INDEX_GROUP_PAGES)]
+        device = self.caches[0].index_cache.device
+        row_bytes = self.codec.index_bytes + self.codec.scale_bytes
+        ring = staging.ring_for(device)
         usable = 0
-        try:
-            for pages, pending in pipelined(groups, lambda r: self.client.get_index_async(
-                    [self.hashes[p] for p in r])):
-                waited = time.perf_counter()
-                payloads = pending.result()
-                self.stats.index_wait_seconds += time.perf_counter() - waited
-                intact = next((i for i, p in enumerate(payloads) if p is None), len(payloads))
-                self.codec.import_index(self.caches, self.block_table[pages.start : pages.start + intact],
-                                        payloads[:intact])
-                usable += intact
-                self.stats.index_bytes += sum(p.nbytes for p in payloads[:intact])
-                if intact < len(payloads):
-                    break  # the first missing or corrupt page: the caller recomputes from here
-        except ServiceUnavailable:
-            pass  # keep the pages already imported (verified); the caller recomputes the rest
+        with ring.lock:
+            size = max(1, min(INDEX_GROUP_PAGES, ring.rows_per_buffer(row_bytes)))
+            groups = [range(i, min(i + size, len(self.hashes))) for i in range(0, len(self.hashes), size)]
+            units: list[PackedUnit] = [
+                (row_bytes, len(r), lambda out, r=r: self.client.get_index_packed_async(
+                    [self.hashes[p] for p in r], out)) for r in groups
+            ]
+            physical = torch.as_tensor(self.block_table[: len(self.hashes)], dtype=torch.long, device=device)
+            try:
+                with contextlib.closing(load_packed(ring, units)) as loads:
+                    for i, ok, upload in loads:
+                        pages = groups[i]
+                        intact = next((k for k, good in enumerate(ok) if not good), len(ok))
+                        if intact:
+                            rows = physical[pages.start : pages.start + intact]
+                            self.codec.scatter_index(self.caches, rows, upload(intact))
+                        usable += intact
+                        self.stats.index_bytes += intact * row_bytes
+                        if intact < len(ok):
+                            break  # the first missing or corrupt page: the caller recomputes from here
+            except ServiceUnavailable:
+                pass  # keep the pages already imported (verified); the caller recomputes the rest
         self.num_pages = usable
         self.resident = torch.zeros(len(self.caches), usable, dtype=torch.bool)
         self.stats.index_seconds = time.perf_counter() - start

@@ -18,6 +18,8 @@ from collections import defaultdict
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from msaserve.kvcache.codec import Payload
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.keys import ModelIdentity, shard_of_page, shard_of_session
@@ -25,7 +27,7 @@ from msaserve.kvcache.session import SessionRecord
 from msaserve.kvcache.shard import KVCacheShard, PageUpload
 from msaserve.kvcache.transport import LocalTransport, RayTransport, ServiceUnavailable, Transport
 
-__all__ = ["KVCacheClient", "PendingFetch", "ServiceUnavailable", "start_shards"]
+__all__ = ["KVCacheClient", "PackedFetch", "PendingFetch", "ServiceUnavailable", "start_shards"]
 
 
 def start_shards(config: ServiceConfig, detached: bool = False) -> list[Any]:
@@ -68,6 +70,30 @@ class PendingFetch:
             for pos, value in zip(positions, reply, strict=True):
                 out[pos] = value
         return out
+
+
+class PackedFetch(PendingFetch):
+    """Packed reads in flight. Each shard's items fill consecutive rows of `out` (shard by shard):
+    `rows[i]` is the row of request item i. `result()` waits until every row is written and
+    returns, per item in request order, whether the service had a valid copy."""
+
+    def __init__(self, transport: Transport, futures: list[tuple[Any, list[int]]], size: int,
+                 out: np.ndarray, segments: list[slice]) -> None:
+        super().__init__(transport, futures, size)
+        self.out, self._segments = out, segments
+        self.rows = np.empty(size, dtype=np.int64)
+        for (_, positions), segment in zip(futures, segments, strict=True):
+            self.rows[positions] = np.arange(segment.start, segment.stop)
+
+    def result(self, timeout_s: float | None = None) -> list[bool]:  # type: ignore[override]
+        ok = [False] * self._size
+        replies = zip(self._futures, self._segments, self.replies(timeout_s), strict=True)
+        for (_, positions), segment, (packed, flags) in replies:
+            if packed is not None:  # a shard in another process: its rows come back as one array
+                self.out[segment] = packed
+            for pos, flag in zip(positions, flags, strict=True):
+                ok[pos] = flag
+        return ok
 
 
 class KVCacheClient:
@@ -120,6 +146,16 @@ class KVCacheClient:
 
     def get_index_async(self, page_hashes: Sequence[int]) -> PendingFetch:
         return self._per_shard("get_index", list(page_hashes), list(page_hashes))
+
+    def get_index_packed_async(self, page_hashes: Sequence[int], out: np.ndarray) -> PackedFetch:
+        """Index payloads into the rows of out [n, index payload bytes] (row i = page i), verified;
+        the bulk path of adoption. Leave `out` alone until `result()` returned."""
+        hashes = list(page_hashes)
+        return self._packed("get_index_packed", hashes, hashes, out)
+
+    def get_kv_packed_async(self, requests: Sequence[tuple[int, int]], out: np.ndarray) -> PackedFetch:
+        """K+V payloads of (page hash, layer) pairs into the rows of out, as `get_index_packed_async`."""
+        return self._packed("get_kv_packed", [h for h, _ in requests], list(requests), out)
 
     def has_pages(self, page_hashes: Sequence[int]) -> list[bool]:
         """Whether the service holds each page completely (index-K and every layer's K+V)."""
@@ -217,15 +253,37 @@ class KVCacheClient:
     def _every_shard(self, method: str, *args: Any) -> list[Any]:
         return self.transport.gather([self.transport.submit(s, method, *args) for s in self.shards])
 
+    def _packed(self, method: str, hashes: list[int], items: list, out: np.ndarray) -> PackedFetch:
+        """`_per_shard` for packed reads: each shard gets a consecutive block of `out`'s rows; a
+        shard in this process writes it directly, others return it as one array, copied into
+        place by `result()`."""
+        if out.ndim != 2 or out.shape[0] != len(items) or out.dtype != np.uint8:
+            raise ValueError(f"out must be a uint8 array [{len(items)}, row bytes], "
+                             f"got {out.dtype} {tuple(out.shape)}")
+        shared = self.transport.shares_memory
+        futures, segments, first = [], [], 0
+        for s, pos in self._by_shard(hashes).items():
+            segment = slice(first, first + len(pos))
+            first = segment.stop
+            call = self.transport.submit(self.shards[s], method, self.model_key, [items[i] for i in pos],
+                                         out.shape[1], out[segment] if shared else None)
+            futures.append((call, pos))
+            segments.append(segment)
+        return PackedFetch(self.transport, futures, len(items), out, segments)
+
     def _per_shard(self, method: str, hashes: list[int], items: list, *args: Any) -> PendingFetch:
         """Call `method(model_key, items of this shard, *args)` on every shard holding one of the
         hashes (hashes[i] routes items[i])."""
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, h in enumerate(hashes):
-            groups[shard_of_page(h, self.num_shards)].append(i)
         submit = self.transport.submit
         futures = [
             (submit(self.shards[s], method, self.model_key, [items[i] for i in pos], *args), pos)
-            for s, pos in groups.items()
+            for s, pos in self._by_shard(hashes).items()
         ]
         return PendingFetch(self.transport, futures, len(items))
+
+    def _by_shard(self, hashes: list[int]) -> dict[int, list[int]]:
+        """Shard → positions of the hashes it holds."""
+        groups: dict[int, list[int]] = defaultdict(list)
+        for i, h in enumerate(hashes):
+            groups[shard_of_page(h, self.num_shards)].append(i)
+        return groups

@@ -112,10 +112,7 @@ class PageCodec:
         device = cache.k_cache.device
         index = torch.as_tensor(list(physical_pages), dtype=torch.long, device=device)
         for start, chunk in to_device_chunks(payloads, self.kv_bytes, device, "K+V", self.model.name):
-            rows = index[start : start + chunk.shape[0]]
-            kv = chunk.view(self.kv_dtype).view(chunk.shape[0], *self.kv_shape)  # [n, 2, P, Hkv, D]
-            cache.k_cache[rows] = kv[:, 0]
-            cache.v_cache[rows] = kv[:, 1]
+            self.scatter_kv(cache, index[start : start + chunk.shape[0]], chunk)
 
     def import_index(
         self, caches: Sequence[LayerKVCache], physical_pages: Sequence[int], payloads: Sequence[Payload]
@@ -127,17 +124,25 @@ class PageCodec:
         index = torch.as_tensor(list(physical_pages), dtype=torch.long, device=device)
         nbytes = self.index_bytes + self.scale_bytes
         for start, chunk in to_device_chunks(payloads, nbytes, device, "index", self.model.name):
-            n = chunk.shape[0]
-            rows = index[start : start + n]
-            ix = chunk[:, : self.index_bytes].contiguous().view(self.index_dtype).view(n, *self.index_shape)
-            scales = None
-            if self.fp8_index:
-                scales = chunk[:, self.index_bytes :].contiguous().view(torch.float32)
-                scales = scales.view(n, *self.scale_shape)
-            for layer, cache in enumerate(caches):
-                cache.index_cache[rows] = ix[:, layer]
-                if scales is not None:
-                    cache.index_scale[rows] = scales[:, layer]
+            self.scatter_index(caches, index[start : start + chunk.shape[0]], chunk)
+
+    def scatter_kv(self, cache: LayerKVCache, rows: torch.Tensor, chunk: torch.Tensor) -> None:
+        """chunk [n, kv_bytes] uint8 on the cache's device: K+V payloads → cache pages `rows` [n]."""
+        kv = chunk.view(self.kv_dtype).view(chunk.shape[0], *self.kv_shape)  # [n, 2, P, Hkv, D]
+        cache.k_cache[rows] = kv[:, 0]
+        cache.v_cache[rows] = kv[:, 1]
+
+    def scatter_index(self, caches: Sequence[LayerKVCache], rows: torch.Tensor, chunk: torch.Tensor) -> None:
+        """chunk [n, index + scale bytes] uint8 on the caches' device → pages `rows` [n] of every layer."""
+        n = chunk.shape[0]
+        ix = chunk[:, : self.index_bytes].contiguous().view(self.index_dtype).view(n, *self.index_shape)
+        scales = None
+        if self.fp8_index:
+            scales = chunk[:, self.index_bytes :].contiguous().view(torch.float32).view(n, *self.scale_shape)
+        for layer, cache in enumerate(caches):
+            cache.index_cache[rows] = ix[:, layer]
+            if scales is not None:
+                cache.index_scale[rows] = scales[:, layer]
 
     def _stack(self, payloads: Sequence[Payload], nbytes: int, what: str) -> np.ndarray:
         """[n, nbytes] uint8: one host copy of all payloads, checked for the expected size."""

@@ -10,6 +10,8 @@ import functools
 import time
 from collections.abc import Sequence
 
+import numpy as np
+
 from msaserve.kvcache.codec import Payload, as_payload
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.keys import index_key, kv_key
@@ -65,6 +67,22 @@ class KVCacheShard:
     def get_index(self, model_key: str, page_hashes: Sequence[int]) -> list[Payload | None]:
         return self._get("index", [index_key(model_key, h) for h in page_hashes])
 
+    def get_index_packed(
+        self, model_key: str, page_hashes: Sequence[int], row_bytes: int,
+        out: np.ndarray | None = None,
+    ) -> tuple[np.ndarray | None, list[bool]]:
+        """Index payloads packed as rows (`_get_packed`)."""
+        keys = [index_key(model_key, h) for h in page_hashes]
+        return self._get_packed("index", keys, row_bytes, out)
+
+    def get_kv_packed(
+        self, model_key: str, requests: Sequence[tuple[int, int]], row_bytes: int,
+        out: np.ndarray | None = None,
+    ) -> tuple[np.ndarray | None, list[bool]]:
+        """K+V payloads of (page hash, layer) pairs packed as rows (`_get_packed`)."""
+        keys = [kv_key(model_key, h, layer) for h, layer in requests]
+        return self._get_packed("kv", keys, row_bytes, out)
+
     def has_pages(self, model_key: str, page_hashes: Sequence[int], num_layers: int) -> list[bool]:
         """Whether index-K and K+V of every layer are held for each page (unverified)."""
         out = []
@@ -88,6 +106,33 @@ class KVCacheShard:
         ix_keys = [index_key(model_key, h) for h in page_hashes]
         for name, keys in (("kv", kv_keys), ("index", ix_keys)):
             (self.stores[name].pin if pin else self.stores[name].unpin)(keys)
+
+    def _get_packed(
+        self, store_name: str, keys: list[str], row_bytes: int, out: np.ndarray | None,
+    ) -> tuple[np.ndarray | None, list[bool]]:
+        """Verified payloads written as consecutive rows: into `out` [len(keys), row_bytes] (a
+        caller in this process hands its buffer) or, without out, into a new array that is returned
+        (through Ray: one object per call instead of one per page). The pages are checksummed, then
+        copied in one call that releases the GIL (other shards verify meanwhile). Returns (the new
+        array or None, ok per key); the row of a missing or corrupt page is zeros."""
+        start = time.perf_counter()
+        store = self.stores[store_name]
+        payloads = store.get_many(keys)
+        for key, payload in zip(keys, payloads, strict=True):
+            if payload is not None and payload.nbytes != row_bytes:
+                raise ValueError(f"page {key!r} has {payload.nbytes} bytes; the reader's layout needs "
+                                 f"{row_bytes} (a model identity mismatch)")
+        ok = [p is not None for p in payloads]
+        if not all(ok):
+            zeros = np.zeros(row_bytes, dtype=np.uint8)
+            payloads = [zeros if p is None else p for p in payloads]
+        packed = np.empty((len(keys), row_bytes), dtype=np.uint8) if out is None else None
+        if keys:
+            np.stack(payloads, out=packed if out is None else out)
+        if self.metrics is not None:
+            self.metrics.observe_fetch(store_name, time.perf_counter() - start)
+        self._publish()
+        return packed, ok
 
     def _get(self, store_name: str, keys: list[str]) -> list[Payload | None]:
         start = time.perf_counter()

@@ -88,6 +88,87 @@ class PinnedStaging:
                 yield start, chunk
 
 
+class UploadRing:
+    """Host buffers that readers fill in place (packed reads: `KVCacheClient.get_*_packed_async`)
+    and that are then copied to one device asynchronously: no packing copy between the service's
+    pages and the device. Pinned on CUDA; used round-robin, `acquire` waits until the buffer's
+    previous copy has finished. On CPU `upload` returns a view of the buffer itself: consume it
+    (e.g. scatter it into the caches) before acquiring RING_BUFFERS more.
+
+    One ring per device; hold `lock` for a whole load, so that concurrent loads do not interleave.
+    """
+
+    def __init__(self, device: torch.device, buffer_bytes: int, count: int = 4) -> None:
+        self.device, self.count = device, count
+        self.lock = threading.Lock()
+        self._buffers: list[torch.Tensor] = []
+        self._done: list[torch.cuda.Event | None] = []
+        self._next = 0
+        self._allocate(buffer_bytes)
+
+    @property
+    def buffer_bytes(self) -> int:
+        return self._buffers[0].numel()
+
+    def _allocate(self, nbytes: int) -> None:
+        for event in self._done:  # buffers are replaced: no copy may still read them
+            if event is not None:
+                event.synchronize()
+        pinned = self.device.type == "cuda"
+        self._buffers = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(self.count)]
+        self._done = [None] * self.count
+
+    def rows_per_buffer(self, row_bytes: int) -> int:
+        """Rows of row_bytes one buffer holds (grows the buffers if not even one fits)."""
+        if row_bytes > self.buffer_bytes:
+            self._allocate(row_bytes)
+        return self.buffer_bytes // row_bytes
+
+    def acquire(self, rows: int, row_bytes: int) -> tuple[int, np.ndarray]:
+        """(slot, host array [rows, row_bytes]) free to fill."""
+        if rows * row_bytes > self.buffer_bytes:
+            raise ValueError(f"{rows} rows of {row_bytes} bytes exceed the ring's "
+                             f"{self.buffer_bytes}-byte buffers")
+        slot = self._next
+        self._next = (slot + 1) % self.count
+        done = self._done[slot]
+        if done is not None:
+            done.synchronize()
+            self._done[slot] = None
+        return slot, self._buffers[slot].numpy()[: rows * row_bytes].reshape(rows, row_bytes)
+
+    def upload(self, slot: int, rows: int, row_bytes: int) -> torch.Tensor:
+        """The first `rows` rows of an acquired buffer on the device: [rows, row_bytes] uint8, the
+        copy enqueued on the current stream (work enqueued after it sees the bytes)."""
+        host = self._buffers[slot][: rows * row_bytes]
+        if self.device.type != "cuda":
+            return host.view(rows, row_bytes)
+        chunk = torch.empty(rows * row_bytes, dtype=torch.uint8, device=self.device)
+        chunk.copy_(host, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self._done[slot] = event
+        return chunk.view(rows, row_bytes)
+
+
+RING_BUFFERS = 4
+"""Buffers per upload ring: a pipeline of depth 2 has 3 being filled and 1 being copied."""
+
+_rings: dict[str, UploadRing] = {}
+
+
+def ring_for(device: torch.device) -> UploadRing:
+    """The process's upload ring for `device` (RING_BUFFERS × CHUNK_BYTES of host memory, pinned
+    on CUDA, allocated on first use)."""
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    with _staging_lock:
+        key = str(device)
+        if key not in _rings:
+            _rings[key] = UploadRing(device, CHUNK_BYTES, RING_BUFFERS)
+        return _rings[key]
+
+
 _staging: dict[int, PinnedStaging] = {}
 _staging_lock = threading.Lock()
 

@@ -16,6 +16,9 @@ class ServiceUnavailable(RuntimeError):
 
 
 class Transport(Protocol):
+    shares_memory: bool
+    """Whether shards run in the caller's process (a call may then fill the caller's buffers)."""
+
     def submit(self, shard: Any, method: str, *args: Any) -> Any:
         """Start `shard.method(*args)`; returns a future."""
         ...
@@ -26,6 +29,8 @@ class Transport(Protocol):
 
 
 class RayTransport:
+    shares_memory = False
+
     def submit(self, shard: Any, method: str, *args: Any) -> Any:
         return getattr(shard, method).remote(*args)
 
@@ -46,6 +51,8 @@ class RayTransport:
 
 class LocalTransport:
     """Shards are `KVCacheShard` objects; each runs calls on its own single worker thread."""
+
+    shares_memory = True
 
     def __init__(self, shards: Sequence[Any]) -> None:
         self._workers = {id(s): ThreadPoolExecutor(1, thread_name_prefix=f"kvcache-shard-{i}")

@@ -45,3 +45,17 @@ def test_import_through_staging_restores_pages_on_the_gpu(index_dtype):
             if getattr(src, name) is not None:
                 a, b = getattr(src, name)[pages], getattr(dst, name)
                 assert torch.equal(a.view(torch.uint8), b.view(torch.uint8)), name
+
+
+def test_upload_ring_reuses_pinned_buffers_only_after_their_copy():
+    from msaserve.kvcache.staging import UploadRing
+
+    ring = UploadRing(torch.device("cuda"), buffer_bytes=64 << 20, count=2)
+    chunks = []
+    for value in range(5):  # more uploads than buffers: each refill waits for the buffer's copy
+        slot, host = ring.acquire(64, 1 << 20)
+        host[:] = value
+        chunks.append(ring.upload(slot, 64, 1 << 20))
+    torch.cuda.synchronize()
+    for value, chunk in enumerate(chunks):
+        assert chunk.is_cuda and bool((chunk == value).all())

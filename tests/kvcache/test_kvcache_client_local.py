@@ -7,7 +7,7 @@ import torch
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.engine_adapter import ServicePageStore
-from msaserve.kvcache.keys import ModelIdentity, shard_of_page
+from msaserve.kvcache.keys import ModelIdentity, index_key, shard_of_page
 from msaserve.kvcache.session import SessionNotFound, SessionRecord
 
 MODEL = ModelIdentity("tiny@test", num_layers=2, page_size=4, num_kv_heads=2, head_dim=8,
@@ -89,3 +89,39 @@ def test_idle_sessions_release_their_pins_and_come_back_pinned():
     assert pinned(7) and pinned(8) and client.get_session("idle").pinned
     client.delete_session("idle")  # and DELETE releases exactly that pin
     assert not pinned(7) and not pinned(8)
+
+
+def test_packed_reads_fill_the_rows_of_each_item_and_flag_what_is_missing_or_corrupt(tmp_path):
+    config = ServiceConfig(num_shards=3, memory_bytes=1 << 20)
+    client = KVCacheClient.in_process(config, MODEL)
+    hashes = list(range(1, 12))
+    client.put_pages([(h, [kv(2 * h), kv(2 * h + 1)], kv(h)[:256]) for h in hashes])
+    shard = client.shards[shard_of_page(4, 3)]
+    shard.stores["index"].memory.get(index_key(MODEL.key, 4)).payload[0] ^= 1  # flip a bit in place
+    asked = [9, 4, 100, *hashes]  # 4 is corrupt, 100 was never stored
+    out = np.full((len(asked), 256), 7, dtype=np.uint8)
+    fetch = client.get_index_packed_async(asked, out)
+    ok = fetch.result()
+    assert ok == [h not in (4, 100) for h in asked]
+    assert sorted(fetch.rows.tolist()) == list(range(len(asked)))  # every item has its own row
+    for item, h in enumerate(asked):
+        row = out[fetch.rows[item]]
+        if ok[item]:
+            np.testing.assert_array_equal(row, kv(h)[:256])
+        else:
+            assert not row.any()  # never the bytes of a bad page
+    requests = [(h, layer) for h in hashes for layer in (0, 1)]
+    kv_out = np.empty((len(requests), kv(0).nbytes), dtype=np.uint8)
+    fetch = client.get_kv_packed_async(requests, kv_out)
+    assert all(fetch.result())
+    for item, (h, layer) in enumerate(requests):
+        np.testing.assert_array_equal(kv_out[fetch.rows[item]], kv(2 * h + layer))
+
+
+def test_packed_reads_refuse_a_buffer_of_the_wrong_shape_or_row_size():
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=1 << 20), MODEL)
+    client.put_pages([(1, None, kv(1)[:256])])
+    with pytest.raises(ValueError, match=r"out must be a uint8 array \[1, row bytes\], got uint8 \(2, 256\)"):
+        client.get_index_packed_async([1], np.empty((2, 256), np.uint8))
+    with pytest.raises(ValueError, match="has 256 bytes; the reader's layout needs 128"):
+        client.get_index_packed_async([1], np.empty((1, 128), np.uint8)).result()

@@ -96,6 +96,13 @@ def test_round_trip_and_shard_routing(shared):
         np.testing.assert_array_equal(payload, index(h))
     assert client.get_kv([(999, 0)]) == [None]
     assert client.has_pages([hashes[0], 999]) == [True, False]
+    # packed reads through Ray: each shard's rows come back as one array, placed by the client
+    asked = [*hashes, 999]
+    out = np.zeros((len(asked), index(0).nbytes), dtype=np.uint8)
+    fetch = client.get_index_packed_async(asked, out)
+    assert fetch.result() == [True] * len(hashes) + [False]
+    for item, h in enumerate(hashes):
+        np.testing.assert_array_equal(out[fetch.rows[item]], index(h))
     for shard in range(3):  # each page lives on exactly hash % num_shards
         only = KVCacheClient([shards[shard]], MODEL)  # asks this one shard alone
         for h in hashes:

@@ -23,3 +23,21 @@ def test_a_payload_of_the_wrong_size_is_refused_by_name():
     payloads = [np.zeros(48, dtype=np.uint8), np.zeros(40, dtype=np.uint8)]
     with pytest.raises(ValueError, match="K\\+V payload has 40 bytes; the layout of tiny needs 48"):
         list(to_device_chunks(payloads, 48, torch.device("cpu"), "K+V", "tiny"))
+
+
+def test_upload_ring_hands_out_its_buffers_round_robin_and_grows_for_a_large_row():
+    from msaserve.kvcache.staging import UploadRing
+
+    ring = UploadRing(torch.device("cpu"), buffer_bytes=1024, count=3)
+    assert ring.rows_per_buffer(100) == 10
+    slots = []
+    for value in range(4):
+        slot, host = ring.acquire(10, 100)
+        host[:] = value
+        slots.append(slot)
+        chunk = ring.upload(slot, 10, 100)
+        assert chunk.shape == (10, 100) and bool((chunk == value).all())
+    assert slots == [0, 1, 2, 0]
+    with pytest.raises(ValueError, match="11 rows of 100 bytes exceed the ring's 1024-byte buffers"):
+        ring.acquire(11, 100)
+    assert ring.rows_per_buffer(4096) == 1 and ring.buffer_bytes == 4096
