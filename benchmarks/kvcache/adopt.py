@@ -170,11 +170,11 @@ def full_copy(client, model, ops, capacity: int, session: str) -> tuple[int, flo
                     layer, pages = targets[i]
                     if not all(ok):
                         raise RuntimeError(f"full copy: a page of layer {layer} is missing from the service")
-                    rows = physical[pages.start : pages.stop]
+                    chunk, items = upload(len(pages))
                     if layer is None:
-                        codec.scatter_index(caches, rows, upload(len(pages)))
+                        codec.scatter_index(caches, physical[pages.start + items], chunk)
                     else:
-                        codec.scatter_kv(caches[layer], rows, upload(len(pages)))
+                        codec.scatter_kv(caches[layer], physical[pages.start + items], chunk)
                     moved += len(pages) * units[i][0]
         covered = record.num_stored_tokens
         with torch.inference_mode():

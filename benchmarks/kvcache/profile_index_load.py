@@ -9,6 +9,7 @@ import cProfile
 import pstats
 import sys
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +26,18 @@ from msaserve.models.cache import allocate_caches
 from msaserve.models.presets import get_preset
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def pipelined(groups, fetch, depth: int = 2):
+    """The index load before packed reads (git 4755ee2): (group, fetch(group)) in order, up to
+    `depth` later groups' fetches started ahead; each group's payloads then imported one by one."""
+    pending = deque()
+    for group in groups:
+        pending.append((group, fetch(group)))
+        if len(pending) > depth:
+            yield pending.popleft()
+    while pending:
+        yield pending.popleft()
 
 
 def sync() -> None:
@@ -72,7 +85,7 @@ def main() -> None:
     def pipelined_load(depth: int = 2, size: int = adoption.INDEX_GROUP_PAGES) -> None:  # as load_index
         groups = [range(i, min(i + size, n)) for i in range(0, n, size)]
         fetch = lambda r: client.get_index_async([hashes[q] for q in r])  # noqa: E731
-        for group, pending in adoption.pipelined(groups, fetch, depth):
+        for group, pending in pipelined(groups, fetch, depth):
             codec.import_index(caches, list(group), pending.result())
 
     best_of("pipelined load (per-page payloads, before)", pipelined_load)
@@ -91,7 +104,8 @@ def main() -> None:
         with ring.lock:
             for i, _, upload in adoption.load_packed(ring, units):
                 group = groups[i]
-                codec.scatter_index(caches, physical[group.start : group.stop], upload(len(group)))
+                chunk, items = upload(len(group))
+                codec.scatter_index(caches, physical[group.start + items], chunk)
 
     best_of("packed load (as load_index)", packed_load)
     shard_pages = [hashes[i::4] for i in range(4)]

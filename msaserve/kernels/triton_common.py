@@ -128,7 +128,7 @@ _lse_merge_tuned = triton.autotune(
     key=["NUM_PARTS", "G", "D"],
 )(_lse_merge_kernel)
 TUNED_MERGE_MIN_ROWS = 1 << 16
-"""Partial rows from which a merge is autotuned (a 16K-token chunk at the M3 shape has 1M)."""
+"""Partial rows from which a merge is autotuned (a 16K-token chunk at the M3 shape has 65,536)."""
 
 
 def lse_merge(

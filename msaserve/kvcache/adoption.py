@@ -21,7 +21,6 @@ import dataclasses
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from typing import TypeVar
 
 import numpy as np
 import torch
@@ -37,35 +36,19 @@ from msaserve.models.metadata import AttentionMetadata
 INDEX_GROUP_PAGES = 512
 """Pages per index read while adopting (32 MiB at the M3 shape with 2 layers)."""
 
-G = TypeVar("G")
-F = TypeVar("F")
-
-
-def pipelined(groups: Sequence[G], fetch: Callable[[G], F], depth: int = 2) -> Iterator[tuple[G, F]]:
-    """Yield (group, fetch(group)) in order, with up to `depth` later groups' fetches already
-    started when a group is handed out (so the service reads while the caller imports)."""
-    pending: deque[tuple[G, F]] = deque()
-    upcoming = iter(groups)
-    for group in upcoming:
-        pending.append((group, fetch(group)))
-        if len(pending) > depth:
-            yield pending.popleft()
-    while pending:
-        yield pending.popleft()
-
-
 PackedUnit = tuple[int, int, Callable[[np.ndarray], PackedFetch]]
 """One read of a bulk load: (row bytes, rows, start(out [rows, row bytes]) → its PackedFetch)."""
 
 
 def load_packed(ring: staging.UploadRing, units: Sequence[PackedUnit], depth: int = 2
-                ) -> Iterator[tuple[int, list[bool], Callable[[int], torch.Tensor]]]:
+                ) -> Iterator[tuple[int, list[bool], Callable[[int], tuple[torch.Tensor, torch.Tensor]]]]:
     """Run the units' packed reads into the ring's buffers, up to `depth` reads ahead of the one
-    handed out. Yields (unit index, ok per item, rows(n) → the rows of items 0..n-1 on the
-    device [n, row bytes]) in order; the buffer is copied to the device once, at the first call.
-    The caller holds `ring.lock`; close the generator (or run it to the end) before releasing
-    it: every read started is awaited then, since in-process shards write into the buffers until
-    their call returns."""
+    handed out. Yields (unit index, ok per item, rows(n)) in order; rows(n) copies the buffer to
+    the device (once) and returns (chunk [m, row bytes], items [m]): the rows holding items
+    0..n-1 and the item each holds (all rows, in buffer order, without a gather when n is every
+    item). The caller holds `ring.lock`; close the generator (or run it to the end) before
+    releasing it: every read started is awaited then, since in-process shards write into the
+    buffers until their call returns."""
     started: deque[tuple[int, int, PackedFetch]] = deque()
     following = iter(range(len(units)))
 
@@ -76,17 +59,19 @@ def load_packed(ring: staging.UploadRing, units: Sequence[PackedUnit], depth: in
             slot, host = ring.acquire(rows, row_bytes)
             started.append((i, slot, start(host)))
 
-    def on_device(slot: int, row_bytes: int, fetch: PackedFetch) -> Callable[[int], torch.Tensor]:
+    def on_device(slot: int, row_bytes: int, fetch: PackedFetch
+                  ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor]]:
         uploaded: list[torch.Tensor] = []
 
-        def rows(n: int) -> torch.Tensor:
+        def rows(n: int) -> tuple[torch.Tensor, torch.Tensor]:
             if not uploaded:
-                uploaded.append(ring.upload(slot, len(fetch.rows), row_bytes))
-            chunk = uploaded[0]
-            order = fetch.rows[:n]
-            if (order == np.arange(n)).all():
-                return chunk[:n]
-            return chunk.index_select(0, torch.as_tensor(order, device=chunk.device))
+                uploaded.append(ring.upload(slot, len(fetch.items), row_bytes))
+            chunk, device = uploaded[0], uploaded[0].device
+            if n == len(fetch.items):
+                return chunk, torch.as_tensor(fetch.items, device=device)
+            keep = np.flatnonzero(fetch.items < n)
+            return (chunk.index_select(0, torch.as_tensor(keep, device=device)),
+                    torch.as_tensor(fetch.items[keep], device=device))
 
         return rows
 
@@ -165,8 +150,8 @@ class LazyPageFetcher:
                         pages = groups[i]
                         intact = next((k for k, good in enumerate(ok) if not good), len(ok))
                         if intact:
-                            rows = physical[pages.start : pages.start + intact]
-                            self.codec.scatter_index(self.caches, rows, upload(intact))
+                            chunk, items = upload(intact)
+                            self.codec.scatter_index(self.caches, physical[pages.start + items], chunk)
                         usable += intact
                         self.stats.index_bytes += intact * row_bytes
                         if intact < len(ok):

@@ -84,6 +84,9 @@ class PackedFetch(PendingFetch):
         self.rows = np.empty(size, dtype=np.int64)
         for (_, positions), segment in zip(futures, segments, strict=True):
             self.rows[positions] = np.arange(segment.start, segment.stop)
+        self.items = np.empty(size, dtype=np.int64)
+        """The request item in each row (the inverse of `rows`)."""
+        self.items[self.rows] = np.arange(size)
 
     def result(self, timeout_s: float | None = None) -> list[bool]:  # type: ignore[override]
         ok = [False] * self._size
@@ -148,8 +151,8 @@ class KVCacheClient:
         return self._per_shard("get_index", list(page_hashes), list(page_hashes))
 
     def get_index_packed_async(self, page_hashes: Sequence[int], out: np.ndarray) -> PackedFetch:
-        """Index payloads into the rows of out [n, index payload bytes] (row i = page i), verified;
-        the bulk path of adoption. Leave `out` alone until `result()` returned."""
+        """Index payloads, verified, into the rows of out [n, index payload bytes] (page i in row
+        `fetch.rows[i]`); the bulk path of adoption. Leave `out` alone until `result()` returned."""
         hashes = list(page_hashes)
         return self._packed("get_index_packed", hashes, hashes, out)
 
