@@ -2,6 +2,7 @@
 
 import itertools
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -160,10 +161,14 @@ def test_memory_cap_holds_under_load_through_the_service(service):
                 assert s[store]["memory_bytes"] <= s[store]["memory_capacity"]
     assert sum(s["kv"]["evictions_dropped"] for s in client.stats()) > 0
     # a dead shard is an error naming the service, not a hang (no_restart: a restarted shard
-    # would answer "missing" instead, depending on how fast it comes back)
+    # would answer "missing" instead, depending on how fast it comes back). ray.kill is
+    # asynchronous: a call racing it may still be answered, so ask until the death is seen.
     ray.kill(shards[0], no_restart=True)
+    deadline = time.monotonic() + 30
     with pytest.raises(ServiceUnavailable, match="did not answer"):
-        client.get_kv([(399, 0)])
+        while time.monotonic() < deadline:
+            client.get_kv([(399, 0)])
+            time.sleep(0.05)
 
 
 # ---- a session moved between two replicas (the tiny model, real ops) ----------------------------
