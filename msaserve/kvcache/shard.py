@@ -115,9 +115,7 @@ class KVCacheShard:
         (through Ray: one object per call instead of one per page). The pages are checksummed, then
         copied in one call that releases the GIL (other shards verify meanwhile). Returns (the new
         array or None, ok per key); the row of a missing or corrupt page is zeros."""
-        start = time.perf_counter()
-        store = self.stores[store_name]
-        payloads = store.get_many(keys)
+        payloads = self._get(store_name, keys)
         for key, payload in zip(keys, payloads, strict=True):
             if payload is not None and payload.nbytes != row_bytes:
                 raise ValueError(f"page {key!r} has {payload.nbytes} bytes; the reader's layout needs "
@@ -129,9 +127,6 @@ class KVCacheShard:
         packed = np.empty((len(keys), row_bytes), dtype=np.uint8) if out is None else None
         if keys:
             np.stack(payloads, out=packed if out is None else out)
-        if self.metrics is not None:
-            self.metrics.observe_fetch(store_name, time.perf_counter() - start)
-        self._publish()
         return packed, ok
 
     def _get(self, store_name: str, keys: list[str]) -> list[Payload | None]:
