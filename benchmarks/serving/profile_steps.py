@@ -41,7 +41,7 @@ class StepClock:
         self._wrap(engine.runner, "forward", "forward")
         self._wrap(engine.runner.model, "compute_logits", "logits")
         self._wrap(engine, "sampler", "sample")
-        original = runner_module.build_step_inputs
+        original = self._original_inputs = runner_module.build_step_inputs
 
         def inputs(*args, **kwargs):
             out = original(*args, **kwargs)
@@ -61,6 +61,11 @@ class StepClock:
             return out
 
         engine.step = timed_step
+
+    def close(self) -> None:
+        """Give the runner module its own build_step_inputs back (the next clock wraps that, not
+        this one's wrapper, whose extra sync would land in the next backend's step times)."""
+        runner_module.build_step_inputs = self._original_inputs
 
     def _sync(self) -> None:
         if self.device == "cuda":
@@ -166,6 +171,7 @@ def main() -> int:
         if args.torch_profile_s > 0:
             profile_kernels(engine, vocab, sizes, args, backend)
         report[backend] = summary
+        clock.close()
         del engine, clock
         torch.cuda.empty_cache() if ns.device == "cuda" else None
     print(f"\nagentic c{args.level}, {sizes.preset} {args.layers} layers, {args.window_s:g} s window, "
