@@ -13,6 +13,7 @@ as read-only uint8 arrays mapped from the object store.
 Without Ray: `KVCacheClient.in_process(config, model)` runs the shards in this process.
 """
 
+import contextlib
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -20,14 +21,16 @@ from typing import Any
 
 import numpy as np
 
-from msaserve.kvcache.codec import Payload
+from msaserve.kvcache.codec import Payload, copy_rows
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.keys import ModelIdentity, shard_of_page, shard_of_session
 from msaserve.kvcache.session import SessionRecord
 from msaserve.kvcache.shard import KVCacheShard, PageUpload
 from msaserve.kvcache.transport import LocalTransport, RayTransport, ServiceUnavailable, Transport
 
-__all__ = ["KVCacheClient", "PackedFetch", "PendingFetch", "ServiceUnavailable", "start_shards"]
+__all__ = [
+    "KVCacheClient", "PackedFetch", "PendingFetch", "PendingReply", "ServiceUnavailable", "start_shards",
+]
 
 
 def start_shards(config: ServiceConfig, detached: bool = False) -> list[Any]:
@@ -72,6 +75,19 @@ class PendingFetch:
         return out
 
 
+class PendingReply:
+    """One call in flight; `result()` waits and returns its reply."""
+
+    def __init__(self, transport: Transport, future: Any) -> None:
+        self._transport, self._future = transport, future
+
+    def done(self) -> bool:
+        return self._transport.all_done([self._future])
+
+    def result(self, timeout_s: float | None = None) -> Any:
+        return self._transport.gather([self._future], timeout_s)[0]
+
+
 class PackedFetch(PendingFetch):
     """Packed reads in flight. Each shard's items fill consecutive rows of `out` (shard by shard):
     `rows[i]` is the row of request item i. `result()` waits until every row is written and
@@ -90,12 +106,14 @@ class PackedFetch(PendingFetch):
 
     def result(self, timeout_s: float | None = None) -> list[bool]:  # type: ignore[override]
         ok = [False] * self._size
+        copies = []
         replies = zip(self._futures, self._segments, self.replies(timeout_s), strict=True)
         for (_, positions), segment, (packed, flags) in replies:
             if packed is not None:  # a shard in another process: its rows come back as one array
-                self.out[segment] = packed
+                copies.append((packed, self.out[segment]))
             for pos, flag in zip(positions, flags, strict=True):
                 ok[pos] = flag
+        copy_rows(copies)
         return ok
 
 
@@ -195,10 +213,30 @@ class KVCacheClient:
         )
 
     def get_session(self, session_id: str) -> SessionRecord:
-        """The record; raises SessionNotFound, or IncompatibleModel if another model wrote it."""
-        record = self._session_call(session_id, "session_get", session_id)
+        """The record; raises SessionNotFound, or IncompatibleModel if another model wrote it.
+        Its token ids travel as one int64 array (a list of a million ints pickles and unpickles
+        in tens of ms), fetched beside the rest of the record."""
+        tokens = self.get_session_tokens_async(session_id)
+        try:
+            record = self.get_session_head(session_id)
+        except BaseException:
+            with contextlib.suppress(Exception):  # the same error: collect it (Ray warns otherwise)
+                tokens.result()
+            raise
+        record.token_ids, record.tokens_omitted = tokens.result().tolist(), False
+        return record
+
+    def get_session_head(self, session_id: str) -> SessionRecord:
+        """The record without its token ids (token_ids empty, tokens_omitted=True): what adoption
+        needs to start loading the index. Raises like `get_session`."""
+        record = self._session_call(session_id, "session_head", session_id)
         self.model.check_compatible(record.model, f"session {session_id!r}")
         return record
+
+    def get_session_tokens_async(self, session_id: str) -> "PendingReply":
+        """The session's token ids, as an int64 array, read in the background."""
+        shard = self.shards[shard_of_session(session_id, self.num_shards)]
+        return PendingReply(self.transport, self.transport.submit(shard, "session_tokens", session_id))
 
     def delete_session(self, session_id: str) -> bool:
         """Forget a session (True if the service held it). Its pages stay (other sessions may share
@@ -216,7 +254,7 @@ class KVCacheClient:
 
     def set_session_pinned(self, session_id: str, pinned: bool) -> None:
         """Pin a live session's pages (never evicted) or release them to LRU eviction."""
-        record = self._session_call(session_id, "session_get", session_id)
+        record = self._session_call(session_id, "session_head", session_id)
         if record.pinned != pinned:
             self._session_call(session_id, "session_set_pinned", session_id, pinned)
             if record.model == self.model:
@@ -227,7 +265,7 @@ class KVCacheClient:
         live in shard memory; the pinned flag is on disk). Returns the sessions re-pinned."""
         count = 0
         for session_id in self.list_sessions():
-            record = self._session_call(session_id, "session_get", session_id)
+            record = self._session_call(session_id, "session_head", session_id)
             if record.pinned and record.model == self.model:
                 self.pin_pages(record.page_hashes)
                 count += 1

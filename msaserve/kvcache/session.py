@@ -47,6 +47,9 @@ class SessionRecord:
     """Key (a page hash, unique per write) of the partial last page's index-K and K/V, if stored."""
     tail_tokens: int = 0
     """Tokens of the partial last page held by the tail payload (the rest are recomputed)."""
+    tokens_omitted: bool = False
+    """True on a record fetched without its token ids (`KVCacheClient.get_session_head`):
+    token_ids is then empty, and `get_session_tokens_async` fetches them. Never stored."""
 
     @property
     def num_stored_tokens(self) -> int:
@@ -93,6 +96,7 @@ class SessionStore:
         self.corruptions = 0
         self.evictions = 0
         self._records: OrderedDict[str, SessionRecord] = OrderedDict()  # least recently updated first
+        self._token_arrays: dict[str, _TokenArray] = {}
         if self.path is not None:
             self.path.mkdir(parents=True, exist_ok=True)
             self._load_all()
@@ -106,12 +110,25 @@ class SessionStore:
             raise SessionNotFound(f"session {session_id!r} is not in the KV cache service")
         return record
 
+    def tokens(self, session_id: str) -> np.ndarray:
+        """The session's token ids as an int64 array (read-only view; one buffer to send instead
+        of a list of Python ints, which pickles and unpickles at ~10 M ints/s)."""
+        record = self.get(session_id)
+        array = self._token_arrays.get(session_id)
+        if array is None or len(array) != len(record.token_ids):  # a caller's record object grew
+            array = self._token_arrays[session_id] = _TokenArray(record.token_ids)
+        return array.view()
+
     def session_ids(self) -> list[str]:
         return sorted(self._records)
 
     def put(self, record: SessionRecord) -> None:
         """Create or replace a session (replacing rewrites its files)."""
+        if record.tokens_omitted:
+            raise ValueError(f"session {record.session_id!r}: a record fetched without its token ids "
+                             "(tokens_omitted=True) cannot be stored; fetch the whole record")
         record.updated_at = time.time()
+        self._token_arrays[record.session_id] = _TokenArray(record.token_ids)
         self._records[record.session_id] = record
         self._records.move_to_end(record.session_id)
         self._evict_beyond_limit(keep=record.session_id)
@@ -135,7 +152,11 @@ class SessionStore:
         tail: (tail_hash, tail_tokens) replaces the stored partial last page, if given."""
         record = self.get(session_id)
         old_tokens, old_pages = len(record.token_ids), len(record.page_hashes)
+        array = self._token_arrays.get(session_id)
+        if array is None or len(array) != old_tokens:
+            array = self._token_arrays[session_id] = _TokenArray(record.token_ids)
         record.token_ids.extend(int(t) for t in token_ids)
+        array.extend(record.token_ids[old_tokens:])
         record.page_hashes.extend(int(h) for h in page_hashes)
         if sampling_state is not None:
             record.sampling_state = dict(sampling_state)
@@ -167,6 +188,7 @@ class SessionStore:
 
     def delete(self, session_id: str) -> SessionRecord | None:
         record = self._records.pop(session_id, None)
+        self._token_arrays.pop(session_id, None)
         if self.path is not None:
             shutil.rmtree(self._dir(session_id), ignore_errors=True)
         return record
@@ -189,7 +211,7 @@ class SessionStore:
 
     def _write(self, record: SessionRecord, old_tokens: int, old_pages: int) -> None:
         directory = self._dir(record.session_id)
-        new_tokens = np.asarray(record.token_ids[old_tokens:], np.int64)
+        new_tokens = self.tokens(record.session_id)[old_tokens:]
         new_pages = np.asarray(record.page_hashes[old_pages:], np.uint64)
         _append_array(directory / "tokens.bin", old_tokens * 8, new_tokens)
         _append_array(directory / "pages.bin", old_pages * 8, new_pages)
@@ -201,7 +223,7 @@ class SessionStore:
 
     def _write_meta(self, record: SessionRecord) -> None:
         directory = self._dir(record.session_id)
-        tokens = np.asarray(record.token_ids, np.int64).tobytes()
+        tokens = self.tokens(record.session_id)
         pages = np.asarray(record.page_hashes, np.uint64).tobytes()
         meta = {
             "version": 1, "session_id": record.session_id, "model": record.model.as_dict(),
@@ -263,3 +285,30 @@ def _load_one(directory: Path) -> SessionRecord | None:
         sampling_state=meta["sampling_state"], pinned=meta["pinned"], updated_at=meta["updated_at"],
         tail_hash=meta.get("tail_hash"), tail_tokens=meta.get("tail_tokens", 0),
     )
+
+
+class _TokenArray:
+    """A session's token ids as a growable int64 array, kept beside the record's list."""
+
+    def __init__(self, token_ids: list[int] | np.ndarray) -> None:
+        values = np.asarray(token_ids, dtype=np.int64)
+        self._buffer = np.empty(max(16, len(values)), dtype=np.int64)
+        self._buffer[: len(values)] = values
+        self._size = len(values)
+
+    def __len__(self) -> int:
+        return self._size
+
+    def extend(self, token_ids: list[int]) -> None:
+        end = self._size + len(token_ids)
+        if end > len(self._buffer):
+            grown = np.empty(max(end, 2 * len(self._buffer)), dtype=np.int64)
+            grown[: self._size] = self._buffer[: self._size]
+            self._buffer = grown
+        self._buffer[self._size : end] = token_ids
+        self._size = end
+
+    def view(self) -> np.ndarray:
+        view = self._buffer[: self._size]
+        view.flags.writeable = False
+        return view

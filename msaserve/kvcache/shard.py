@@ -6,6 +6,7 @@ as a Ray actor. Pages live on shard `page_hash % num_shards`, sessions on
 Ray moves through its object store (readers on the node map them zero-copy).
 """
 
+import dataclasses
 import functools
 import time
 from collections.abc import Sequence
@@ -151,6 +152,14 @@ class KVCacheShard:
 
     def session_get(self, session_id: str) -> SessionRecord:
         return self.sessions.get(session_id)
+
+    def session_head(self, session_id: str) -> SessionRecord:
+        """The record without its token ids (tokens_omitted=True): page hashes, tail, state."""
+        return dataclasses.replace(self.sessions.get(session_id), token_ids=[], tokens_omitted=True)
+
+    def session_tokens(self, session_id: str) -> np.ndarray:
+        """The session's token ids as one int64 array (a copy: callers in this process may keep it)."""
+        return self.sessions.tokens(session_id).copy()
 
     def session_set_pinned(self, session_id: str, pinned: bool) -> SessionRecord:
         return self.sessions.set_pinned(session_id, pinned)

@@ -10,38 +10,26 @@ order. On CPU the chunks are plain host arrays.
 """
 
 import itertools
-import os
 import threading
 from collections.abc import Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
 
-from msaserve.kvcache.codec import Payload, as_payload
+from msaserve.kvcache.codec import PACK_THREADS, Payload, as_payload, pack_pool
 
 CHUNK_BYTES = 32 << 20
 """Size of each of the two pinned buffers per device (a page larger than this gets its own size)."""
 
 
-PACK_THREADS = max(1, min(8, (os.cpu_count() or 1) // 2))
-"""Threads packing one chunk (numpy's copies release the GIL; one core's memcpy into pinned memory
-measured ~3 GB/s on the H200's host, below the host→device link)."""
-
-_packers: ThreadPoolExecutor | None = None
-
-
 def _pack(arrays: Sequence[np.ndarray], out: np.ndarray) -> None:
     """Copy arrays (each out.shape[1] bytes) into the rows of out, in slices on PACK_THREADS threads."""
-    global _packers
     rows = len(arrays)
     if PACK_THREADS == 1 or rows < 2 * PACK_THREADS:
         np.stack(arrays, out=out)
         return
-    if _packers is None:
-        _packers = ThreadPoolExecutor(PACK_THREADS, thread_name_prefix="kvcache-pack")
     bounds = [rows * i // PACK_THREADS for i in range(PACK_THREADS + 1)]
-    jobs = [_packers.submit(np.stack, arrays[a:b], out=out[a:b]) for a, b in itertools.pairwise(bounds)]
+    jobs = [pack_pool().submit(np.stack, arrays[a:b], out=out[a:b]) for a, b in itertools.pairwise(bounds)]
     for job in jobs:
         job.result()
 

@@ -125,3 +125,28 @@ def test_packed_reads_refuse_a_buffer_of_the_wrong_shape_or_row_size():
         client.get_index_packed_async([1], np.empty((2, 256), np.uint8))
     with pytest.raises(ValueError, match="has 256 bytes; the reader's layout needs 128"):
         client.get_index_packed_async([1], np.empty((1, 128), np.uint8)).result()
+
+
+def test_session_head_and_tokens_are_the_record_split_in_two(tmp_path):
+    config = ServiceConfig(num_shards=2, memory_bytes=1 << 20, disk_path=str(tmp_path), disk_bytes=1 << 22)
+    client = KVCacheClient.in_process(config, MODEL)
+    client.put_session(SessionRecord("s", MODEL, token_ids=[9, 8, 7, 6, 5], page_hashes=[3], tail_hash=11,
+                                     tail_tokens=1))
+    client.append_session("s", [4, 3, 2], [12], tail=(None, 0))
+    tokens = client.get_session_tokens_async("s")
+    head = client.get_session_head("s")
+    assert head.tokens_omitted and head.token_ids == [] and head.page_hashes == [3, 12]
+    assert head.tail_hash is None and head.num_stored_tokens == 8
+    got = tokens.result()
+    assert got.dtype == np.int64 and got.tolist() == [9, 8, 7, 6, 5, 4, 3, 2]
+    got[0] = -1  # the caller's copy: the service's tokens stay as they were
+    whole = client.get_session("s")
+    assert whole.token_ids == [9, 8, 7, 6, 5, 4, 3, 2] and not whole.tokens_omitted
+    restarted = KVCacheClient.in_process(config, MODEL)  # tokens read back from disk
+    assert restarted.get_session_tokens_async("s").result().tolist() == [9, 8, 7, 6, 5, 4, 3, 2]
+    with pytest.raises(ValueError, match="tokens_omitted"):  # a head is never stored back
+        client.put_session(head)
+    with pytest.raises(SessionNotFound):
+        client.get_session("nobody")
+    with pytest.raises(SessionNotFound):
+        client.get_session_tokens_async("nobody").result()

@@ -105,3 +105,17 @@ def test_a_new_record_is_kept_even_when_every_other_one_is_pinned(tmp_path):
     store.put(record("c"))  # over the limit, but nothing else may go: c stays, files and all
     assert store.session_ids() == ["a", "b", "c"] and store.evictions == 0
     assert SessionStore(tmp_path, max_sessions=3).get("c").token_ids == [1, 2, 3, 4, 5]
+
+
+def test_token_array_follows_appends_and_grows(tmp_path):
+    store = SessionStore(tmp_path)
+    record = SessionRecord("g", MODEL, token_ids=list(range(10)))
+    store.put(record)
+    for start in range(10, 200, 7):  # many appends: the array grows past its first buffer
+        store.append("g", list(range(start, start + 7)), [])
+    want = list(range(10)) + [t for start in range(10, 200, 7) for t in range(start, start + 7)]
+    view = store.tokens("g")
+    assert view.tolist() == want and not view.flags.writeable
+    record.token_ids.append(-5)  # a caller in this process grew the stored record's list itself
+    assert store.tokens("g").tolist() == [*want, -5]
+    assert SessionStore(tmp_path).tokens("g").tolist() == want  # the disk holds what was appended

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+from msaserve.kvcache.codec import copy_rows
 from msaserve.kvcache.staging import to_device_chunks
 
 
@@ -41,3 +42,17 @@ def test_upload_ring_hands_out_its_buffers_round_robin_and_grows_for_a_large_row
     with pytest.raises(ValueError, match="11 rows of 100 bytes exceed the ring's 1024-byte buffers"):
         ring.acquire(11, 100)
     assert ring.rows_per_buffer(4096) == 1 and ring.buffer_bytes == 4096
+
+
+def test_copy_rows_fills_every_destination_in_parallel_slices():
+    rng = np.random.default_rng(0)
+    pairs = [(rng.integers(0, 256, (rows, 4096), dtype=np.uint8), np.zeros((rows, 4096), np.uint8))
+             for rows in (1, 700, 2048)]  # 11 MiB in all: above the threshold for the copy threads
+    copy_rows(pairs)
+    for src, dst in pairs:
+        np.testing.assert_array_equal(dst, src)
+    small = [(np.arange(12, dtype=np.uint8).reshape(3, 4), np.zeros((3, 4), np.uint8))]
+    copy_rows(small)
+    np.testing.assert_array_equal(small[0][1], small[0][0])
+    with pytest.raises(ValueError, match="differ"):
+        copy_rows([(np.zeros((2, 4), np.uint8), np.zeros((3, 4), np.uint8))])
