@@ -55,7 +55,8 @@ def sizes_for(args: argparse.Namespace) -> Sizes:
 
 
 def build_engine(args: argparse.Namespace, sizes: Sizes, backend: str, max_model_len: int,
-                 max_num_seqs: int, chunk: int, exact_pages: bool = False) -> LLMEngine:
+                 max_num_seqs: int, chunk: int, exact_pages: bool = False, decode_steps: int = 1
+                 ) -> LLMEngine:
     """exact_pages: a pool of exactly what max_num_seqs × max_model_len needs (no planning from
     free HBM, hence no profiling forward pass, which at 1M dense tokens would take minutes)."""
     overrides = {"num_layers": args.layers} if sizes.preset == "m3-proxy" else {}
@@ -65,7 +66,7 @@ def build_engine(args: argparse.Namespace, sizes: Sizes, backend: str, max_model
         model=sizes.preset, model_overrides=overrides, device=args.device,
         dtype="bfloat16" if args.device == "cuda" else "float32", attention_backend=backend,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=chunk, max_model_len=max_model_len,
-        max_waiting=10_000, cuda_graphs=args.device == "cuda",
+        max_waiting=10_000, cuda_graphs=args.device == "cuda", decode_steps=decode_steps,
         num_pages=None if args.device == "cuda" and not exact_pages else needed,
     )
     return LLMEngine(config)

@@ -155,6 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="measurement window per (backend, level) of the traffic parts (default: GPU "
                         "25 s, 8 s with --quick; CPU none: a fixed set of sessions run to the end; 0: none)")
     parser.add_argument("--trace", default=TRACE)
+    parser.add_argument("--decode-steps", type=int, default=1,
+                        help="EngineConfig.decode_steps of the traffic engines, both backends alike")
     parser.add_argument("--cpu-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads, the same for both sides "
                         "(default 1: on a shared 2-core machine OpenMP spin-waits made 2 threads 30× slower)")

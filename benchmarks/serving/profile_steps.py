@@ -148,16 +148,18 @@ def main() -> int:
     parser.add_argument("--window-s", type=float, default=10.0)
     parser.add_argument("--backends", nargs="+", default=["msa", "dense"])
     parser.add_argument("--output", default=None)
+    parser.add_argument("--decode-steps", type=int, default=1, help="EngineConfig.decode_steps")
     parser.add_argument("--torch-profile-s", type=float, default=0.0,
                         help="then run this long under torch.profiler and print the top GPU kernels")
     args = parser.parse_args()
     ns = argparse.Namespace(device="cuda" if torch.cuda.is_available() else "cpu", quick=False,
                             layers=args.layers, session_len=None, mooncake_requests=None,
-                            window_s=args.window_s)
+                            window_s=args.window_s, decode_steps=args.decode_steps)
     sizes = sizes_for(ns)
     report: dict[str, dict] = {}
     for backend in args.backends:
-        engine = build_engine(ns, sizes, backend, sizes.max_model_len, max(args.level, 2), sizes.chunk)
+        engine = build_engine(ns, sizes, backend, sizes.max_model_len, max(args.level, 2), sizes.chunk,
+                              decode_steps=args.decode_steps)
         vocab = prompt_vocab(engine)
         run_closed_loop(engine, agentic_stream(vocab, 99, sizes.prefix_len, sizes.append, sizes.output,
                                                sizes.turns), 2, sizes.warmup_s or 3.0)

@@ -80,7 +80,8 @@ def _run_level(args: argparse.Namespace, sizes: Sizes, engine: LLMEngine, name: 
 
 
 def _engine(args: argparse.Namespace, sizes: Sizes, backend: str, levels: tuple[int, ...]) -> LLMEngine:
-    return build_engine(args, sizes, backend, sizes.max_model_len, max(levels), sizes.chunk)
+    return build_engine(args, sizes, backend, sizes.max_model_len, max(levels), sizes.chunk,
+                        decode_steps=args.decode_steps)
 
 
 def part_traffic(args: argparse.Namespace, sizes: Sizes, report: Report, names: list[str]) -> None:

@@ -47,6 +47,12 @@ class EngineConfig:
     """auto (the model dtype), bf16, or fp8 (with per-key scales)."""
     cuda_graphs: bool = True
     """Capture decode steps as CUDA graphs per batch size (GPU only; ignored on CPU)."""
+    decode_steps: int = 1
+    """Decode steps per scheduling round (1–64). Above 1, a decode-only batch of greedy requests
+    runs up to this many steps back to back on the device, each step's tokens fed to the next
+    there, with one host synchronisation per round: the host's per-step work (scheduling, step
+    inputs, outputs) is paid once per round. Tokens are the same; they stream in bursts, and a
+    request arriving meanwhile waits for the round to end."""
     swap_space_bytes: int = 4 << 30
     """Host memory for pages of preempted sequences; when full, preemption recomputes instead."""
     seed: int = 0
@@ -66,6 +72,9 @@ class EngineConfig:
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"EngineConfig.{name}={value!r} is invalid: allowed an integer ≥ 1")
+        if not isinstance(self.decode_steps, int) or not 1 <= self.decode_steps <= 64:
+            raise ValueError(f"EngineConfig.decode_steps={self.decode_steps!r} is invalid: "
+                             "allowed an integer from 1 to 64")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages!r} is invalid: allowed None or ≥ 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:

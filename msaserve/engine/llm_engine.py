@@ -15,7 +15,7 @@ from msaserve.engine.memory import model_dtype
 from msaserve.engine.model_runner import ModelRunner
 from msaserve.engine.output import RequestOutputTracker, now
 from msaserve.engine.sampler import Sampler
-from msaserve.engine.scheduler import Scheduler
+from msaserve.engine.scheduler import ScheduledBatch, Scheduler
 from msaserve.engine.sequence import Sequence
 from msaserve.engine.sessions import EngineSessions, fetching_ops
 from msaserve.engine.swap import CachePageIO, EvictedPageSink, HostPageStore, PageStore, Swapper
@@ -182,6 +182,9 @@ class LLMEngine:
         if not batch.seqs:
             return []
         wrap = self.sessions.before_step(batch) if self.sessions is not None else None
+        steps = self._round_steps(batch, wrap is not None)
+        if steps > 1:
+            return self._decode_round(batch, steps)
         try:
             with fetching_ops(self.model, wrap):  # adopted sequences fetch the pages they select
                 inputs, logits = self.runner.execute(batch, self.record_selections or wrap is not None)
@@ -206,6 +209,57 @@ class LLMEngine:
                 del self.trackers[seq.request_id]
                 self.scheduler.finish(seq)
             outputs.append(output)
+        return outputs
+
+    def _round_steps(self, batch: ScheduledBatch, fetching: bool) -> int:
+        """Decode steps to run for this batch before scheduling again (`EngineConfig.decode_steps`):
+        more than 1 only for a decode-only batch of greedy requests without logprobs, none of
+        which would end on length within the round, when the pool holds their pages for all of
+        it; 1 while adopted sessions fetch pages or selections are recorded."""
+        steps = self.config.decode_steps
+        if steps == 1 or fetching or self.record_selections:
+            return 1
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
+            params = seq.sampling
+            if num_new != 1 or seq.num_uncomputed_tokens != 1 or not params.greedy or params.logprobs:
+                return 1
+            left = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
+            steps = min(steps, left)  # the tokens it can still produce
+        if steps <= 1:
+            return 1
+        manager = self.block_manager
+        if sum(manager.pages_needed(seq, steps) for seq in batch.seqs) > manager.num_free_pages:
+            return 1
+        for seq in batch.seqs:
+            manager.allocate_slots(seq, steps)
+        return steps
+
+    def _decode_round(self, batch: ScheduledBatch, steps: int) -> list[GenerateOutput]:
+        """`steps` decode steps on the device, then each step's tokens processed as a single
+        step's are (computed, committed, appended, stop conditions); tokens a sequence produced
+        after it finished are dropped (its pages, written past its end, are freed with it)."""
+        tokens = self.runner.execute_decode_round(batch, steps)
+        outputs: list[GenerateOutput] = []
+        timestamp = now()
+        alive = list(range(len(batch)))
+        for step_tokens in tokens:
+            still = []
+            for row in alive:
+                seq = batch.seqs[row]
+                seq.num_computed_tokens += 1
+                self.block_manager.commit(seq)
+                token = step_tokens[row]
+                seq.token_ids.append(token)
+                output = self.trackers[seq.request_id].on_token(token, None, timestamp)
+                if self.sessions is not None:
+                    self.sessions.after_token(seq, output.finished)
+                if output.finished:
+                    del self.trackers[seq.request_id]
+                    self.scheduler.finish(seq)
+                else:
+                    still.append(row)
+                outputs.append(output)
+            alive = still
         return outputs
 
     # ---- state for the router and metrics ---------------------------------------------------

@@ -1,6 +1,7 @@
 """Runs the model on a scheduled batch: owns the page pool, builds the step inputs, replays CUDA
 graphs for decode, and returns the logits of the sequences that sample."""
 
+import dataclasses
 import logging
 
 import torch
@@ -67,6 +68,30 @@ class ModelRunner:
         if inputs.meta.is_decode and len(inputs.sample_rows) == hidden.shape[0]:
             return inputs, self.model.compute_logits(hidden)  # one row per sequence, all sample
         return inputs, self.model.compute_logits(hidden[last_token])
+
+    @torch.inference_mode()
+    def execute_decode_round(self, batch: ScheduledBatch, steps: int) -> list[list[int]]:
+        """Run `steps` greedy decode steps of a decode-only batch → tokens [steps][B]. Each step's
+        argmax is the next step's input on the device, and positions, slots and lengths advance
+        there; the host waits once, at the end. The block tables must already hold the pages of
+        all `steps` tokens (`LLMEngine` allocates them)."""
+        inputs = build_step_inputs(batch, self.page_size, self.device)
+        meta, ids = inputs.meta, inputs.input_ids
+        if not meta.is_decode or len(inputs.sample_rows) != len(batch):
+            raise ValueError("execute_decode_round needs a batch of one new token per sequence")
+        page_size = self.page_size
+        sampled = []
+        for step in range(steps):
+            if step:
+                positions = meta.positions + 1
+                pages = meta.block_tables.gather(1, (positions // page_size)[:, None])[:, 0].long()
+                meta = dataclasses.replace(meta, positions=positions, seq_lens=meta.seq_lens + 1,
+                                           slot_mapping=pages * page_size + positions % page_size)
+            hidden = self.forward(ids, meta)
+            ids = torch.argmax(self.model.compute_logits(hidden), dim=-1)
+            sampled.append(ids)
+        self.last_selections = None
+        return torch.stack(sampled).tolist()
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, input_embeds: torch.Tensor | None = None

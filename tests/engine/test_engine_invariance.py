@@ -4,9 +4,10 @@ longer than K·P = 64 tokens of the tiny preset, so the MSA selection is really 
 
 import pytest
 import torch
-from engine_helpers import greedy, make_engine, random_prompt, run_to_completion
+from engine_helpers import collect, greedy, make_engine, random_prompt, run_to_completion
 
-from msaserve.engine.types import GenerateRequest
+from msaserve.engine.config import EngineConfig
+from msaserve.engine.types import GenerateRequest, SamplingParams
 from msaserve.models import reference_decode
 
 LENGTHS = [150, 71, 97, 20, 130, 66]
@@ -101,3 +102,56 @@ def test_fp8_caches_survive_swapping_unchanged(tiny_model):
     got = run_to_completion(tight, requests(prompts))
     assert tight.scheduler.num_preemptions > 0 and roomy.scheduler.num_preemptions == 0
     assert got == want
+
+
+@pytest.mark.parametrize("decode_steps", [2, 5, 64])
+def test_decode_rounds_give_the_reference_tokens(tiny_model, prompts, expected, decode_steps):
+    """Several decode steps per scheduling round (tokens fed back on the device): the same greedy
+    tokens, rounds cut short by max_tokens, joins between rounds, and every page free after."""
+    engine = make_engine(tiny_model, max_num_batched_tokens=48, decode_steps=decode_steps)
+    reqs = requests(prompts)
+    rounds = []
+    original = engine.runner.execute_decode_round
+
+    def counted(batch, steps):
+        rounds.append(steps)
+        return original(batch, steps)
+
+    engine.runner.execute_decode_round = counted
+    outputs: dict[str, list[int]] = {}
+    for request in reqs[:3]:
+        engine.add_request(request)
+    for request in reqs[3:]:  # the others join while the first ones decode
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.token_ids)
+        engine.add_request(request)
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.token_ids)
+    assert [outputs[f"r{i}"] for i in range(len(prompts))] == expected
+    assert rounds and 1 < max(rounds) <= decode_steps
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+    engine.block_manager.check_consistency()
+
+
+def test_a_stop_token_inside_a_round_ends_the_request_there(tiny_model, prompts, expected):
+    """A request whose stop token comes mid-round gets exactly the tokens up to it (the round's
+    later tokens are dropped) and its pages back; the others in the round are unaffected."""
+    stop_at = expected[0][5]
+    stop = expected[0].index(stop_at)  # its first occurrence ends the request
+    engine = make_engine(tiny_model, max_num_batched_tokens=1024, decode_steps=8)
+    rounds = []
+    original = engine.runner.execute_decode_round
+    engine.runner.execute_decode_round = lambda batch, steps: rounds.append(steps) or original(batch, steps)
+    engine.add_request(GenerateRequest("r0", prompts[0], SamplingParams(
+        max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True, stop_token_ids=[stop_at])))
+    engine.add_request(GenerateRequest("r1", prompts[1], greedy(MAX_TOKENS)))
+    outputs = collect(engine)
+    assert outputs["r0"] == expected[0][: stop + 1] and outputs["r1"] == expected[1]
+    assert rounds[0] == 8 and 1 <= stop <= 5  # both prefilled in one step; the stop falls in round 1
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_decode_steps_is_checked():
+    with pytest.raises(ValueError, match="decode_steps=0 is invalid: allowed an integer from 1 to 64"):
+        EngineConfig(decode_steps=0)

@@ -66,3 +66,14 @@ def test_memory_planning_uses_free_hbm(model):
                                     max_model_len=512, gpu_memory_utilization=0.5), model=model)
     # The pool is capped at what 4 sequences of 512 tokens can use, plus the scratch page.
     assert engine.runner.num_pages == 4 * 512 // 16 + 1
+
+
+def test_decode_rounds_with_cuda_graphs_match_single_steps():
+    # fp32 for the reason given above: rounds change when requests join, hence batch composition.
+    with torch.device("cuda"):
+        fp32 = init_random_weights(MSATransformer(get_preset("tiny"), "msa"), seed=0).eval()
+    single_engine, single = run(fp32, dtype="float32")
+    round_engine, rounds = run(fp32, dtype="float32", decode_steps=8)
+    assert round_engine.runner.graphs is not None and single_engine.runner.graphs is not None
+    assert rounds == single
+    assert round_engine.block_manager.num_free_pages == 128
