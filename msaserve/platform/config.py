@@ -98,6 +98,11 @@ class EngineSettings(StrictModel):
         "auto", description="dtype of the MSA index-K pages: 'auto' (model.dtype), 'bf16' or 'fp8' (scaled)."
     )
     enable_cuda_graphs: bool = Field(True, description="Capture decode steps as CUDA graphs (CUDA only).")
+    decode_steps: int = Field(
+        1, ge=1, le=64,
+        description="Decode steps per scheduling round: above 1, a decode-only batch of greedy requests runs "
+        "that many steps on the device with one host sync (tokens stream in bursts of up to this many).",
+    )
 
     @model_validator(mode="after")
     def _one_pool_size(self) -> Self:

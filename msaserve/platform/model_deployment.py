@@ -49,6 +49,7 @@ def engine_config_from(config: ServeConfig) -> EngineConfig:
         "kv_cache_dtype": engine.kv_cache_dtype,
         "index_cache_dtype": engine.index_cache_dtype,
         "cuda_graphs": engine.enable_cuda_graphs,
+        "decode_steps": engine.decode_steps,
     }
     if engine.max_model_len is not None:
         kwargs["max_model_len"] = engine.max_model_len
