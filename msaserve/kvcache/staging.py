@@ -34,48 +34,6 @@ def _pack(arrays: Sequence[np.ndarray], out: np.ndarray) -> None:
         job.result()
 
 
-class PinnedStaging:
-    """Two pinned host buffers for one CUDA device, reused by every upload to it."""
-
-    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES) -> None:
-        self.device = device
-        self.chunk_bytes = chunk_bytes
-        self._buffers: list[torch.Tensor] = []
-        self._done: list[torch.cuda.Event | None] = [None, None]
-        self._lock = threading.Lock()
-
-    def _buffer(self, which: int, nbytes: int) -> torch.Tensor:
-        """Pinned buffer `which` (0 or 1) of at least nbytes, idle (its last copy has finished)."""
-        done = self._done[which]
-        if done is not None:
-            done.synchronize()
-        if len(self._buffers) < 2 or self._buffers[which].numel() < nbytes:
-            for other in self._done:  # both buffers are replaced: the other's copy must be over too
-                if other is not None:
-                    other.synchronize()
-            size = max(nbytes, self.chunk_bytes)
-            self._buffers = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-            self._done = [None, None]
-        return self._buffers[which]
-
-    def upload(self, arrays: Sequence[np.ndarray], nbytes: int) -> Iterator[tuple[int, torch.Tensor]]:
-        """Yield (first row, device tensor [rows, nbytes] uint8) chunk by chunk, in order. Each
-        chunk's copy is enqueued on the current stream; work the caller enqueues on that stream
-        after receiving a chunk sees its bytes."""
-        rows_per_chunk = max(1, self.chunk_bytes // nbytes)
-        with self._lock:
-            for i, start in enumerate(range(0, len(arrays), rows_per_chunk)):
-                part = arrays[start : start + rows_per_chunk]
-                host = self._buffer(i % 2, len(part) * nbytes)[: len(part) * nbytes]
-                _pack(part, host.numpy().reshape(len(part), nbytes))
-                chunk = torch.empty(len(part), nbytes, dtype=torch.uint8, device=self.device)
-                chunk.view(-1).copy_(host, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record()
-                self._done[i % 2] = event
-                yield start, chunk
-
-
 class UploadRing:
     """Host buffers that readers fill in place (packed reads: `KVCacheClient.get_*_packed_async`)
     and that are then copied to one device asynchronously: no packing copy between the service's
@@ -137,6 +95,28 @@ class UploadRing:
         event.record()
         self._done[slot] = event
         return chunk.view(rows, row_bytes)
+
+
+class PinnedStaging:
+    """Imports of payload lists (on-demand and prefetched K/V) to one CUDA device: each chunk
+    packed into a buffer of a two-buffer `UploadRing` of its own (apart from the bulk-load ring,
+    so an import never waits for a bulk load's lock), copied while the next chunk is packed."""
+
+    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES) -> None:
+        self.ring = UploadRing(device, chunk_bytes, count=2)
+
+    def upload(self, arrays: Sequence[np.ndarray], nbytes: int) -> Iterator[tuple[int, torch.Tensor]]:
+        """Yield (first row, device tensor [rows, nbytes] uint8) chunk by chunk, in order. Each
+        chunk's copy is enqueued on the current stream; work the caller enqueues on that stream
+        after receiving a chunk sees its bytes."""
+        ring = self.ring
+        with ring.lock:
+            rows_per_chunk = ring.rows_per_buffer(nbytes)
+            for start in range(0, len(arrays), rows_per_chunk):
+                part = arrays[start : start + rows_per_chunk]
+                slot, host = ring.acquire(len(part), nbytes)
+                _pack(part, host)
+                yield start, ring.upload(slot, len(part), nbytes)
 
 
 RING_BUFFERS = 4

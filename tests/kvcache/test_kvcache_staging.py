@@ -56,3 +56,22 @@ def test_copy_rows_fills_every_destination_in_parallel_slices():
     np.testing.assert_array_equal(small[0][1], small[0][0])
     with pytest.raises(ValueError, match="differ"):
         copy_rows([(np.zeros((2, 4), np.uint8), np.zeros((3, 4), np.uint8))])
+
+
+def test_pinned_staging_chunks_cover_every_payload_in_order():
+    """The import path's chunking over its own two-buffer ring (on the CPU the ring hands out its
+    host buffers themselves: each chunk is consumed before the next is packed, as imports do)."""
+    from msaserve.kvcache.staging import PinnedStaging
+
+    rng = np.random.default_rng(1)
+    payloads = [rng.integers(0, 256, 1000, dtype=np.uint8) for _ in range(37)]
+    staging = PinnedStaging(torch.device("cpu"), chunk_bytes=4096)  # 4 rows per chunk
+    got, starts = [], []
+    for start, chunk in staging.upload(payloads, 1000):
+        starts.append(start)
+        got.append(chunk.clone())
+    assert starts == list(range(0, 37, 4))
+    np.testing.assert_array_equal(torch.cat(got).numpy(), np.stack(payloads))
+    big = [rng.integers(0, 256, 5000, dtype=np.uint8) for _ in range(3)]  # a row above the buffer size
+    np.testing.assert_array_equal(torch.cat([c.clone() for _, c in staging.upload(big, 5000)]).numpy(),
+                                  np.stack(big))
