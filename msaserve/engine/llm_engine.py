@@ -27,6 +27,7 @@ from msaserve.engine.types import (
     InvalidParameter,
     KVEvent,
     QueueFull,
+    TokenLogprob,
 )
 from msaserve.kvcache.adoption import PageLost
 from msaserve.kvcache.client import KVCacheClient
@@ -198,24 +199,28 @@ class LLMEngine:
         if not sampled:
             return []
         result = self.sampler(logits, [s.sampling for s in sampled], [s.generator for s in sampled])
-        outputs = []
         timestamp = now()
-        for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True):
-            seq.token_ids.append(token)
-            output = self.trackers[seq.request_id].on_token(token, logprob, timestamp)
-            if self.sessions is not None:
-                self.sessions.after_token(seq, output.finished)  # before finish() frees its pages
-            if output.finished:
-                del self.trackers[seq.request_id]
-                self.scheduler.finish(seq)
-            outputs.append(output)
-        return outputs
+        return [self._emit(seq, token, logprob, timestamp)
+                for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True)]
+
+    def _emit(self, seq: Sequence, token: int, logprob: TokenLogprob | None, timestamp: float
+              ) -> GenerateOutput:
+        """Append a sampled token to seq and build its output; a finished seq is retired (its
+        pages freed at once)."""
+        seq.token_ids.append(token)
+        output = self.trackers[seq.request_id].on_token(token, logprob, timestamp)
+        if self.sessions is not None:
+            self.sessions.after_token(seq, output.finished)  # before finish() frees its pages
+        if output.finished:
+            del self.trackers[seq.request_id]
+            self.scheduler.finish(seq)
+        return output
 
     def _round_steps(self, batch: ScheduledBatch, fetching: bool) -> int:
         """Decode steps to run for this batch before scheduling again (`EngineConfig.decode_steps`):
         more than 1 only for a decode-only batch of greedy requests without logprobs, none of
         which would end on length within the round, when the pool holds their pages for all of
-        it; 1 while adopted sessions fetch pages or selections are recorded."""
+        it (then allocated here); 1 while adopted sessions fetch pages or selections are recorded."""
         steps = self.config.decode_steps
         if steps == 1 or fetching or self.record_selections:
             return 1
@@ -246,17 +251,10 @@ class LLMEngine:
             still = []
             for row in alive:
                 seq = batch.seqs[row]
-                seq.num_computed_tokens += 1
+                seq.num_computed_tokens += 1  # as Scheduler.postprocess after a single step
                 self.block_manager.commit(seq)
-                token = step_tokens[row]
-                seq.token_ids.append(token)
-                output = self.trackers[seq.request_id].on_token(token, None, timestamp)
-                if self.sessions is not None:
-                    self.sessions.after_token(seq, output.finished)
-                if output.finished:
-                    del self.trackers[seq.request_id]
-                    self.scheduler.finish(seq)
-                else:
+                output = self._emit(seq, step_tokens[row], None, timestamp)
+                if not output.finished:
                     still.append(row)
                 outputs.append(output)
             alive = still

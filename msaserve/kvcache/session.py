@@ -113,11 +113,13 @@ class SessionStore:
     def tokens(self, session_id: str) -> np.ndarray:
         """The session's token ids as an int64 array (read-only view; one buffer to send instead
         of a list of Python ints, which pickles and unpickles at ~10 M ints/s)."""
-        record = self.get(session_id)
-        array = self._token_arrays.get(session_id)
+        return self._token_array(self.get(session_id)).view()
+
+    def _token_array(self, record: SessionRecord) -> "_TokenArray":
+        array = self._token_arrays.get(record.session_id)
         if array is None or len(array) != len(record.token_ids):  # a caller's record object grew
-            array = self._token_arrays[session_id] = _TokenArray(record.token_ids)
-        return array.view()
+            array = self._token_arrays[record.session_id] = _TokenArray(record.token_ids)
+        return array
 
     def session_ids(self) -> list[str]:
         return sorted(self._records)
@@ -152,9 +154,7 @@ class SessionStore:
         tail: (tail_hash, tail_tokens) replaces the stored partial last page, if given."""
         record = self.get(session_id)
         old_tokens, old_pages = len(record.token_ids), len(record.page_hashes)
-        array = self._token_arrays.get(session_id)
-        if array is None or len(array) != old_tokens:
-            array = self._token_arrays[session_id] = _TokenArray(record.token_ids)
+        array = self._token_array(record)
         record.token_ids.extend(int(t) for t in token_ids)
         array.extend(record.token_ids[old_tokens:])
         record.page_hashes.extend(int(h) for h in page_hashes)
