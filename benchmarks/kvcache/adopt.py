@@ -180,7 +180,6 @@ def full_copy(client, model, ops, capacity: int, session: str) -> tuple[int, flo
         caches = replica.state.caches
         phases.mark("caches")
         hashes = record.page_hashes + ([record.tail_hash] if record.tail_hash is not None else [])
-        device = caches[0].k_cache.device
         physical = torch.arange(len(hashes), device=device)
         ring = staging.ring_for(device)
         index_bytes = codec.index_bytes + codec.scale_bytes
@@ -393,7 +392,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
         entry.update(meta, workload=label)
         if key in samples:
             entry["samples"] = [round(x, 4) for x in samples[key]]
-        if key in samples or key.startswith(("kvcache.adopt_vs", "kvcache.fp8_index_adopt_vs")):
+        if key in samples or key.startswith("kvcache.adopt_vs"):
             entry["note"] = f"median of {args.repeats} runs, each on fresh caches"
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,12 +1,13 @@
-"""Moving many page payloads from host memory to a device: packed into reused pinned buffers.
+"""Moving many page payloads from host memory to a device: through reused pinned buffers.
 
 A million-token session's index is 8,192 payloads of 64 KiB (M3 shape, 2 layers) — 0.5 GiB.
 Stacking them into one fresh host array and copying that from pageable memory measured 1.3 GB/s
-on the H200's host (most of it first-touch page faults of the fresh array). Here the payloads are
-packed, a chunk at a time, into one of two pinned buffers that live as long as the process, and
-each chunk's copy to the device runs asynchronously while the CPU packs the next chunk into the
-other buffer; the caller consumes each chunk on the device (a scatter into the caches) in stream
-order. On CPU the chunks are plain host arrays.
+on the H200's host (most of it first-touch page faults of the fresh array). Here every upload goes
+through an `UploadRing`: pinned buffers that live as long as the process, each chunk's copy to the
+device running asynchronously while the next buffer is filled; the caller consumes each chunk on
+the device (a scatter into the caches) in stream order. Bulk loads (`ring_for`: 4 buffers) have
+the shards write packed rows straight into the buffers; imports of payload lists
+(`PinnedStaging`: a ring of 2) pack the payloads into them. On CPU the chunks are host arrays.
 """
 
 import itertools
@@ -19,7 +20,7 @@ import torch
 from msaserve.kvcache.codec import PACK_THREADS, Payload, as_payload, pack_pool
 
 CHUNK_BYTES = 32 << 20
-"""Size of each of the two pinned buffers per device (a page larger than this gets its own size)."""
+"""Size of each upload-ring buffer (a ring grows its buffers for a row larger than this)."""
 
 
 def _pack(arrays: Sequence[np.ndarray], out: np.ndarray) -> None:
