@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     def __init__(self, model: MSATransformer, config: EngineConfig) -> None:
         self.model = model.eval()
+        model.fuse_projections()  # one GEMM for q/k/v/index and one for gate/up, every step
         self.config = config
         self.device = next(model.parameters()).device
         self.page_size = model.config.page_size

@@ -6,13 +6,15 @@ Shapes and conventions of the ops: `msaserve/kernels/__init__.py` and each op's 
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from msaserve.kernels import AttentionOps
+from msaserve.kernels.layer_ops import LayerOps
 from msaserve.models.cache import LayerKVCache
 from msaserve.models.config import MSAConfig
+from msaserve.models.layers import fuse_linear_weights
 from msaserve.models.metadata import AttentionMetadata
-from msaserve.models.rotary import apply_rotary
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,21 @@ class MSAAttention(nn.Module):
             di = config.index_head_dim
             self.index_q_proj = nn.Linear(hidden, config.num_kv_heads * di, bias=False)
             self.index_k_proj = nn.Linear(hidden, config.num_index_heads * di, bias=False)
+        self.fused_weight: torch.Tensor | None = None
+        """[Σ outputs, H] once `fuse_projections` ran: q, k, v, index-K (learned), then index-Q
+        if fused (sparse backends), in one GEMM."""
+        self._fused_sizes: list[int] = []
+
+    def fuse_projections(self, index_queries: bool) -> None:
+        """One GEMM for the projections every step needs: q, k, v and (learned index) index-K,
+        plus index-Q when `index_queries` (the dense backend never reads it)."""
+        linears = [self.q_proj, self.k_proj, self.v_proj]
+        if self.config.index_source == "learned":
+            linears.append(self.index_k_proj)
+            if index_queries:
+                linears.append(self.index_q_proj)
+        self._fused_sizes = [linear.out_features for linear in linears]
+        self.fused_weight = fuse_linear_weights(*linears)
 
     def forward(
         self,
@@ -51,45 +68,67 @@ class MSAAttention(nn.Module):
         cache: LayerKVCache,
         rotary: RotaryTables,
         ops: AttentionOps,
+        layer_ops: LayerOps,
     ) -> torch.Tensor:
         """x [T, H] → [T, H]."""
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, D]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, rotary.cos, rotary.sin), apply_rotary(k, rotary.cos, rotary.sin)
+        c, num_tokens = self.config, x.shape[0]
+        q, k, v, index_k, index_q = self._project(x)
+        slots = meta.slot_mapping
         # The index keys are written under every backend so that a cache (and the pages the KV
-        # cache service keeps) holds the same content whichever backend produced it.
-        index_k = self._index_keys(x, k, rotary)  # [T, HkI, DI]
-        cache.write(meta.slot_mapping, k, v, index_k)
+        # cache service keeps) holds the same content whichever backend produced it; fp8 index
+        # caches quantize per key (LayerKVCache.write_index) instead of a plain store.
+        index_caches = (cache.index_cache,) if cache.index_scale is None else ()
+        layer_ops.rotary_and_write(q, rotary.cos, rotary.sin, True)
+        key_caches = (cache.k_cache, *(index_caches if index_k is None else ()))
+        layer_ops.rotary_and_write(k, rotary.cos, rotary.sin, True, slots, key_caches)
+        layer_ops.rotary_and_write(v, rotary.cos, rotary.sin, False, slots, (cache.v_cache,))
+        if index_k is not None:
+            layer_ops.rotary_and_write(index_k, rotary.index_cos, rotary.index_sin, True, slots, index_caches)
+        if cache.index_scale is not None:
+            cache.write_index(slots, k if index_k is None else index_k)
         if ops.sparse:
-            out = self._sparse(q, self._index_queries(x, q, rotary), meta, cache, ops)
+            out = self._sparse(q, self._index_queries(x, q, index_q, rotary, layer_ops), meta, cache, ops)
         elif meta.is_decode:
             batch, num_q = meta.num_seqs, int(meta.decode_query_len)
             out = ops.dense_decode(
-                q.view(batch, num_q, self.num_heads, self.head_dim), cache.k_cache, cache.v_cache,
+                q.view(batch, num_q, c.num_heads, c.head_dim), cache.k_cache, cache.v_cache,
                 meta.block_tables, meta.seq_lens,
             )
         else:
             out = ops.dense_prefill(
                 q, cache.k_cache, cache.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q
             )
-        return self.o_proj(out.reshape(num_tokens, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(num_tokens, c.num_heads * c.head_dim))
 
-    def _index_keys(self, x: torch.Tensor, k: torch.Tensor, rotary: RotaryTables) -> torch.Tensor:
-        if self.config.index_source == "keys":
-            return k  # post-rotary keys: HkI = Hkv, DI = D
-        c = self.config
-        index_k = self.index_k_proj(x).view(x.shape[0], c.num_index_heads, c.index_head_dim)
-        return apply_rotary(index_k, rotary.index_cos, rotary.index_sin)
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """x [T, H] → q [T, Hq, D], k, v [T, Hkv, D], index_k [T, HkI, DI] or None (index source
+        "keys"), index_q [T, Hkv, DI] or None (not projected here). Fused: views of one output."""
+        c, num_tokens = self.config, x.shape[0]
+        learned = c.index_source == "learned"
+        if self.fused_weight is not None:
+            parts = list(torch.split(F.linear(x, self.fused_weight), self._fused_sizes, dim=1))
+        else:
+            parts = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
+            parts += [self.index_k_proj(x)] if learned else []
+        q = parts[0].view(num_tokens, c.num_heads, c.head_dim)
+        k = parts[1].view(num_tokens, c.num_kv_heads, c.head_dim)
+        v = parts[2].view(num_tokens, c.num_kv_heads, c.head_dim)
+        index_k = parts[3].view(num_tokens, c.num_index_heads, c.index_head_dim) if learned else None
+        index_q = parts[4].view(num_tokens, c.num_kv_heads, c.index_head_dim) if len(parts) > 4 else None
+        return q, k, v, index_k, index_q
 
-    def _index_queries(self, x: torch.Tensor, q: torch.Tensor, rotary: RotaryTables) -> torch.Tensor:
-        """→ qI [T, Hkv, DI]: one index query per KV group."""
+    def _index_queries(
+        self, x: torch.Tensor, q: torch.Tensor, index_q: torch.Tensor | None, rotary: RotaryTables,
+        layer_ops: LayerOps,
+    ) -> torch.Tensor:
+        """→ qI [T, Hkv, DI]: one index query per KV group (index_q: its unrotated projection,
+        if the fused GEMM made it)."""
         c = self.config
         if c.index_source == "keys":  # mean of the group's post-rotary queries
             return q.view(q.shape[0], c.num_kv_heads, c.group_size, c.head_dim).mean(dim=2)
-        index_q = self.index_q_proj(x).view(x.shape[0], c.num_kv_heads, c.index_head_dim)
-        return apply_rotary(index_q, rotary.index_cos, rotary.index_sin)
+        if index_q is None:
+            index_q = self.index_q_proj(x).view(x.shape[0], c.num_kv_heads, c.index_head_dim)
+        return layer_ops.rotary_and_write(index_q, rotary.index_cos, rotary.index_sin, True)
 
     def _sparse(
         self,

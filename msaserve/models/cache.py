@@ -20,14 +20,10 @@ class LayerKVCache:
     index_scale: torch.Tensor | None = None
     """[num_pages, P, HkI] fp32 per-key scales when index_cache is fp8, else None."""
 
-    def write(
-        self, slot_mapping: torch.Tensor, k: torch.Tensor, v: torch.Tensor, index_k: torch.Tensor
-    ) -> None:
-        """Store new tokens: slot_mapping [T] int64; k, v [T, Hkv, D]; index_k [T, HkI, DI]."""
-        page_size = self.k_cache.shape[1]
+    def write_index(self, slot_mapping: torch.Tensor, index_k: torch.Tensor) -> None:
+        """Store new index keys: slot_mapping [T] int64; index_k [T, HkI, DI]."""
+        page_size = self.index_cache.shape[1]
         pages, offsets = slot_mapping // page_size, slot_mapping % page_size
-        self.k_cache[pages, offsets] = k.to(self.k_cache.dtype)
-        self.v_cache[pages, offsets] = v.to(self.v_cache.dtype)
         if self.index_scale is None:
             self.index_cache[pages, offsets] = index_k.to(self.index_cache.dtype)
         else:  # fp8: one scale per key so that its largest element maps to the fp8 max

@@ -10,6 +10,7 @@ from torch import nn
 
 from msaserve.kernels import AttentionOps, get_ops
 from msaserve.kernels.dispatch import BACKENDS
+from msaserve.kernels.layer_ops import LayerOps, get_layer_ops
 from msaserve.models.attention import MSAAttention, RotaryTables
 from msaserve.models.cache import LayerKVCache
 from msaserve.models.config import MSAConfig
@@ -26,10 +27,15 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = SwiGLU(config.hidden_size, config.intermediate_size)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerKVCache,
-                rotary: RotaryTables, ops) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, cache, rotary, ops)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                cache: LayerKVCache, rotary: RotaryTables, ops: AttentionOps,
+                layer_ops: LayerOps) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) → (mlp output, residual stream before it): the residual add happens in
+        the next RMSNorm, so HF's `h + attn(norm(h))` and `h + mlp(norm(h))` each cost one op."""
+        h, residual = self.input_layernorm.add_forward(x, residual, layer_ops)
+        h = self.self_attn(h, meta, cache, rotary, ops, layer_ops)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual, layer_ops)
+        return self.mlp(h, layer_ops), residual
 
 
 class MSATransformer(nn.Module):
@@ -56,12 +62,14 @@ class MSATransformer(nn.Module):
         caches: list[LayerKVCache],
         input_embeds: torch.Tensor | None = None,
         ops: AttentionOps | None = None,
+        layer_ops: LayerOps | None = None,
     ) -> torch.Tensor:
         """input_ids [T] int64 (flattened new tokens of all sequences) → hidden [T, H].
 
         input_embeds [T, H], if given, replaces the token embeddings (multimodal placeholders).
         ops, if given, replaces the backend's attention ops (the KV cache service wraps the
         indexers so that each layer fetches the pages it selects before attending).
+        layer_ops, if given, replaces the device's elementwise ops (tests compare the two).
         """
         if len(caches) != len(self.layers):
             raise ValueError(f"got {len(caches)} layer caches for {len(self.layers)} layers")
@@ -69,9 +77,21 @@ class MSATransformer(nn.Module):
         rotary = self._rotary(meta.positions, x.dtype)
         if ops is None:
             ops = get_ops(self.attention_backend, x.device)
+        layer_ops = layer_ops or get_layer_ops(x.device)
+        residual = None
         for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, meta, cache, rotary, ops)
-        return self.norm(x)
+            x, residual = layer(x, residual, meta, cache, rotary, ops, layer_ops)
+        return self.norm.add_forward(x, residual, layer_ops)[0]
+
+    def fuse_projections(self) -> None:
+        """Merge each layer's input projections into one GEMM (q/k/v/index, and gate/up). The
+        weights become views of the fused tensors, so no memory is added and names still load.
+        Idempotent; the engine's ModelRunner calls it once the weights are loaded."""
+        if self.layers and self.layers[0].mlp.gate_up_weight is not None:
+            return
+        for layer in self.layers:
+            layer.self_attn.fuse_projections(index_queries=self.attention_backend != "dense")
+            layer.mlp.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] → logits [N, vocab] fp32."""

@@ -40,7 +40,7 @@ def _num_splits(batch: int, key_heads: int, max_pages: int, device: torch.device
 _CONFIGS = [triton.Config({"PAGES": pages, "PREFETCH": prefetch}, num_warps=warps, num_stages=stages)
             for pages, prefetch, warps, stages in (
                 (2, 1, 4, 1), (2, 0, 4, 3), (1, 0, 4, 4), (4, 0, 8, 2), (4, 1, 8, 1), (2, 1, 8, 1),
-                (1, 1, 4, 1))]
+                (1, 1, 4, 1), (4, 0, 4, 3), (4, 0, 8, 3), (2, 0, 8, 3))]
 _CONFIGS = _CONFIGS[:1] if INTERPRET else _CONFIGS
 
 
@@ -98,12 +98,16 @@ def _score_split_kernel(
     stride_qb, stride_qq, stride_qh,
     stride_cp, stride_ct, stride_ch,
     stride_sp, stride_st, stride_sh,
-    stride_tb, pages_per_split, num_splits,
+    stride_tb, num_splits,
     NUM_Q: tl.constexpr, HPK: tl.constexpr, NR: tl.constexpr, P: tl.constexpr, DI: tl.constexpr,
     KP: tl.constexpr, N_INIT: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
     PAGES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    """One (sequence, split, key head): running top-K of its pages for the NR = Q·HPK rows."""
+    """One (sequence, split, key head): running top-K of its pages for the NR = Q·HPK rows.
+
+    The sequence's resident pages (read here, from seq_lens) are shared out evenly over the
+    num_splits CTAs, so a 64K-token sequence in an engine sized for 1M tokens still runs on all
+    of them while the grid stays fixed for CUDA graphs."""
     b = tl.program_id(0)
     split = tl.program_id(1)
     hk = tl.program_id(2)
@@ -125,6 +129,7 @@ def _score_split_kernel(
         q_t = q_t.to(tl.float16)
     vals = tl.full([NR, KP], float("-inf"), tl.float32)
     ids = EMPTY_ID_BASE + tl.zeros([NR, KP], tl.int32) + tl.arange(0, KP)[None, :]
+    pages_per_split = tl.cdiv(last_page + 1, num_splits)
     first = split * pages_per_split
     end = tl.minimum(first + pages_per_split, last_page + 1)
     cache_ptr += hk * stride_ch
@@ -234,7 +239,7 @@ def _launch(
         q_index.stride(0), q_index.stride(1), q_index.stride(2),
         index_cache.stride(0), index_cache.stride(1), index_cache.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2),
-        block_tables.stride(0), pages_per_split, splits,
+        block_tables.stride(0), splits,
         NUM_Q=num_q, HPK=heads_per_key, NR=num_rows, P=page_size, DI=index_dim, KP=kp, N_INIT=n_init,
         HAS_SCALE=index_scale is not None, UPCAST=INTERPRET,
     )

@@ -1,0 +1,49 @@
+"""The per-layer elementwise ops of a decoder layer in PyTorch: the spec of `layer_ops/triton.py`.
+
+These are the steps of HF Llama's layer written as functions: the residual add before each
+RMSNorm, rotary embedding of the projected heads with the writes of K, V and index-K into the
+paged caches, and SwiGLU's `silu(gate) * up`. Rounding follows HF: the residual add, the rotary
+products and sum, and silu each round to the activation dtype.
+"""
+
+import torch
+import torch.nn.functional as F
+
+from msaserve.models.rotary import apply_rotary
+
+
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual [T, H] → (RMSNorm(x + residual) · weight, x + residual); residual None → x."""
+    summed = x if residual is None else x + residual
+    x32 = summed.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(summed.dtype), summed
+
+
+def rotary_and_write(
+    heads: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    rotate: bool,
+    slot_mapping: torch.Tensor | None = None,
+    caches: tuple[torch.Tensor, ...] = (),
+) -> torch.Tensor:
+    """heads [T, H, D] (rotated in place when `rotate`); cos, sin [T, 1, D]; each cache
+    [num_pages, P, H, D] gets the (rotated) heads at slot_mapping [T] int64 → the heads."""
+    if rotate:
+        heads.copy_(apply_rotary(heads, cos, sin))
+    if caches:
+        assert slot_mapping is not None, "caches are written at slot_mapping"
+        page_size = caches[0].shape[1]
+        pages, offsets = slot_mapping // page_size, slot_mapping % page_size
+        for cache in caches:
+            cache[pages, offsets] = heads.to(cache.dtype)
+    return heads
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (gate first) → silu(gate) · up [T, I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up

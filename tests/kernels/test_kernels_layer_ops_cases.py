@@ -1,0 +1,70 @@
+"""Checks shared by the interpreted (CPU) and compiled (GPU) tests of `kernels/layer_ops`: each
+fused op against its PyTorch spec on the same inputs, outputs poisoned before each run."""
+
+import torch
+
+from msaserve.kernels.layer_ops import LayerOps
+from msaserve.kernels.layer_ops import naive as spec
+from msaserve.models.rotary import rotary_cos_sin
+
+POISON = 7.0  # written into every output before a run; no result of these inputs equals it
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Two roundings of the activation dtype: the fused RMSNorm sums in another order, and the
+    interpreter truncates fp32 → bf16 where the GPU rounds to nearest."""
+    return {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+
+
+def check_add_rms_norm(ops: LayerOps, rows: int, cols: int, dtype: torch.dtype, device: str,
+                       residual: bool, seed: int = 0) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = torch.randn(rows, cols, generator=gen).to(device=device, dtype=dtype)
+    res = torch.randn(rows, cols, generator=gen).to(device=device, dtype=dtype) if residual else None
+    weight = (1 + 0.1 * torch.randn(cols, generator=gen)).to(device=device, dtype=dtype)
+    want_out, want_sum = spec.add_rms_norm(x, res, weight, 1e-5)
+    got_out, got_sum = ops.add_rms_norm(x, res, weight, 1e-5)
+    assert got_out.dtype == want_out.dtype and got_out.shape == want_out.shape
+    tol = _tolerance(dtype)
+    # Compiled, the add rounds as PyTorch's does; the interpreter truncates fp32 → bf16.
+    exact = device == "cuda" or dtype == torch.float32
+    torch.testing.assert_close(got_sum, want_sum, rtol=0 if exact else tol, atol=0 if exact else tol)
+    torch.testing.assert_close(got_out.float(), want_out.float(), rtol=tol, atol=tol)
+
+
+def check_rotary_and_write(ops: LayerOps, tokens: int, heads: int, dim: int, rotate: bool,
+                           num_caches: int, dtype: torch.dtype, device: str, seed: int = 0) -> None:
+    """The heads are a strided view of a wider projection output (as the fused GEMM gives them)
+    and the slots are scattered over the pages, including the last slot of a page."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    page_size, num_pages = 8, 2 * tokens // 8 + 3
+    wide = torch.randn(tokens, (heads + 3) * dim, generator=gen).to(device=device, dtype=dtype)
+    positions = torch.randint(0, 5000, (tokens,), generator=gen).to(device)
+    cos, sin = rotary_cos_sin(positions, dim, 10000.0, dtype)
+    slots = torch.randperm(num_pages * page_size, generator=gen)[:tokens]
+    slots[0] = page_size - 1
+    slots = slots.to(device=device, dtype=torch.int64)
+    cache_dtypes = [dtype, torch.float32][:num_caches]
+    results = []
+    for impl in (spec, ops):
+        heads_view = wide.clone()[:, dim:dim + heads * dim].view(tokens, heads, dim)
+        caches = tuple(torch.full((num_pages, page_size, heads, dim), POISON, device=device, dtype=d)
+                       for d in cache_dtypes)
+        out = impl.rotary_and_write(heads_view, cos, sin, rotate, slots if caches else None, caches)
+        assert out.data_ptr() == heads_view.data_ptr(), "rotary_and_write works in place"
+        results.append((heads_view, caches))
+    (want, want_caches), (got, got_caches) = results
+    tol = _tolerance(dtype)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for got_cache, want_cache in zip(got_caches, want_caches, strict=True):
+        torch.testing.assert_close(got_cache.float(), want_cache.float(), rtol=tol, atol=tol)
+        assert int((got_cache == POISON).sum()) == int((want_cache == POISON).sum()), "writes outside slots"
+
+
+def check_silu_mul(ops: LayerOps, rows: int, cols: int, dtype: torch.dtype, device: str,
+                   seed: int = 0) -> None:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    gate_up = (3 * torch.randn(rows, 2 * cols, generator=gen)).to(device=device, dtype=dtype)
+    tol = _tolerance(dtype)
+    got, want = ops.silu_mul(gate_up), spec.silu_mul(gate_up)
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
