@@ -41,11 +41,15 @@ def test_silu_mul(rows: int) -> None:
     check_silu_mul(TRITON, rows, 8192, BF16, "cuda")
 
 
+@pytest.mark.parametrize(("backend", "min_cosine"), [("dense", 0.9999), ("msa", 0.99)])
 @torch.inference_mode()
-def test_model_forward_with_fused_ops_matches_pytorch_ops() -> None:
+def test_model_forward_with_fused_ops_matches_pytorch_ops(backend: str, min_cosine: float) -> None:
     """m3-proxy (2 layers), 3000 prompt tokens in two chunks + 2 decode steps: the fused kernels
-    and fused projections against the unfused model with the PyTorch ops."""
-    model = load_model("m3-proxy", device="cuda", dtype=BF16, progress=False, num_layers=2).model
+    and fused projections against the unfused model with the PyTorch ops. Dense attention has
+    no selection, so only bf16 rounding separates the two; with MSA's random index weights many
+    page scores are near ties, and rounding flips some selections (DESIGN §2, property 4)."""
+    model = load_model("m3-proxy", device="cuda", dtype=BF16, attention_backend=backend, progress=False,
+                       num_layers=2).model
     fused = copy.deepcopy(model)
     fused.fuse_projections()
     ids = torch.randint(3, 30000, (3002,), generator=torch.Generator().manual_seed(0)).cuda()
@@ -57,8 +61,8 @@ def test_model_forward_with_fused_ops_matches_pytorch_ops() -> None:
             meta = step_metadata(start, end - start, state.max_pages, net.config.page_size, decode, "cuda")
             hidden.append(net(ids[start:end], meta, state.caches, layer_ops=layer_ops))
         outputs.append(hidden + [t for c in state.caches for t in (c.k_cache, c.v_cache, c.index_cache)])
-    # bf16 through 2 layers, and cuBLAS may pick another kernel for a fused GEMM's shape: the
-    # results agree to bf16 noise, and a selection near a tie may flip, so compare directions.
-    for want, got in zip(*outputs, strict=True):
+    # bf16 through 2 layers, and cuBLAS may pick another kernel for a fused GEMM's shape: compare
+    # directions, hidden states of each step and every cache.
+    for i, (want, got) in enumerate(zip(*outputs, strict=True)):
         cosine = torch.nn.functional.cosine_similarity(got.float().flatten(), want.float().flatten(), dim=0)
-        assert cosine > 0.999, f"cosine similarity {float(cosine):.5f}"
+        assert cosine > min_cosine, f"output {i}: cosine similarity {float(cosine):.6f}"
