@@ -41,7 +41,7 @@ def test_silu_mul(rows: int) -> None:
     check_silu_mul(TRITON, rows, 8192, BF16, "cuda")
 
 
-@pytest.mark.parametrize(("backend", "min_cosine"), [("dense", 0.9999), ("msa", 0.99)])
+@pytest.mark.parametrize(("backend", "min_cosine"), [("dense", 0.9995), ("msa", 0.99)])
 @torch.inference_mode()
 def test_model_forward_with_fused_ops_matches_pytorch_ops(backend: str, min_cosine: float) -> None:
     """m3-proxy (2 layers), 3000 prompt tokens in two chunks + 2 decode steps: the fused kernels
