@@ -106,7 +106,10 @@ class MSAAttention(nn.Module):
         c, num_tokens = self.config, x.shape[0]
         learned = c.index_source == "learned"
         if self.fused_weight is not None:
-            parts = list(torch.split(F.linear(x, self.fused_weight), self._fused_sizes, dim=1))
+            fused, parts, start = F.linear(x, self.fused_weight), [], 0
+            for size in self._fused_sizes:  # slices, not torch.split: rotary writes them in place
+                parts.append(fused[:, start:start + size])
+                start += size
         else:
             parts = [self.q_proj(x), self.k_proj(x), self.v_proj(x)]
             parts += [self.index_k_proj(x)] if learned else []
