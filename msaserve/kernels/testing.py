@@ -1,6 +1,28 @@
-"""Comparison helpers shared by the CPU and GPU kernel tests (DESIGN §2, property 4)."""
+"""Helpers shared by the CPU and GPU kernel tests: selection comparison up to near-ties (DESIGN §2,
+property 4), scattered block tables, and importing Triton modules under the interpreter."""
+
+import importlib
+import os
+import sys
+from types import ModuleType
 
 import torch
+
+
+def import_interpreted(*names: str) -> list[ModuleType]:
+    """(Re)import the Triton modules `names` with TRITON_INTERPRET=1, so their kernels run on CPU
+    tensors: Triton picks the interpreter when a kernel is decorated, i.e. at import. The variable
+    is restored afterwards."""
+    previous = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return [importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
+                for name in names]
+    finally:
+        if previous is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = previous
 
 
 def selections_match(

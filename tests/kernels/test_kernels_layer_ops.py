@@ -1,9 +1,6 @@
 """The fused layer ops (`kernels/layer_ops/triton.py`) against their PyTorch spec under
 TRITON_INTERPRET=1 at small shapes; tests/gpu runs the same checks compiled."""
 
-import importlib
-import os
-import sys
 
 import pytest
 import torch
@@ -11,26 +8,14 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu tests the compiled kernels", allow_module_level=True)
 
-from test_kernels_layer_ops_cases import check_add_rms_norm, check_rotary_and_write, check_silu_mul
+from test_kernels_layer_ops_cases import (
+    check_add_rms_norm,
+    check_rotary_and_write,
+    check_silu_mul,
+    interpreted_triton_ops,
+)
 
-from msaserve.kernels.layer_ops import LayerOps
-
-
-def _interpreted() -> LayerOps:
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        name = "msaserve.kernels.layer_ops.triton"
-        module = importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    return LayerOps("triton", module.add_rms_norm, module.rotary_and_write, module.silu_mul)
-
-
-TRITON = _interpreted()
+TRITON = interpreted_triton_ops()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

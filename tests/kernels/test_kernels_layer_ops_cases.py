@@ -5,9 +5,16 @@ import torch
 
 from msaserve.kernels.layer_ops import LayerOps
 from msaserve.kernels.layer_ops import naive as spec
+from msaserve.kernels.testing import import_interpreted
 from msaserve.models.rotary import rotary_cos_sin
 
 POISON = 7.0  # written into every output before a run; no result of these inputs equals it
+
+
+def interpreted_triton_ops() -> LayerOps:
+    """The layer ops' Triton kernels under the interpreter (CPU tests)."""
+    (module,) = import_interpreted("msaserve.kernels.layer_ops.triton")
+    return LayerOps("triton", module.add_rms_norm, module.rotary_and_write, module.silu_mul)
 
 
 def _tolerance(dtype: torch.dtype) -> float:

@@ -6,8 +6,6 @@ present the compiled kernels are tested by tests/gpu instead, and this module is
 """
 
 import importlib
-import os
-import sys
 
 import pytest
 import torch
@@ -24,6 +22,8 @@ from test_kernels_triton_cases import (
     check_sparse_prefill,
 )
 
+from msaserve.kernels.testing import import_interpreted
+
 _TRITON_MODULES = [
     "msaserve.kernels.triton_common",
     "msaserve.kernels.indexer_decode.triton",
@@ -33,20 +33,7 @@ _TRITON_MODULES = [
 ]
 
 
-def _import_interpreted() -> list:
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        return [importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
-                for name in _TRITON_MODULES]
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-
-
-_, _idec, _ipre, _sdec, _spre = _import_interpreted()
+_, _idec, _ipre, _sdec, _spre = import_interpreted(*_TRITON_MODULES)
 TRITON = Ops(_idec.indexer_decode, _ipre.indexer_prefill, _sdec.sparse_decode, _spre.sparse_prefill)
 NAIVE = Ops(
     importlib.import_module("msaserve.kernels.indexer_decode.naive").indexer_decode,

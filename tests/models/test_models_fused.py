@@ -2,12 +2,15 @@
 outputs and caches as they were: the tiny preset, fp32, prefill + decode, both index sources."""
 
 import copy
-import importlib
-import os
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+
+from test_kernels_layer_ops_cases import interpreted_triton_ops
 
 from msaserve.kernels.layer_ops import LayerOps, get_layer_ops
 from msaserve.models.loader import load_model
@@ -20,20 +23,6 @@ def _model(index_source: str, backend: str = "msa"):
     overrides = {} if index_source == "learned" else dict(index_source="keys", num_index_heads=2,
                                                              index_head_dim=16)
     return load_model("tiny", attention_backend=backend, progress=False, seed=4, **overrides).model
-
-
-def _interpreted_triton_ops() -> LayerOps:
-    previous = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        name = "msaserve.kernels.layer_ops.triton"
-        module = importlib.reload(sys.modules[name]) if name in sys.modules else importlib.import_module(name)
-    finally:
-        if previous is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = previous
-    return LayerOps("triton", module.add_rms_norm, module.rotary_and_write, module.silu_mul)
 
 
 @torch.inference_mode()
@@ -77,6 +66,8 @@ def test_fused_projections_keep_outputs_names_and_memory(index_source: str, back
     _assert_same(_run(model, ops), _run(fused, ops), atol=1e-5)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="CUDA present: tests/gpu runs the compiled kernels "
+                    "in a model (re-importing them interpreted would replace the compiled ones)")
 @pytest.mark.parametrize("index_dtype", [None, torch.float8_e4m3fn])
 @pytest.mark.parametrize("index_source", ["learned", "keys"])
 def test_triton_layer_ops_in_the_model_match_pytorch(index_source: str, index_dtype) -> None:
@@ -85,5 +76,5 @@ def test_triton_layer_ops_in_the_model_match_pytorch(index_source: str, index_dt
     fused = copy.deepcopy(model)
     fused.fuse_projections()
     want = _run(model, get_layer_ops("cpu"), index_dtype)
-    got = _run(fused, _interpreted_triton_ops(), index_dtype)
+    got = _run(fused, interpreted_triton_ops(), index_dtype)
     _assert_same(want, got, atol=1e-4)
