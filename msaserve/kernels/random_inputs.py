@@ -1,7 +1,7 @@
 """Random paged MSA inputs for the Triton kernel tests (CPU interpreter and GPU) and the benchmark.
 
 All of them build caches the same way: scattered physical pages, fresh random values, optional fp8
-index keys quantised exactly as `LayerKVCache.write` does.
+index keys quantised exactly as `LayerKVCache.write_index` does.
 """
 
 from dataclasses import dataclass
