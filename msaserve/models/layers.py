@@ -5,6 +5,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from msaserve.kernels.layer_ops import LayerOps
+from msaserve.kernels.layer_ops import naive as naive_layer_ops
 
 
 class RMSNorm(nn.Module):
@@ -14,10 +15,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 and cast back before the weight, as HF Llama does (bf16 parity).
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
+        """norm(x) by the PyTorch spec (`layer_ops/naive.py`): fp32, cast back before the weight."""
+        return naive_layer_ops.add_rms_norm(x, None, self.weight, self.eps)[0]
 
     def add_forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, ops: LayerOps
