@@ -96,6 +96,11 @@ def test_decode_step_replays_in_a_cuda_graph() -> None:
     torch.testing.assert_close(captured_out.float(), step().float(), atol=1e-3, rtol=1e-3)
 
 
+def test_sparse_prefill_with_empty_slots() -> None:
+    """Emptied slots, and rows with no selected block at all (they come out as zeros)."""
+    check_sparse_prefill(TRITON, NAIVE, _m3(lens=(300, 2048, 5000)), BF16, "cuda", seed=5, empty_slots=True)
+
+
 def test_sparse_prefill_32k_chunk_equals_two_16k_chunks() -> None:
     """A 32K-token chunk at the M3 shape has 2^32 partial elements: offsets must be 64-bit."""
     gen = torch.Generator(device="cuda").manual_seed(0)

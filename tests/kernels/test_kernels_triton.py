@@ -9,6 +9,7 @@ import importlib
 
 import pytest
 import torch
+import triton
 
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu tests the compiled kernels", allow_module_level=True)
@@ -90,10 +91,22 @@ def test_sparse_decode_matches_naive(group: int, num_q: int) -> None:
     check_sparse_decode(TRITON, NAIVE, shape, num_q, torch.float32, "cpu", seed=group)
 
 
+@pytest.mark.parametrize("prefetch", [0, 1])
 @pytest.mark.parametrize("group", [1, 4, 6, 8, 16])
-def test_sparse_prefill_matches_naive(group: int) -> None:
+def test_sparse_prefill_matches_naive(group: int, prefetch: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both sub-tile loops (compiler-pipelined and register-prefetched); BLOCK_M = 32 rows so that items
+    run several sub-tiles at these sizes."""
+    kernel = _spre._block_major_kernel
+    monkeypatch.setattr(kernel, "configs", [triton.Config({"BLOCK_M": 32, "PREFETCH": prefetch})])
+    monkeypatch.setattr(kernel, "cache", {})
     shape = Shape(_LENS_16, page_size=16, num_kv_heads=2, group=group, head_dim=32, index_heads=1, top_k=4)
     check_sparse_prefill(TRITON, NAIVE, shape, torch.float32, "cpu", seed=group)
+
+
+def test_sparse_prefill_with_empty_slots() -> None:
+    """Emptied slots, and rows with no selected block at all (they come out as zeros)."""
+    shape = Shape(_LENS_16, page_size=16, num_kv_heads=2, group=4, head_dim=32, index_heads=1, top_k=4)
+    check_sparse_prefill(TRITON, NAIVE, shape, torch.float32, "cpu", seed=11, empty_slots=True)
 
 
 def test_sparse_ops_bf16_and_page_64() -> None:

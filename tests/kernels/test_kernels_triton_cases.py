@@ -143,8 +143,24 @@ def check_sparse_decode(ops: Ops, ref: Ops, shape: Shape, num_q: int, dtype: tor
     torch.testing.assert_close(got.float(), want.float(), **_attention_tolerance(dtype))
 
 
+def _drop_slots(selected: torch.Tensor, seed: int) -> torch.Tensor:
+    """Empty slots in the selection: every slot of KV head 0 for the first 40 queries (whole
+    windows of queries with nothing selected for that head), and one random slot elsewhere."""
+    gen = torch.Generator().manual_seed(seed + 3)
+    selected = selected.clone()
+    selected[:40, 0] = -1
+    slot = torch.randint(selected.shape[-1], selected.shape[:2], generator=gen).to(selected.device)
+    drop = torch.rand(selected.shape[:2], generator=gen).to(selected.device) < 0.3
+    keep_one = (selected >= 0).sum(-1) > 1  # never empty a row here: the spec leaves those undefined
+    current = selected.gather(-1, slot[..., None])
+    selected.scatter_(-1, slot[..., None], torch.where((drop & keep_one)[..., None], -1, current))
+    return selected
+
+
 def check_sparse_prefill(ops: Ops, ref: Ops, shape: Shape, dtype: torch.dtype, device: str,
-                         seed: int = 0) -> None:
+                         seed: int = 0, empty_slots: bool = False) -> None:
+    """With empty_slots, some selections lose slots and some rows lose all of them: a row without
+    any selected block must come out as zeros (the naive spec has no answer for it)."""
     inputs = _inputs(shape, dtype, device, False, seed)
     chunks = _chunks(shape, seed)
     cu = torch.tensor([0, *torch.tensor(chunks).cumsum(0).tolist()], dtype=torch.int32, device=device)
@@ -155,9 +171,14 @@ def check_sparse_prefill(ops: Ops, ref: Ops, shape: Shape, dtype: torch.dtype, d
     selected = ref.indexer_prefill(q_index, inputs.index_cache, inputs.block_tables, inputs.seq_lens, cu,
                                    shape.top_k, shape.n_init)
     args = (inputs.k_cache, inputs.v_cache, inputs.block_tables, inputs.seq_lens, cu)
+    if empty_slots:
+        selected = _drop_slots(selected, seed)
     with poisoned_allocations():
         got = ops.sparse_prefill(q, *args, _shuffle_slots(selected, seed))
-    want = ref.sparse_prefill(q, *args, selected)
+    empty = (selected < 0).all(-1)  # [Tq, Hkv]
+    want = ref.sparse_prefill(q, *args, torch.where(empty[..., None], 0, selected))
+    want = want.view(q.shape[0], shape.num_kv_heads, shape.group, -1).masked_fill(empty[..., None, None], 0)
+    want = want.view_as(q)
     assert got.dtype == q.dtype and got.shape == q.shape
     assert not got.isnan().any(), "sparse_prefill left NaN (unwritten or poisoned) outputs"
     torch.testing.assert_close(got.float(), want.float(), **_attention_tolerance(dtype))
