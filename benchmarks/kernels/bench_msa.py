@@ -7,6 +7,10 @@ the physical floors (bytes ÷ measured copy bandwidth, FLOPs ÷ measured bf16 GE
 
 Index queries are drawn per 128-query tile plus per-token noise, so neighbouring queries choose
 overlapping blocks as real ones do (a purely random index makes every tile's union dense).
+
+The decode table's fp8 columns use the indexer's default fp8 scan; the `*_splitq` columns time the
+other one ("split-query": keys as stored, query split into fp8 terms) on the same data, and
+`splitq_same_rows` is the share of rows whose selections agree exactly (near-ties may swap).
 """
 
 import argparse
@@ -35,6 +39,7 @@ from msa_production import bench_production
 from msa_report import Report
 
 from msaserve.kernels.dispatch import get_ops
+from msaserve.kernels.indexer_decode.triton import DEFAULT_FP8_SCAN
 
 HQ, HKV, D, HKI, DI, P, TOP_K, N_INIT = 64, 4, 128, 1, 128, 128, 16, 1
 BF16 = torch.bfloat16
@@ -63,6 +68,21 @@ def paged_caches(num_pages: int, fp8: bool = False) -> dict:
 # ---------------------------------------------------------------- decode
 
 
+def _split_query_ab(report: Report, indexer, sparse) -> tuple[float, float, float]:
+    """The other fp8 scan on the same data (keys as stored, query split into fp8 terms): indexer ms,
+    step ms, share of rows selecting exactly as the default scan. NaNs and a note if it fails, so
+    the default path's row is still written."""
+    try:
+        t_idx = time_graph_ms(lambda: indexer(True, "split-query"))
+        t_step = time_graph_ms(lambda: sparse(indexer(True, "split-query")))
+        same = (indexer(True, "split-query") == indexer(True)).all(-1).float().mean().item()
+        return t_idx, t_step, same
+    except Exception as exc:  # an A/B variant failing must not lose the measured row
+        report.notes.append(f"fp8 split-query A/B failed: {exc!r}")
+        traceback.print_exc()
+        return float("nan"), float("nan"), float("nan")
+
+
 def bench_decode(report: Report, ceil: dict, context: int, batch: int, naive: bool = False) -> None:
     pages_per_seq = context // P
     num_pages = batch * pages_per_seq
@@ -73,10 +93,10 @@ def bench_decode(report: Report, ceil: dict, context: int, batch: int, naive: bo
     q_index = index_queries(batch, context - 1).view(batch, 1, HKV, DI)
     ops = TRITON
 
-    def indexer(fp8: bool) -> torch.Tensor:
+    def indexer(fp8: bool, fp8_scan: str = DEFAULT_FP8_SCAN) -> torch.Tensor:
         if fp8:
             return ops.indexer_decode(q_index, c["index_fp8"], tables, seq_lens, TOP_K, N_INIT,
-                                      c["index_scale"])
+                                      c["index_scale"], fp8_scan=fp8_scan)
         return ops.indexer_decode(q_index, c["index"], tables, seq_lens, TOP_K, N_INIT)
 
     selected = indexer(False)
@@ -87,6 +107,8 @@ def bench_decode(report: Report, ceil: dict, context: int, batch: int, naive: bo
     t_sparse = time_graph_ms(lambda: ops.sparse_decode(q, c["k"], c["v"], tables, seq_lens, selected))
     t_step = time_graph_ms(lambda: ops.sparse_decode(q, c["k"], c["v"], tables, seq_lens, indexer(False)))
     t_step8 = time_graph_ms(lambda: ops.sparse_decode(q, c["k"], c["v"], tables, seq_lens, indexer(True)))
+    t_idx8s, t_step8s, same_rows = _split_query_ab(report, indexer, lambda sel: ops.sparse_decode(
+        q, c["k"], c["v"], tables, seq_lens, sel))
     t_naive = float("nan")
     if naive:
         def naive_step() -> torch.Tensor:
@@ -113,7 +135,9 @@ def bench_decode(report: Report, ceil: dict, context: int, batch: int, naive: bo
                indexer_fp8_tbps=index8_bytes / t_idx8 / 1e9, sparse_ms=t_sparse, step_ms=t_step,
                step_fp8_ms=t_step8, naive_ms=t_naive, speedup=t_dense / t_step, speedup_fp8=t_dense / t_step8,
                floor_ms=(index_bytes + kv_sel_bytes) / bw * 1e3,
-               floor_fp8_ms=(index8_bytes + kv_sel_bytes) / bw * 1e3, dense_floor_ms=dense_bytes / bw * 1e3)
+               floor_fp8_ms=(index8_bytes + kv_sel_bytes) / bw * 1e3, dense_floor_ms=dense_bytes / bw * 1e3,
+               indexer_fp8_splitq_ms=t_idx8s, indexer_fp8_splitq_tbps=index8_bytes / t_idx8s / 1e9,
+               step_fp8_splitq_ms=t_step8s, speedup_fp8_splitq=t_dense / t_step8s, splitq_same_rows=same_rows)
     if batch == 8:
         report.plot.setdefault("decode", {}).setdefault("MSA (bf16 index)", {"tokens": [], "ms": []})
         for name, t in (("MSA (bf16 index)", t_step), ("MSA (fp8 index)", t_step8), ("dense SDPA", t_dense)):
@@ -332,7 +356,9 @@ def run_decode(report: Report, ceil: dict) -> None:
                       dense_ms=r["dense_ms"], floor_speedup=r["dense_ms"] / r["floor_ms"])
         report.metric("decode_speedup_1m_fp8", r["speedup_fp8"], "x", ">= 14 (fp8 index)",
                       step_ms=r["step_fp8_ms"], dense_ms=r["dense_ms"],
-                      floor_speedup=r["dense_ms"] / r["floor_fp8_ms"])
+                      floor_speedup=r["dense_ms"] / r["floor_fp8_ms"], fp8_scan=DEFAULT_FP8_SCAN,
+                      split_query_speedup=r["speedup_fp8_splitq"],
+                      split_query_indexer_tbps=r["indexer_fp8_splitq_tbps"])
     for (context, batch), r in rows.items():
         if context == 131072:
             report.metric(f"decode_speedup_128k_b{batch}", r["speedup"], "x", "report",

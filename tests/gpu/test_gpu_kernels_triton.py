@@ -1,6 +1,8 @@
 """The compiled Triton MSA kernels against the naive spec on a CUDA GPU, at real sizes (M3 shape:
 Hkv=4, G=16, D=DI=128, P=128, K=16), plus CUDA-graph capture of the decode step."""
 
+import dataclasses
+import functools
 import sys
 from pathlib import Path
 
@@ -23,6 +25,7 @@ from test_kernels_triton_cases import (
 
 from msaserve.kernels import triton_common
 from msaserve.kernels.dispatch import get_ops
+from msaserve.kernels.indexer_decode import triton as indexer_decode_triton
 from msaserve.kernels.random_inputs import make_paged_inputs
 
 
@@ -48,6 +51,19 @@ def _m3(page_size: int = 128, index_heads: int = 1, group: int = 16, lens: tuple
 def test_indexer_decode(page_size: int, index_heads: int, num_q: int, fp8: bool) -> None:
     check_indexer_decode(TRITON, NAIVE, _m3(page_size, index_heads), num_q, BF16, "cuda", fp8=fp8,
                          seed=num_q + page_size)
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float32])
+@pytest.mark.parametrize("num_q", [1, 16])
+@pytest.mark.parametrize(("page_size", "index_heads"), [(128, 1), (64, 4)])
+def test_indexer_decode_fp8_split_query(page_size: int, index_heads: int, num_q: int,
+                                        dtype: torch.dtype) -> None:
+    """fp8 keys as stored against the query's fp8 terms (two for bf16, three for fp32); autotuning
+    compiles and runs every config, the chosen one is checked."""
+    ops = dataclasses.replace(TRITON, indexer_decode=functools.partial(indexer_decode_triton.indexer_decode,
+                                                                       fp8_scan="split-query"))
+    check_indexer_decode(ops, NAIVE, _m3(page_size, index_heads), num_q, dtype, "cuda", fp8=True,
+                         seed=num_q + page_size + 1)
 
 
 @pytest.mark.parametrize("fp8", [False, True])

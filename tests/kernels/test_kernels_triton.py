@@ -5,11 +5,14 @@ with TRITON_INTERPRET=1; the variable is set only while this module's tests run.
 present the compiled kernels are tested by tests/gpu instead, and this module is skipped.
 """
 
+import dataclasses
+import functools
 import importlib
 
 import pytest
 import torch
 import triton
+import triton.language as tl
 
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu tests the compiled kernels", allow_module_level=True)
@@ -58,6 +61,59 @@ INDEXER_SHAPES = [
     Shape((40, 300, 129), page_size=64, num_kv_heads=3, group=1, head_dim=32, index_heads=1, top_k=3,
           n_init=0),
 ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_query_split_into_fp8_terms(dtype: torch.dtype) -> None:
+    """q = s · (t0 + t1/16 + t2/256) with fp8 terms: exact for bf16 (two terms) and fp16 (three)
+    wherever the terms stay in e4m3's normal range (elements above 2⁻¹² of their row's max), within
+    2⁻¹¹ of each element for fp32; zero rows stay zero."""
+
+    @triton.jit
+    def split_kernel(q_ptr, terms_ptr, scale_ptr, NR: tl.constexpr, DI: tl.constexpr, TERMS: tl.constexpr):
+        offs = tl.arange(0, NR)[:, None] * DI + tl.arange(0, DI)[None, :]
+        t0, t1, t2, scale = _idec._split_query(tl.load(q_ptr + offs), TERMS)
+        tl.store(terms_ptr + offs, t0)
+        tl.store(terms_ptr + NR * DI + offs, t1)
+        tl.store(terms_ptr + 2 * NR * DI + offs, t2)
+        tl.store(scale_ptr + tl.arange(0, NR), scale)
+
+    gen = torch.Generator().manual_seed(4)
+    q = torch.randn(16, 64, generator=gen) * torch.exp2(torch.randint(-8, 9, (16, 1), generator=gen).float())
+    q[3] = 0.0
+    q = q.to(dtype)
+    terms = torch.empty(3, 16, 64, dtype=torch.float8_e4m3fn)
+    scale = torch.empty(16)
+    num_terms = _idec._QUERY_TERMS[dtype]
+    split_kernel[(1,)](q, terms, scale, NR=16, DI=64, TERMS=num_terms)
+    t = terms.double()
+    assert scale.log2().frac().eq(0).all(), "scales must be powers of two"
+    rebuilt = scale.double()[:, None] * (t[0] + t[1] / 16 + t[2] / 256)
+    want = q.double()
+    row_max = want.abs().amax(1, keepdim=True)
+    err = (rebuilt - want).abs()
+    assert rebuilt[3].eq(0).all()
+    if num_terms == 2:
+        assert t[2].eq(0).all()
+    if dtype == torch.float32:
+        worst = (err / want.abs()).nan_to_num().max()
+        assert (err <= want.abs() * 2.0**-11).all(), f"max relative error {worst}"
+    else:
+        normal = want.abs() >= row_max * 2.0**-12
+        assert err[normal].eq(0).all(), f"{dtype}: max error {err[normal].max()} where it must be exact"
+        assert (err <= row_max * 2.0**-16).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_decode_fp8_split_query(dtype: torch.dtype) -> None:
+    """fp8 keys scanned as stored against the query's fp8 terms (three for fp32, two for bf16)."""
+    ops = dataclasses.replace(TRITON, indexer_decode=functools.partial(_idec.indexer_decode,
+                                                                       fp8_scan="split-query"))
+    for shape, seed in ((INDEXER_SHAPES[0], 5), (INDEXER_SHAPES[1], 6)):
+        for num_q in (1, 16):
+            lens = tuple(max(n, num_q) for n in shape.seq_lens)
+            check_indexer_decode(ops, NAIVE, dataclasses.replace(shape, seq_lens=lens), num_q, dtype, "cpu",
+                                 fp8=True, seed=seed + num_q)
 
 
 @pytest.mark.parametrize("num_q", [1, 16])
@@ -123,3 +179,7 @@ def test_launchers_reject_bad_shapes() -> None:
     with pytest.raises(ValueError, match="1–16 queries"):
         TRITON.indexer_decode(torch.randn(1, 17, 2, 32), index_cache[:, :, :1],
                               torch.zeros(1, 4, dtype=torch.int32), torch.tensor([40], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="fp8_scan is 'fast'; allowed widen-keys, split-query"):
+        TRITON.indexer_decode(torch.randn(1, 1, 2, 32), index_cache[:, :, :1],
+                              torch.zeros(1, 4, dtype=torch.int32), torch.tensor([40], dtype=torch.int32), 4,
+                              fp8_scan="fast")

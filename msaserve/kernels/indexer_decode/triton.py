@@ -6,7 +6,16 @@ Shape of the work: the key axis is long (up to 8K pages of P tokens) and the que
 pages are split across CTAs. Stage 1: each CTA streams its pages once, keeps a running top-K
 per row in registers and writes K candidates. Stage 2 merges the splits' candidates. The grid
 depends only on (B, max_pages, heads), never on the lengths, so a CUDA graph can capture it.
+
+fp8-e4m3 index keys can be scanned two ways (`Fp8Scan`):
+- "widen-keys": every key tile is widened to fp16 for an fp16 MMA (one conversion per key element);
+- "split-query": the keys stay fp8 and the query is split into fp8 terms, q = s · Σ_t term_t · 16⁻ᵗ
+  with s a power of two per row, so the MMA reads the keys as stored and nothing is converted per
+  key. Each term keeps 4 significant bits: two terms are exact for bf16 queries, three for fp16,
+  and leave < 2⁻¹¹ of relative error per element for fp32 ones.
 """
+
+from typing import Literal
 
 import torch
 import triton
@@ -23,6 +32,14 @@ from msaserve.kernels.triton_common import (
     sorted_selection,
     topk_insert,
 )
+
+Fp8Scan = Literal["widen-keys", "split-query"]
+FP8_SCANS: tuple[Fp8Scan, ...] = ("widen-keys", "split-query")
+# "split-query" is not yet timed on the GPU (no device in the session that wrote it), so the default
+# stays the measured one; benchmarks/kernels/ab_fp8_scan.py times both.
+DEFAULT_FP8_SCAN: Fp8Scan = "widen-keys"
+# fp8 terms that represent a query of this dtype exactly (fp32: to 12 significant bits).
+_QUERY_TERMS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 3}
 
 # ---------------------------------------------------------------- heuristics
 
@@ -66,12 +83,53 @@ def _load_pages(cache_ptr, scale_ptr, tables_ptr, j0, end, stride_cp, stride_ct,
 
 
 @triton.jit
-def _fold_pages(vals, ids, keys, key_scale, q_t, j0, end, local, row_ok, P: tl.constexpr, NR: tl.constexpr,
-                PAGES: tl.constexpr, N_INIT: tl.constexpr, HAS_SCALE: tl.constexpr):
+def _truncate_to_e4m3(x):
+    """x (fp32) cut to sign, exponent and 3 mantissa bits: exact in fp8-e4m3 in its normal range,
+    so the conversion after it never rounds, and x − result is exact in fp32."""
+    return (x.to(tl.int32, bitcast=True) & -1048576).to(tl.float32, bitcast=True)  # 0xFFF00000
+
+
+@triton.jit
+def _split_query(q, TERMS: tl.constexpr):
+    """q [NR, DI] → (t0, t1, t2) fp8-e4m3 [NR, DI] and s [NR], q ≈ s · (t0 + t1/16 + t2/256)
+    (t2 is zero when TERMS = 2). s is a power of two that puts each row's max below 256 (e4m3 holds
+    448), so q / s is exact; each term is the previous remainder times 16, which stays below 256."""
+    x = q.to(tl.float32)
+    amax = tl.max(tl.abs(x), axis=1)  # [NR]
+    exp_bits = (amax.to(tl.int32, bitcast=True) >> 23) & 0xFF  # amax < 2^(exp_bits − 126)
+    usable = exp_bits >= 8  # rows below 2⁻¹¹⁹ (padding: zeros) keep s = 1
+    inv_scale = tl.where(usable, ((261 - exp_bits) << 23).to(tl.float32, bitcast=True), 1.0)
+    scale = tl.where(usable, ((exp_bits - 7) << 23).to(tl.float32, bitcast=True), 1.0)
+    x = x * inv_scale[:, None]
+    t0 = _truncate_to_e4m3(x)
+    x = (x - t0) * 16.0
+    t1 = _truncate_to_e4m3(x)
+    t2 = tl.zeros_like(t1)
+    if TERMS > 2:
+        t2 = _truncate_to_e4m3((x - t1) * 16.0)
+    return t0.to(tl.float8e4nv), t1.to(tl.float8e4nv), t2.to(tl.float8e4nv), scale
+
+
+@triton.jit
+def _page_logits(keys, key_scale, q_t, q_t1, q_t2, q_scale, HAS_SCALE: tl.constexpr, Q_TERMS: tl.constexpr):
+    """keys [PAGES·P, DI] · queries → logits [PAGES·P, NR] fp32, key scales applied."""
+    if Q_TERMS > 0:  # fp8 keys as stored against the query's fp8 terms; the smallest term first
+        logits = tl.dot(keys, q_t1, tl.dot(keys, q_t2) * 0.0625) if Q_TERMS > 2 else tl.dot(keys, q_t1)
+        logits = tl.dot(keys, q_t, logits * 0.0625)
+        logits = logits * (key_scale[:, None] * q_scale[None, :])
+    else:
+        logits = tl.dot(keys.to(q_t.dtype), q_t)  # fp8 keys widen to fp16 here
+        if HAS_SCALE:
+            logits = logits * key_scale[:, None]
+    return logits
+
+
+@triton.jit
+def _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, q_scale, j0, end, local, row_ok,
+                P: tl.constexpr, NR: tl.constexpr, PAGES: tl.constexpr, N_INIT: tl.constexpr,
+                HAS_SCALE: tl.constexpr, Q_TERMS: tl.constexpr):
     """Block maxima of PAGES pages for the NR rows, folded into the running top-K (vals, ids)."""
-    logits = tl.dot(keys.to(q_t.dtype), q_t)  # [PAGES·P, NR] fp32; fp8 keys widen to fp16 here
-    if HAS_SCALE:
-        logits = logits * key_scale[:, None]
+    logits = _page_logits(keys, key_scale, q_t, q_t1, q_t2, q_scale, HAS_SCALE, Q_TERMS)  # [PAGES·P, NR]
     scores = tl.max(tl.reshape(logits, [PAGES, P, NR]), axis=1)  # [PAGES, NR] block maxima
     offs_pg = tl.arange(0, PAGES)
     blocks = j0 + offs_pg
@@ -91,7 +149,7 @@ def _fold_pages(vals, ids, keys, key_scale, q_t, j0, end, local, row_ok, P: tl.c
     return vals, ids
 
 
-@triton.autotune(configs=_CONFIGS, key=["P", "DI", "NR", "KP", "HAS_SCALE"])
+@triton.autotune(configs=_CONFIGS, key=["P", "DI", "NR", "KP", "HAS_SCALE", "Q_TERMS"])
 @triton.jit
 def _score_split_kernel(
     q_ptr, cache_ptr, scale_ptr, tables_ptr, seq_lens_ptr, cand_val_ptr, cand_id_ptr,
@@ -101,7 +159,7 @@ def _score_split_kernel(
     stride_tb, num_splits,
     NUM_Q: tl.constexpr, HPK: tl.constexpr, NR: tl.constexpr, P: tl.constexpr, DI: tl.constexpr,
     KP: tl.constexpr, N_INIT: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
-    PAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    Q_TERMS: tl.constexpr, PAGES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One (sequence, split, key head): running top-K of its pages for the NR = Q·HPK rows.
 
@@ -123,7 +181,13 @@ def _score_split_kernel(
         + offs_d[None, :], mask=row_ok[:, None], other=0.0,
     )  # [NR, DI]
     q_t = tl.trans(q.to(tl.float32) if UPCAST else q)  # [DI, NR]
-    if HAS_SCALE and not UPCAST:
+    q_t1 = q_t  # the lower fp8 terms and per-row scale, used when Q_TERMS > 0
+    q_t2 = q_t
+    q_scale = tl.full([NR], 1.0, tl.float32)
+    if Q_TERMS > 0:  # keys stay fp8; the query becomes Q_TERMS fp8 terms ("split-query")
+        t0, t1, t2, q_scale = _split_query(q, Q_TERMS)
+        q_t, q_t1, q_t2 = tl.trans(t0), tl.trans(t1), tl.trans(t2)
+    elif HAS_SCALE and not UPCAST:
         # fp8 keys widen to fp16 with one native conversion (to bf16 it takes several); bf16
         # queries are exact in fp16 within its range, so the dot is the same as in bf16.
         q_t = q_t.to(tl.float16)
@@ -141,15 +205,15 @@ def _score_split_kernel(
         for j0 in range(first, end, PAGES):
             next_keys, next_scale = _load_pages(cache_ptr, scale_ptr, tables_ptr, j0 + PAGES, end, stride_cp,
                                                 stride_ct, stride_sp, stride_st, P, DI, PAGES, HAS_SCALE)
-            vals, ids = _fold_pages(vals, ids, keys, key_scale, q_t, j0, end, local, row_ok,
-                                    P, NR, PAGES, N_INIT, HAS_SCALE)
+            vals, ids = _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, q_scale, j0, end, local,
+                                    row_ok, P, NR, PAGES, N_INIT, HAS_SCALE, Q_TERMS)
             keys, key_scale = next_keys, next_scale
     else:  # let the compiler pipeline the loads (num_stages)
         for j0 in range(first, end, PAGES):
             keys, key_scale = _load_pages(cache_ptr, scale_ptr, tables_ptr, j0, end, stride_cp, stride_ct,
                                           stride_sp, stride_st, P, DI, PAGES, HAS_SCALE)
-            vals, ids = _fold_pages(vals, ids, keys, key_scale, q_t, j0, end, local, row_ok,
-                                    P, NR, PAGES, N_INIT, HAS_SCALE)
+            vals, ids = _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, q_scale, j0, end, local,
+                                    row_ok, P, NR, PAGES, N_INIT, HAS_SCALE, Q_TERMS)
     base = ((b * tl.num_programs(2) + hk) * num_splits + split) * NR * KP
     offs = base + rows[:, None] * KP + tl.arange(0, KP)[None, :]
     tl.store(cand_val_ptr + offs, vals)
@@ -198,6 +262,16 @@ def _merge_splits_kernel(
 # ---------------------------------------------------------------- launcher
 
 
+def _query_terms(q_index: torch.Tensor, index_scale: torch.Tensor | None, fp8_scan: Fp8Scan) -> int:
+    """Q_TERMS for the kernel: 0 unless fp8 keys are scanned with the query split into fp8 terms."""
+    check(fp8_scan in FP8_SCANS, f"fp8_scan is {fp8_scan!r}; allowed {', '.join(FP8_SCANS)}")
+    if index_scale is None or fp8_scan == "widen-keys":
+        return 0
+    check(q_index.dtype in _QUERY_TERMS,
+          f"q_index dtype {q_index.dtype} cannot be split into fp8 terms; allowed bf16, fp16, fp32")
+    return _QUERY_TERMS[q_index.dtype]
+
+
 def _launch(
     q_index: torch.Tensor,
     index_cache: torch.Tensor,
@@ -206,6 +280,7 @@ def _launch(
     seq_lens: torch.Tensor,
     top_k: int,
     n_init: int,
+    fp8_scan: Fp8Scan,
 ) -> torch.Tensor:
     batch, num_q, num_heads, index_dim = q_index.shape
     num_pages, page_size, key_heads, _ = index_cache.shape
@@ -242,6 +317,7 @@ def _launch(
         block_tables.stride(0), splits,
         NUM_Q=num_q, HPK=heads_per_key, NR=num_rows, P=page_size, DI=index_dim, KP=kp, N_INIT=n_init,
         HAS_SCALE=index_scale is not None, UPCAST=INTERPRET,
+        Q_TERMS=_query_terms(q_index, index_scale, fp8_scan),
     )
     out = torch.empty((batch, num_q, num_heads, top_k), device=q_index.device, dtype=torch.int32)
     # One row per program on the GPU (registers); all rows at once under the interpreter.
@@ -265,10 +341,13 @@ def indexer_decode(
     top_k: int,
     n_init: int = 1,
     index_scale: torch.Tensor | None = None,
+    *,
+    fp8_scan: Fp8Scan = DEFAULT_FP8_SCAN,
 ) -> torch.Tensor:
     """q_index: [B, Q, Hkv, DI] (query i of sequence b at position seq_lens[b] - Q + i);
     index_cache: [num_pages, P, HkI, DI] (bf16/fp16/fp32, or fp8-e4m3 with index_scale
     [num_pages, P, HkI] fp32); block_tables: [B, max_pages]; seq_lens: [B]
     → selected [B, Q, Hkv, top_k] int32 (ascending, -1 pad).
+    fp8_scan: how fp8 keys meet the query (module docstring); ignored for other key dtypes.
     """
-    return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, top_k, n_init)
+    return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, top_k, n_init, fp8_scan)
