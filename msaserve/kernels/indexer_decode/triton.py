@@ -111,12 +111,14 @@ def _split_query(q, TERMS: tl.constexpr):
 
 
 @triton.jit
-def _page_logits(keys, key_scale, q_t, q_t1, q_t2, q_scale, HAS_SCALE: tl.constexpr, Q_TERMS: tl.constexpr):
-    """keys [PAGES·P, DI] · queries → logits [PAGES·P, NR] fp32, key scales applied."""
+def _page_logits(keys, key_scale, q_t, q_t1, q_t2, HAS_SCALE: tl.constexpr, Q_TERMS: tl.constexpr):
+    """keys [PAGES·P, DI] · queries → logits [PAGES·P, NR] fp32, key scales applied. With query terms
+    the row's power-of-two scale is left out: it changes no row's ranking, ties included, and only
+    ranks within a row leave this kernel."""
     if Q_TERMS > 0:  # fp8 keys as stored against the query's fp8 terms; the smallest term first
         logits = tl.dot(keys, q_t1, tl.dot(keys, q_t2) * 0.0625) if Q_TERMS > 2 else tl.dot(keys, q_t1)
         logits = tl.dot(keys, q_t, logits * 0.0625)
-        logits = logits * (key_scale[:, None] * q_scale[None, :])
+        logits = logits * key_scale[:, None]
     else:
         logits = tl.dot(keys.to(q_t.dtype), q_t)  # fp8 keys widen to fp16 here
         if HAS_SCALE:
@@ -125,11 +127,11 @@ def _page_logits(keys, key_scale, q_t, q_t1, q_t2, q_scale, HAS_SCALE: tl.conste
 
 
 @triton.jit
-def _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, q_scale, j0, end, local, row_ok,
+def _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, j0, end, local, row_ok,
                 P: tl.constexpr, NR: tl.constexpr, PAGES: tl.constexpr, N_INIT: tl.constexpr,
                 HAS_SCALE: tl.constexpr, Q_TERMS: tl.constexpr):
     """Block maxima of PAGES pages for the NR rows, folded into the running top-K (vals, ids)."""
-    logits = _page_logits(keys, key_scale, q_t, q_t1, q_t2, q_scale, HAS_SCALE, Q_TERMS)  # [PAGES·P, NR]
+    logits = _page_logits(keys, key_scale, q_t, q_t1, q_t2, HAS_SCALE, Q_TERMS)  # [PAGES·P, NR]
     scores = tl.max(tl.reshape(logits, [PAGES, P, NR]), axis=1)  # [PAGES, NR] block maxima
     offs_pg = tl.arange(0, PAGES)
     blocks = j0 + offs_pg
@@ -181,11 +183,10 @@ def _score_split_kernel(
         + offs_d[None, :], mask=row_ok[:, None], other=0.0,
     )  # [NR, DI]
     q_t = tl.trans(q.to(tl.float32) if UPCAST else q)  # [DI, NR]
-    q_t1 = q_t  # the lower fp8 terms and per-row scale, used when Q_TERMS > 0
+    q_t1 = q_t  # the lower fp8 terms, used when Q_TERMS > 0
     q_t2 = q_t
-    q_scale = tl.full([NR], 1.0, tl.float32)
     if Q_TERMS > 0:  # keys stay fp8; the query becomes Q_TERMS fp8 terms ("split-query")
-        t0, t1, t2, q_scale = _split_query(q, Q_TERMS)
+        t0, t1, t2, _ = _split_query(q, Q_TERMS)
         q_t, q_t1, q_t2 = tl.trans(t0), tl.trans(t1), tl.trans(t2)
     elif HAS_SCALE and not UPCAST:
         # fp8 keys widen to fp16 with one native conversion (to bf16 it takes several); bf16
@@ -205,14 +206,14 @@ def _score_split_kernel(
         for j0 in range(first, end, PAGES):
             next_keys, next_scale = _load_pages(cache_ptr, scale_ptr, tables_ptr, j0 + PAGES, end, stride_cp,
                                                 stride_ct, stride_sp, stride_st, P, DI, PAGES, HAS_SCALE)
-            vals, ids = _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, q_scale, j0, end, local,
+            vals, ids = _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, j0, end, local,
                                     row_ok, P, NR, PAGES, N_INIT, HAS_SCALE, Q_TERMS)
             keys, key_scale = next_keys, next_scale
     else:  # let the compiler pipeline the loads (num_stages)
         for j0 in range(first, end, PAGES):
             keys, key_scale = _load_pages(cache_ptr, scale_ptr, tables_ptr, j0, end, stride_cp, stride_ct,
                                           stride_sp, stride_st, P, DI, PAGES, HAS_SCALE)
-            vals, ids = _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, q_scale, j0, end, local,
+            vals, ids = _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, j0, end, local,
                                     row_ok, P, NR, PAGES, N_INIT, HAS_SCALE, Q_TERMS)
     base = ((b * tl.num_programs(2) + hk) * num_splits + split) * NR * KP
     offs = base + rows[:, None] * KP + tl.arange(0, KP)[None, :]
