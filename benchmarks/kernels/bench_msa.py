@@ -40,6 +40,7 @@ from msa_report import Report
 
 from msaserve.kernels.dispatch import get_ops
 from msaserve.kernels.indexer_decode.triton import DEFAULT_FP8_SCAN
+from msaserve.kernels.sparse_prefill.triton import DEFAULT_TILE_DENSE_SHARE
 
 HQ, HKV, D, HKI, DI, P, TOP_K, N_INIT = 64, 4, 128, 1, 128, 128, 16, 1
 BF16 = torch.bfloat16
@@ -246,9 +247,13 @@ def _time_pipelined(c: dict, tables: torch.Tensor, totals: dict, reps: int) -> N
                                          N_INIT)
             TRITON.sparse_prefill(ch["q"], c["k"], c["v"], tables, ch["seq_lens"], ch["cu"], sel)
 
-    def sparse_all() -> None:
+    def sparse_all(tile_dense_share: float | None = DEFAULT_TILE_DENSE_SHARE) -> None:
         for ch in chunks:
-            TRITON.sparse_prefill(ch["q"], c["k"], c["v"], tables, ch["seq_lens"], ch["cu"], ch["selected"])
+            TRITON.sparse_prefill(ch["q"], c["k"], c["v"], tables, ch["seq_lens"], ch["cu"], ch["selected"],
+                                  tile_dense_share=tile_dense_share)
+
+    for ch in chunks:
+        ch["args"] = (c["k"], c["v"], tables, ch["seq_lens"], ch["cu"])
 
     totals["pipelined_ms"] = time_ms(whole, reps=reps, warmup=0)
     totals["sparse_pipelined_ms"] = time_ms(sparse_all, reps=reps, warmup=0)
@@ -264,7 +269,36 @@ def _time_pipelined(c: dict, tables: torch.Tensor, totals: dict, reps: int) -> N
         finally:
             spre._queries_per_item = committed
         totals["subtile_variants_ms"] = variants
+        totals["tile_dense"] = _tile_dense_variants(chunks, sparse_all, reps)
     chunks.clear()
+
+
+def _tile_dense_variants(chunks: list, sparse_all, reps: int) -> dict:
+    """The tile-dense option (common blocks of each tile of consecutive queries computed
+    flash-attention style, the rest KV-block-major) against the default, same chunks: all chunks'
+    sparse ms, partials the merge reads per (query, KV head) on the last chunk, and the last chunk's
+    max |difference| from the default output. A failing variant leaves a note, not a lost section."""
+    from msaserve.kernels.sparse_prefill import tile_dense
+
+    last = chunks[-1]
+    seq = torch.zeros(CHUNK, dtype=torch.int64, device="cuda")
+    want = TRITON.sparse_prefill(last["q"], *last["args"], last["selected"]).float()
+    out = {}
+    for share in (0.5, 0.75):
+        try:
+            ms = time_ms(lambda s=share: sparse_all(s), reps=reps, warmup=1)
+            got = TRITON.sparse_prefill(last["q"], *last["args"], last["selected"], tile_dense_share=share)
+            plan = tile_dense.plan_tiles(last["selected"], seq, last["args"][2].shape[1],
+                                         tile_dense.queries_per_tile(HQ // HKV), share)
+            out[share] = {"sparse_ms": ms, "max_abs_diff": float((got.float() - want).abs().max()),
+                          "partials_per_query_head": float((plan[4] >= 0).float().sum(-1).mean())}
+            _profile(lambda s=share: TRITON.sparse_prefill(last["q"], *last["args"], last["selected"],
+                                                           tile_dense_share=s),
+                     f"128K last chunk: sparse prefill, tile_dense_share={share}")
+        except Exception as exc:  # an exploration variant failing must not lose the measured section
+            out[share] = {"error": repr(exc)}
+            traceback.print_exc()
+    return out
 
 
 def dense_prefill_ms(context: int, reps: int) -> float:
@@ -309,6 +343,16 @@ def run_prefill(report: Report, ceil: dict, skip_1m: bool) -> None:
     for subtiles, ms in r.get("subtile_variants_ms", {}).items():
         report.row("sparse_prefill_item_size", context=131072, subtiles_per_item=subtiles, sparse_ms=ms,
                    useful_tflops=r["useful_flops"] / (ms * 1e-3) / 1e12)
+    tile_dense_tflops = {}
+    for share, v in r.get("tile_dense", {}).items():
+        if "error" in v:
+            report.notes.append(f"tile_dense_share={share} failed: {v['error']}")
+            continue
+        tile_dense_tflops[share] = r["useful_flops"] / (v["sparse_ms"] * 1e-3) / 1e12
+        report.row("sparse_prefill_tile_dense", context=131072, tile_dense_share=share,
+                   sparse_ms=v["sparse_ms"], useful_tflops=tile_dense_tflops[share],
+                   block_major_ms=r["sparse_pipelined_ms"], ratio=r["sparse_pipelined_ms"] / v["sparse_ms"],
+                   partials_per_query_head=v["partials_per_query_head"], max_abs_diff=v["max_abs_diff"])
     report.metric("prefill_speedup_128k", dense[131072] / msa, "x", ">= 12",
                   msa_ms=msa, dense_ms=dense[131072], msa_floor_ms=floor,
                   msa_ops_timed_apart_ms=r["indexer_ms"] + r["sparse_ms"],
@@ -321,7 +365,8 @@ def run_prefill(report: Report, ceil: dict, skip_1m: bool) -> None:
     report.metric("sparse_prefill_useful_tflops", useful_tflops, "TFLOP/s",
                   ">= 350", useful_flops=r["useful_flops"], sparse_pipelined_ms=r["sparse_pipelined_ms"],
                   per_chunk_timed_apart_tflops=r["useful_flops"] / (r["sparse_ms"] * 1e-3) / 1e12,
-                  gemm_ceiling_tflops=ceil["gemm_tflops"])
+                  gemm_ceiling_tflops=ceil["gemm_tflops"], tile_dense_share=DEFAULT_TILE_DENSE_SHARE,
+                  tile_dense_useful_tflops=tile_dense_tflops)
     report.plot["prefill"] = {"dense SDPA (measured)": {"tokens": list(dense), "ms": list(dense.values())}}
     if skip_1m:
         return

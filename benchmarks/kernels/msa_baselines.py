@@ -24,20 +24,21 @@ PAGE_BIAS = 1.0
 QUERY_NOISE = 0.25
 
 
-def index_keys(num_pages: int, page_size: int, heads: int, dim: int) -> torch.Tensor:
+def index_keys(num_pages: int, page_size: int, heads: int, dim: int, device: str = "cuda") -> torch.Tensor:
     """[num_pages, P, HkI, DI] bf16."""
-    keys = torch.randn(num_pages, page_size, heads, dim, device="cuda")
-    keys += PAGE_BIAS * torch.randn(num_pages, 1, heads, dim, device="cuda")
+    keys = torch.randn(num_pages, page_size, heads, dim, device=device)
+    keys += PAGE_BIAS * torch.randn(num_pages, 1, heads, dim, device=device)
     return keys.to(torch.bfloat16)
 
 
-def index_queries(num_tokens: int, first_pos: int, page_size: int, heads: int, dim: int) -> torch.Tensor:
+def index_queries(num_tokens: int, first_pos: int, page_size: int, heads: int, dim: int,
+                  device: str = "cuda") -> torch.Tensor:
     """[Tq, H, DI] bf16 for positions first_pos..: one direction per position tile plus noise."""
     tiles = (first_pos + num_tokens + page_size - 1) // page_size - first_pos // page_size
-    base = torch.randn(tiles, heads, dim, device="cuda")
-    positions = torch.arange(first_pos, first_pos + num_tokens, device="cuda")
+    base = torch.randn(tiles, heads, dim, device=device)
+    positions = torch.arange(first_pos, first_pos + num_tokens, device=device)
     tile_of = positions // page_size - first_pos // page_size
-    q = base[tile_of] + QUERY_NOISE * torch.randn(num_tokens, heads, dim, device="cuda")
+    q = base[tile_of] + QUERY_NOISE * torch.randn(num_tokens, heads, dim, device=device)
     return q.to(torch.bfloat16)
 
 

@@ -27,6 +27,7 @@ from msaserve.kernels import triton_common
 from msaserve.kernels.dispatch import get_ops
 from msaserve.kernels.indexer_decode import triton as indexer_decode_triton
 from msaserve.kernels.random_inputs import make_paged_inputs
+from msaserve.kernels.sparse_prefill import triton as sparse_prefill_triton
 
 
 def _ops(backend: str) -> Ops:
@@ -86,6 +87,16 @@ def test_sparse_prefill(group: int, page_size: int) -> None:
     check_sparse_prefill(TRITON, NAIVE, shape, BF16, "cuda", seed=group + page_size)
 
 
+@pytest.mark.parametrize("group", [1, 4, 6, 8, 16])
+def test_sparse_prefill_tile_dense(group: int) -> None:
+    """Common blocks of each tile computed tile-dense, the rest KV-block-major (tile_dense_share)."""
+    ops = dataclasses.replace(TRITON, sparse_prefill=functools.partial(sparse_prefill_triton.sparse_prefill,
+                                                                       tile_dense_share=0.5))
+    shape = _m3(group=group, lens=(300, 2048, 5000, 9001))
+    check_sparse_prefill(ops, NAIVE, shape, BF16, "cuda", seed=group + 3)
+    check_sparse_prefill(ops, NAIVE, shape, BF16, "cuda", seed=group + 4, empty_slots=True)
+
+
 def test_decode_step_replays_in_a_cuda_graph() -> None:
     """Constant grids: a captured indexer + sparse decode step gives the eager result on new data."""
     inputs = make_paged_inputs(list(LENS), 128, 4, 128, 1, 128, BF16, "cuda")
@@ -117,12 +128,15 @@ def test_sparse_prefill_with_empty_slots() -> None:
     check_sparse_prefill(TRITON, NAIVE, _m3(lens=(300, 2048, 5000)), BF16, "cuda", seed=5, empty_slots=True)
 
 
-def test_sparse_prefill_32k_chunk_equals_two_16k_chunks() -> None:
-    """A 32K-token chunk at the M3 shape has 2^32 partial elements: offsets must be 64-bit."""
+@pytest.mark.parametrize("tile_dense_share", [None, 0.5])
+def test_sparse_prefill_32k_chunk_equals_two_16k_chunks(tile_dense_share: float | None) -> None:
+    """A 32K-token chunk at the M3 shape has 2^32 partial elements: offsets must be 64-bit (in the
+    tile-dense kernel too: every tile of this selection shares all its blocks)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens, page_size, hkv, group, dim, top_k = 32768, 128, 4, 16, 128, 16
     pages = tokens // page_size
-    ops = get_ops("triton", "cuda")
+    sparse_prefill = functools.partial(sparse_prefill_triton.sparse_prefill,
+                                       tile_dense_share=tile_dense_share)
 
     def rand(*shape):
         return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -135,11 +149,11 @@ def test_sparse_prefill_32k_chunk_equals_two_16k_chunks() -> None:
     # the local block and the 15 blocks below it (clamped at 0, -1 where that would repeat)
     selected = (local - torch.arange(top_k, device="cuda")[None, None, :]).expand(-1, hkv, -1)
     selected = torch.where(selected >= 0, selected, -1).to(torch.int32).contiguous()
-    whole = ops.sparse_prefill(q, k_cache, v_cache, table, torch.tensor([tokens], device="cuda"),
+    whole = sparse_prefill(q, k_cache, v_cache, table, torch.tensor([tokens], device="cuda"),
                                torch.tensor([0, tokens], device="cuda"), selected)
     half = tokens // 2
     parts = [
-        ops.sparse_prefill(q[a:b], k_cache, v_cache, table, torch.tensor([b], device="cuda"),
+        sparse_prefill(q[a:b], k_cache, v_cache, table, torch.tensor([b], device="cuda"),
                            torch.tensor([0, b - a], device="cuda"), selected[a:b])
         for a, b in ((0, half), (half, tokens))
     ]
