@@ -198,6 +198,14 @@ def test_tile_dense_plan_splits_every_choice_exactly_once() -> None:
     assert torch.equal(merge_valid[6:] >= 0, sel[6:] >= 0)
 
 
+def test_tile_dense_share_out_of_range_is_rejected() -> None:
+    cache = torch.randn(4, 16, 2, 32)
+    with pytest.raises(ValueError, match=r"tile_dense_share is 1.5; allowed a share in \(0, 1\], or None"):
+        TRITON.sparse_prefill(torch.randn(8, 4, 32), cache, cache, torch.arange(4, dtype=torch.int32)[None],
+                              torch.tensor([40]), torch.tensor([0, 8]),
+                              torch.zeros(8, 2, 4, dtype=torch.int32), tile_dense_share=1.5)
+
+
 def test_tile_dense_plan_respects_the_share() -> None:
     _, (_, _, dense_count, _, _) = _plan_case(0.8)  # 6 of 8 < 80 %: nothing common
     assert dense_count.eq(0).all()

@@ -253,6 +253,8 @@ def _launch(
     check(page_size == pow2(page_size) and head_dim == pow2(head_dim),
           f"page size {page_size} and head dim {head_dim} must be powers of two")
     check_last_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
+    check(tile_dense_share is None or 0.0 < tile_dense_share <= 1.0,
+          f"tile_dense_share is {tile_dense_share}; allowed a share in (0, 1], or None")
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
@@ -264,8 +266,6 @@ def _launch(
     part_lse = q.new_empty((num_tokens * num_kv_heads * top_k, group), dtype=torch.float32)
     valid = selected
     if tile_dense_share is not None:
-        check(0.0 < tile_dense_share <= 1.0,
-              f"tile_dense_share is {tile_dense_share}; allowed a share in (0, 1], or None")
         selected, valid = _tile_dense(q, k_cache, v_cache, block_tables, selected, seq, pos, part_o, part_lse,
                                       scale, tile_dense_share)
     key, entry, tile_start, tile_count = _invert_selection(
