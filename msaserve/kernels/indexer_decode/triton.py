@@ -36,7 +36,7 @@ from msaserve.kernels.triton_common import (
 Fp8Scan = Literal["widen-keys", "split-query"]
 FP8_SCANS: tuple[Fp8Scan, ...] = ("widen-keys", "split-query")
 # "split-query" is not yet timed on the GPU (no device in the session that wrote it), so the default
-# stays the measured one; benchmarks/kernels/ab_fp8_scan.py times both.
+# stays the measured one; benchmarks/kernels/bench_msa.py times both (decode table, *_splitq).
 DEFAULT_FP8_SCAN: Fp8Scan = "widen-keys"
 # fp8 terms that represent a query of this dtype exactly (fp32: to 12 significant bits).
 _QUERY_TERMS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 3}
@@ -118,11 +118,10 @@ def _page_logits(keys, key_scale, q_t, q_t1, q_t2, HAS_SCALE: tl.constexpr, Q_TE
     if Q_TERMS > 0:  # fp8 keys as stored against the query's fp8 terms; the smallest term first
         logits = tl.dot(keys, q_t1, tl.dot(keys, q_t2) * 0.0625) if Q_TERMS > 2 else tl.dot(keys, q_t1)
         logits = tl.dot(keys, q_t, logits * 0.0625)
-        logits = logits * key_scale[:, None]
     else:
         logits = tl.dot(keys.to(q_t.dtype), q_t)  # fp8 keys widen to fp16 here
-        if HAS_SCALE:
-            logits = logits * key_scale[:, None]
+    if HAS_SCALE:
+        logits = logits * key_scale[:, None]
     return logits
 
 
