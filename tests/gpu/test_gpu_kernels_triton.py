@@ -54,15 +54,16 @@ def test_indexer_decode(page_size: int, index_heads: int, num_q: int, fp8: bool)
                          seed=num_q + page_size)
 
 
+@pytest.mark.parametrize("fp8_scan", indexer_decode_triton.FP8_SCANS)
 @pytest.mark.parametrize("dtype", [BF16, torch.float32])
 @pytest.mark.parametrize("num_q", [1, 16])
 @pytest.mark.parametrize(("page_size", "index_heads"), [(128, 1), (64, 4)])
-def test_indexer_decode_fp8_split_query(page_size: int, index_heads: int, num_q: int,
-                                        dtype: torch.dtype) -> None:
-    """fp8 keys as stored against the query's fp8 terms (two for bf16, three for fp32); autotuning
-    compiles and runs every config, the chosen one is checked."""
+def test_indexer_decode_fp8_scans(page_size: int, index_heads: int, num_q: int, dtype: torch.dtype,
+                                  fp8_scan: str) -> None:
+    """Both fp8 scans, whichever is the default (keys widened to fp16, or as stored against the
+    query's fp8 terms); autotuning compiles and runs every config, the chosen one is checked."""
     ops = dataclasses.replace(TRITON, indexer_decode=functools.partial(indexer_decode_triton.indexer_decode,
-                                                                       fp8_scan="split-query"))
+                                                                       fp8_scan=fp8_scan))
     check_indexer_decode(ops, NAIVE, _m3(page_size, index_heads), num_q, dtype, "cuda", fp8=True,
                          seed=num_q + page_size + 1)
 

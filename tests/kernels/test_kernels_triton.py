@@ -105,11 +105,13 @@ def test_query_split_into_fp8_terms(dtype: torch.dtype) -> None:
         assert (err <= row_max * 2.0**-16).all()
 
 
+@pytest.mark.parametrize("fp8_scan", _idec.FP8_SCANS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_indexer_decode_fp8_split_query(dtype: torch.dtype) -> None:
-    """fp8 keys scanned as stored against the query's fp8 terms (three for fp32, two for bf16)."""
+def test_indexer_decode_fp8_scans(dtype: torch.dtype, fp8_scan: str) -> None:
+    """Both fp8 scans, whichever is the default: keys widened to fp16, or scanned as stored against
+    the query's fp8 terms (three for fp32, two for bf16)."""
     ops = dataclasses.replace(TRITON, indexer_decode=functools.partial(_idec.indexer_decode,
-                                                                       fp8_scan="split-query"))
+                                                                       fp8_scan=fp8_scan))
     for shape, seed in ((INDEXER_SHAPES[0], 5), (INDEXER_SHAPES[1], 6)):
         for num_q in (1, 16):
             lens = tuple(max(n, num_q) for n in shape.seq_lens)

@@ -1,0 +1,107 @@
+"""Decode indexer launch sweep at batch 8, 1M tokens (the M3 index shape: HkI=1, DI=128, P=128,
+K=16, 4 query heads per key head): every (config, split count) for the bf16 scan and both fp8 scans,
+each config pinned alone so the autotuner does not choose. Shows how far the autotuned pick is from
+the best launch this Triton finds, and which knob the fp8 scans are short of.
+
+    python benchmarks/kernels/sweep_indexer_decode.py --out DIR [--git-revision REV]
+
+Splits: `waves` CTAs per SM over the whole grid (the kernel's heuristic uses 2). Extra configs beyond
+the kernel's own list are tried too and marked `candidate`.
+"""
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from msa_baselines import index_keys, index_queries, time_graph_ms
+
+from msaserve.kernels.indexer_decode import triton as idec
+
+BATCH, CONTEXT, HKV, HKI, DI, P, TOP_K, N_INIT = 8, 1 << 20, 4, 1, 128, 128, 16, 1
+# (PAGES, PREFETCH, num_warps, num_stages) not in the kernel's list
+CANDIDATES = ((8, 0, 8, 2), (8, 0, 8, 3), (8, 1, 8, 1), (4, 0, 4, 4), (4, 1, 4, 1), (2, 0, 4, 4),
+              (4, 0, 8, 4), (8, 0, 4, 2))
+WAVES = (1, 2, 4)
+
+
+def config_name(cfg: triton.Config) -> str:
+    kw = cfg.kwargs
+    return f"PAGES={kw['PAGES']} PREFETCH={kw['PREFETCH']} warps={cfg.num_warps} stages={cfg.num_stages}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--git-revision", default="unknown")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    pages_per_seq = CONTEXT // P
+    num_pages = BATCH * pages_per_seq
+    tables = torch.randperm(num_pages, device="cuda").to(torch.int32).view(BATCH, pages_per_seq)
+    keys = index_keys(num_pages, P, HKI, DI)
+    scale = keys.float().abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    keys8 = (keys.float() / scale[..., None]).to(torch.float8_e4m3fn)
+    seq_lens = torch.full((BATCH,), CONTEXT, dtype=torch.int32, device="cuda")
+    q = index_queries(BATCH, CONTEXT - 1, P, HKV, DI).view(BATCH, 1, HKV, DI)
+    scans = {
+        "bf16": (lambda: idec.indexer_decode(q, keys, tables, seq_lens, TOP_K, N_INIT), BATCH * CONTEXT * DI * 2),
+        **{f"fp8 {s}": (lambda s=s: idec.indexer_decode(q, keys8, tables, seq_lens, TOP_K, N_INIT, scale,
+                                                          fp8_scan=s), BATCH * CONTEXT * (DI + 4))
+           for s in idec.FP8_SCANS},
+    }
+    kernel = idec._score_split_kernel
+    own = list(kernel.configs)
+    extra = [triton.Config({"PAGES": p, "PREFETCH": f}, num_warps=w, num_stages=s) for p, f, w, s in CANDIDATES]
+    heuristic = idec._num_splits
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    reference = {name: fn() for name, (fn, _) in scans.items()}
+    rows = []
+    try:
+        for name, (fn, nbytes) in scans.items():
+            kernel.configs, kernel.cache = own, {}
+            picked_ms = time_graph_ms(fn)
+            picked = next(iter(kernel.cache.values()), None)
+            rows.append({"scan": name, "config": f"autotuned: {config_name(picked)}" if picked else "autotuned",
+                         "waves": 2, "ms": picked_ms, "tbps": nbytes / picked_ms / 1e9, "same": True})
+            for cfg in own + extra:
+                for waves in WAVES:
+                    idec._num_splits = lambda b, h, m, dev, w=waves: max(1, min(triton.cdiv(w * sms, b * h), m))
+                    kernel.configs, kernel.cache = [cfg], {}
+                    try:
+                        ms = time_graph_ms(fn)
+                        same = bool((fn() == reference[name]).all())
+                    except Exception as exc:  # a config that cannot compile here is a row, not the end
+                        rows.append({"scan": name, "config": config_name(cfg), "waves": waves, "error": repr(exc)})
+                        continue
+                    rows.append({"scan": name, "config": config_name(cfg) + (" candidate" if cfg in extra else ""),
+                                 "waves": waves, "ms": ms, "tbps": nbytes / ms / 1e9, "same": same})
+                    print(f"{name:18} {rows[-1]['config']:52} waves={waves} {ms:.4f} ms "
+                          f"{rows[-1]['tbps']:.3f} TB/s same={same}", flush=True)
+    finally:
+        idec._num_splits, kernel.configs, kernel.cache = heuristic, own, {}
+    doc = {"command": "python benchmarks/kernels/sweep_indexer_decode.py --out benchmarks/results",
+           "hardware": torch.cuda.get_device_name(), "git_revision": args.git_revision,
+           "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+           "shape": {"batch": BATCH, "context": CONTEXT, "HkI": HKI, "DI": DI, "P": P, "top_k": TOP_K,
+                     "query_heads_per_key_head": HKV},
+           "rows": rows}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "indexer_decode_sweep.json").write_text(json.dumps(doc, indent=1))
+    print(f"\n{'scan':18} {'launch':62} {'ms':>8} {'TB/s':>7}")
+    for name in scans:
+        ok = [r for r in rows if r["scan"] == name and "ms" in r]
+        auto = ok[0]
+        best = sorted(ok[1:], key=lambda r: r["ms"])[:4]
+        for r in [auto, *best]:
+            print(f"{name:18} {r['config'] + ' waves=' + str(r['waves']):62} {r['ms']:8.4f} {r['tbps']:7.3f}")
+
+
+if __name__ == "__main__":
+    main()
