@@ -36,6 +36,32 @@ def config_name(cfg: triton.Config) -> str:
     return f"PAGES={kw['PAGES']} PREFETCH={kw['PREFETCH']} warps={cfg.num_warps} stages={cfg.num_stages}"
 
 
+def sweep_scan(name: str, fn, nbytes: int, configs: list, extra: list, sms: int) -> list[dict]:
+    """The autotuned pick, then every config × waves pinned alone, for one scan."""
+    kernel = idec._score_split_kernel
+    kernel.configs, kernel.cache = configs, {}
+    reference = fn()
+    ms = time_graph_ms(fn)
+    picked = next(iter(kernel.cache.values()), None)
+    rows = [{"scan": name, "config": "autotuned: " + (config_name(picked) if picked else "?"), "waves": 2,
+             "ms": ms, "tbps": nbytes / ms / 1e9, "same": True}]
+    for cfg in configs + extra:
+        for waves in WAVES:
+            idec._num_splits = lambda b, h, m, dev, w=waves: max(1, min(triton.cdiv(w * sms, b * h), m))
+            kernel.configs, kernel.cache = [cfg], {}
+            row = {"scan": name, "config": config_name(cfg) + (" candidate" if cfg in extra else ""),
+                   "waves": waves}
+            try:
+                ms = time_graph_ms(fn)
+                row.update(ms=ms, tbps=nbytes / ms / 1e9, same=bool((fn() == reference).all()))
+            except Exception as exc:  # a config that cannot compile here is a row, not the end
+                row["error"] = repr(exc)
+            rows.append(row)
+            print(f"{name:18} {row['config']:52} waves={waves} {row.get('ms', float('nan')):.4f} ms "
+                  f"{row.get('tbps', float('nan')):.3f} TB/s same={row.get('same')}", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
@@ -50,40 +76,20 @@ def main() -> None:
     keys8 = (keys.float() / scale[..., None]).to(torch.float8_e4m3fn)
     seq_lens = torch.full((BATCH,), CONTEXT, dtype=torch.int32, device="cuda")
     q = index_queries(BATCH, CONTEXT - 1, P, HKV, DI).view(BATCH, 1, HKV, DI)
-    scans = {
-        "bf16": (lambda: idec.indexer_decode(q, keys, tables, seq_lens, TOP_K, N_INIT), BATCH * CONTEXT * DI * 2),
-        **{f"fp8 {s}": (lambda s=s: idec.indexer_decode(q, keys8, tables, seq_lens, TOP_K, N_INIT, scale,
-                                                          fp8_scan=s), BATCH * CONTEXT * (DI + 4))
-           for s in idec.FP8_SCANS},
-    }
-    kernel = idec._score_split_kernel
+    scans = {"bf16": (lambda: idec.indexer_decode(q, keys, tables, seq_lens, TOP_K, N_INIT),
+                      BATCH * CONTEXT * DI * 2)}
+    for s in idec.FP8_SCANS:
+        scans[f"fp8 {s}"] = (lambda s=s: idec.indexer_decode(q, keys8, tables, seq_lens, TOP_K, N_INIT, scale,
+                                                             fp8_scan=s), BATCH * CONTEXT * (DI + 4))
+    kernel, heuristic = idec._score_split_kernel, idec._num_splits
     own = list(kernel.configs)
-    extra = [triton.Config({"PAGES": p, "PREFETCH": f}, num_warps=w, num_stages=s) for p, f, w, s in CANDIDATES]
-    heuristic = idec._num_splits
+    extra = [triton.Config({"PAGES": p, "PREFETCH": f}, num_warps=w, num_stages=s)
+             for p, f, w, s in CANDIDATES]
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    reference = {name: fn() for name, (fn, _) in scans.items()}
     rows = []
     try:
         for name, (fn, nbytes) in scans.items():
-            kernel.configs, kernel.cache = own, {}
-            picked_ms = time_graph_ms(fn)
-            picked = next(iter(kernel.cache.values()), None)
-            rows.append({"scan": name, "config": f"autotuned: {config_name(picked)}" if picked else "autotuned",
-                         "waves": 2, "ms": picked_ms, "tbps": nbytes / picked_ms / 1e9, "same": True})
-            for cfg in own + extra:
-                for waves in WAVES:
-                    idec._num_splits = lambda b, h, m, dev, w=waves: max(1, min(triton.cdiv(w * sms, b * h), m))
-                    kernel.configs, kernel.cache = [cfg], {}
-                    try:
-                        ms = time_graph_ms(fn)
-                        same = bool((fn() == reference[name]).all())
-                    except Exception as exc:  # a config that cannot compile here is a row, not the end
-                        rows.append({"scan": name, "config": config_name(cfg), "waves": waves, "error": repr(exc)})
-                        continue
-                    rows.append({"scan": name, "config": config_name(cfg) + (" candidate" if cfg in extra else ""),
-                                 "waves": waves, "ms": ms, "tbps": nbytes / ms / 1e9, "same": same})
-                    print(f"{name:18} {rows[-1]['config']:52} waves={waves} {ms:.4f} ms "
-                          f"{rows[-1]['tbps']:.3f} TB/s same={same}", flush=True)
+            rows += sweep_scan(name, fn, nbytes, own, extra, sms)
     finally:
         idec._num_splits, kernel.configs, kernel.cache = heuristic, own, {}
     doc = {"command": "python benchmarks/kernels/sweep_indexer_decode.py --out benchmarks/results",
@@ -97,9 +103,7 @@ def main() -> None:
     print(f"\n{'scan':18} {'launch':62} {'ms':>8} {'TB/s':>7}")
     for name in scans:
         ok = [r for r in rows if r["scan"] == name and "ms" in r]
-        auto = ok[0]
-        best = sorted(ok[1:], key=lambda r: r["ms"])[:4]
-        for r in [auto, *best]:
+        for r in [ok[0], *sorted(ok[1:], key=lambda r: r["ms"])[:4]]:
             print(f"{name:18} {r['config'] + ' waves=' + str(r['waves']):62} {r['ms']:8.4f} {r['tbps']:7.3f}")
 
 
