@@ -13,7 +13,9 @@ Every (query, block) pair is computed exactly once, by one side or the other. Th
 masked MMA work on common blocks a query did not choose (bounded by 1/min_share − 1 of it). On
 bench_msa's data at the M3 shape (tiles of 8 queries) the plan leaves 5.3 partials per (query,
 KV head) instead of 16 at min_share 0.5, for 19 % more MMA work, and 8.2 at 0.75 for 5 % more
-(benchmarks/kernels/msa_coselection.py, CPU). Not yet timed on a GPU.
+(benchmarks/kernels/msa_coselection.py, CPU). On the H200 it is nonetheless slower end to end
+(0.83–0.92× of block-major alone; this kernel reaches ≈ 260 useful TFLOP/s, no more than the
+block-major kernel, and the merge does not shrink in proportion): off by default.
 """
 
 import math

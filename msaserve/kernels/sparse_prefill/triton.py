@@ -36,8 +36,9 @@ from msaserve.kernels.triton_common import (
 )
 
 _LOG2E = 1.4426950408889634
-# The tile-dense option is not yet timed on the GPU (written in a session without one), so the
-# default stays the measured KV-block-major path; bench_msa.py times both.
+# Off: on the H200 the tile-dense option was slower at every share tried (0.83–0.92× of
+# KV-block-major alone at s = 0.375–0.75, all 128K chunks; docs/performance-kernels.md). bench_msa.py
+# keeps timing both, table sparse_prefill_tile_dense.
 DEFAULT_TILE_DENSE_SHARE: float | None = None
 
 # ---------------------------------------------------------------- heuristics
