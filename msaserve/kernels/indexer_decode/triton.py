@@ -36,7 +36,7 @@ from msaserve.kernels.triton_common import (
 Fp8Scan = Literal["widen-keys", "split-query"]
 FP8_SCANS: tuple[Fp8Scan, ...] = ("widen-keys", "split-query")
 # "split-query" won every row of the H200 decode table (benchmarks/results/kernels.json, decode; the
-# other scan's columns are *_widen): at 1M x 8 the fp8 index is read at 3.18 TB/s instead of 2.46.
+# other scan's columns are *_widen): at 1M x 8 the fp8 index is read at 3.14 TB/s instead of 2.47 (d7fd8a4).
 DEFAULT_FP8_SCAN: Fp8Scan = "split-query"
 # fp8 terms that represent a query of this dtype exactly (fp32: to 12 significant bits).
 _QUERY_TERMS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 3}
