@@ -68,6 +68,19 @@ def test_indexer_decode_fp8_scans(page_size: int, index_heads: int, num_q: int, 
                          seed=num_q + page_size + 1)
 
 
+@pytest.mark.parametrize("key_load", indexer_decode_triton.KEY_LOADS)
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("num_q", [1, 16])
+@pytest.mark.parametrize(("page_size", "index_heads"), [(128, 1), (64, 4)])
+def test_indexer_decode_key_loads(page_size: int, index_heads: int, num_q: int, fp8: bool,
+                                  key_load: str) -> None:
+    """Pointer gathers and TMA page copies, whichever is the default, with every config autotuning tries."""
+    ops = dataclasses.replace(TRITON, indexer_decode=functools.partial(indexer_decode_triton.indexer_decode,
+                                                                       key_load=key_load))
+    check_indexer_decode(ops, NAIVE, _m3(page_size, index_heads), num_q, BF16, "cuda", fp8=fp8,
+                         seed=num_q + page_size + 2)
+
+
 @pytest.mark.parametrize("fp8", [False, True])
 @pytest.mark.parametrize(("page_size", "index_heads", "n_init"), [(128, 1, 1), (64, 4, 2), (128, 4, 0)])
 def test_indexer_prefill(page_size: int, index_heads: int, n_init: int, fp8: bool) -> None:

@@ -119,6 +119,19 @@ def test_indexer_decode_fp8_scans(dtype: torch.dtype, fp8_scan: str) -> None:
                                  fp8=True, seed=seed + num_q)
 
 
+@pytest.mark.parametrize("key_load", _idec.KEY_LOADS)
+@pytest.mark.parametrize("fp8", [False, True])
+def test_indexer_decode_key_loads(fp8: bool, key_load: str) -> None:
+    """Both ways a key page reaches the MMA, whichever is the default: pointer gathers, or one TMA
+    box per page (a [pages·P, HkI·DI] descriptor; both HkI = 1 and HkI = Hkv views)."""
+    scan = functools.partial(_idec.indexer_decode, key_load=key_load)
+    ops = dataclasses.replace(TRITON, indexer_decode=scan)
+    for shape, seed in ((INDEXER_SHAPES[0], 7), (INDEXER_SHAPES[1], 8)):
+        lens = tuple(max(n, 2) for n in shape.seq_lens)
+        check_indexer_decode(ops, NAIVE, dataclasses.replace(shape, seq_lens=lens), 2, torch.float32, "cpu",
+                             fp8=fp8, seed=seed)
+
+
 @pytest.mark.parametrize("num_q", [1, 16])
 @pytest.mark.parametrize("shape", INDEXER_SHAPES, ids=lambda s: f"P{s.page_size}-HkI{s.index_heads}")
 def test_indexer_decode_matches_naive(shape: Shape, num_q: int) -> None:
@@ -233,6 +246,9 @@ def test_launchers_reject_bad_shapes() -> None:
     with pytest.raises(ValueError, match="1–16 queries"):
         TRITON.indexer_decode(torch.randn(1, 17, 2, 32), index_cache[:, :, :1],
                               torch.zeros(1, 4, dtype=torch.int32), torch.tensor([40], dtype=torch.int32), 4)
+    with pytest.raises(ValueError, match="key_load is 'dma'; allowed pointer, tma"):
+        TRITON.indexer_decode(torch.randn(1, 1, 2, 32), index_cache[:, :, :1],
+                              torch.zeros(1, 4, dtype=torch.int32), torch.tensor([5]), 2, key_load="dma")
     with pytest.raises(ValueError, match="fp8_scan is 'fast'; allowed widen-keys, split-query"):
         TRITON.indexer_decode(torch.randn(1, 1, 2, 32), index_cache[:, :, :1],
                               torch.zeros(1, 4, dtype=torch.int32), torch.tensor([40], dtype=torch.int32), 4,

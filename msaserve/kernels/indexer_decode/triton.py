@@ -20,6 +20,7 @@ from typing import Literal
 import torch
 import triton
 import triton.language as tl
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 from msaserve.kernels.triton_common import (
     EMPTY_ID_BASE,
@@ -38,6 +39,14 @@ FP8_SCANS: tuple[Fp8Scan, ...] = ("widen-keys", "split-query")
 # "split-query" won every row of the H200 decode table (benchmarks/results/kernels.json, decode; the
 # other scan's columns are *_widen): at 1M x 8 the fp8 index is read at 3.14 TB/s instead of 2.47 (d7fd8a4).
 DEFAULT_FP8_SCAN: Fp8Scan = "split-query"
+KeyLoad = Literal["pointer", "tma"]
+KEY_LOADS: tuple[KeyLoad, ...] = ("pointer", "tma")
+# How a page of index keys reaches the MMA. "pointer": gathered through per-element addresses into
+# registers (and from there to shared memory); "tma": one tensor-memory-access copy per page straight
+# into shared memory (Hopper and later; the interpreter emulates it). Chosen by measurement below.
+DEFAULT_KEY_LOAD: KeyLoad = "pointer"
+# TMA path only, under measurement: keys on the MMA's M side (True) or the query rows (False).
+_KEYS_ON_M = True
 # fp8 terms that represent a query of this dtype exactly (fp32: to 12 significant bits).
 _QUERY_TERMS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 3}
 
@@ -58,7 +67,17 @@ _CONFIGS = [triton.Config({"PAGES": pages, "PREFETCH": prefetch}, num_warps=warp
             for pages, prefetch, warps, stages in (
                 (2, 1, 4, 1), (2, 0, 4, 3), (1, 0, 4, 4), (4, 0, 8, 2), (4, 1, 8, 1), (2, 1, 8, 1),
                 (1, 1, 4, 1), (4, 0, 4, 3), (4, 0, 8, 3), (2, 0, 8, 3))]
+# With TMA loads the pages land in shared memory, pipelined by the compiler over num_stages buffers
+# (PREFETCH does not apply).
+_CONFIGS += [triton.Config({"PAGES": pages, "PREFETCH": 0}, num_warps=warps, num_stages=stages)
+             for pages, warps, stages in ((1, 4, 4), (1, 4, 6), (2, 4, 4), (1, 8, 4), (2, 8, 3), (4, 4, 2))]
 _CONFIGS = _CONFIGS[:1] if INTERPRET else _CONFIGS
+
+
+def _prune_configs(configs: list, named_args: dict, **kwargs) -> list:
+    """Register prefetching only exists for pointer loads; TMA ones are pipelined by the compiler."""
+    tma = kwargs.get("TMA", named_args.get("TMA"))
+    return [c for c in configs if not (tma and c.kwargs["PREFETCH"])] or configs[:1]
 
 
 # ---------------------------------------------------------------- jit kernels
@@ -126,12 +145,60 @@ def _page_logits(keys, key_scale, q_t, q_t1, q_t2, HAS_SCALE: tl.constexpr, Q_TE
 
 
 @triton.jit
+def _tma_page_scores(key_desc, scale_ptr, tables_ptr, j0, end, col, stride_sp, stride_st, q_t, q_t1, q_t2,
+                     P: tl.constexpr, NR: tl.constexpr, PAGES: tl.constexpr, HAS_SCALE: tl.constexpr,
+                     Q_TERMS: tl.constexpr, KEYS_ON_M: tl.constexpr):
+    """Block maxima [PAGES, NR] of pages j0 … j0+PAGES−1, each page copied by TMA as one [P, DI] box
+    (pages past `end` read page 0; their scores are masked by the caller)."""
+    offs_pg = tl.arange(0, PAGES)
+    scores = tl.zeros([PAGES, NR], tl.float32)
+    for i in tl.static_range(PAGES):
+        in_range = j0 + i < end
+        page = tl.maximum(tl.load(tables_ptr + j0 + i, mask=in_range, other=0), 0)
+        keys = key_desc.load([page * P, col])  # [P, DI]
+        if HAS_SCALE:
+            key_scale = tl.load(scale_ptr + page.to(tl.int64) * stride_sp + tl.arange(0, P) * stride_st)
+        else:
+            key_scale = tl.full([P], 1.0, tl.float32)
+        if KEYS_ON_M:
+            logits = _page_logits(keys, key_scale, q_t, q_t1, q_t2, HAS_SCALE, Q_TERMS)  # [P, NR]
+            score = tl.max(logits, axis=0)
+        else:  # the rows on M, the page's tokens on N: the block max stays within each warp's columns
+            logits = _row_logits(keys, key_scale, tl.trans(q_t), tl.trans(q_t1), tl.trans(q_t2), HAS_SCALE,
+                                 Q_TERMS)  # [NR, P]
+            score = tl.max(logits, axis=1)
+        scores = tl.where(offs_pg[:, None] == i, score[None, :], scores)
+    return scores
+
+
+@triton.jit
+def _row_logits(keys, key_scale, q, q1, q2, HAS_SCALE: tl.constexpr, Q_TERMS: tl.constexpr):
+    """queries [NR, DI] · keys [P, DI]ᵀ → logits [NR, P] fp32, as _page_logits with the operands swapped."""
+    keys_t = tl.trans(keys)
+    if Q_TERMS > 0:
+        logits = tl.dot(q1, keys_t, tl.dot(q2, keys_t) * 0.0625) if Q_TERMS > 2 else tl.dot(q1, keys_t)
+        logits = tl.dot(q, keys_t, logits * 0.0625)
+    else:
+        logits = tl.dot(q, keys_t.to(q.dtype))
+    if HAS_SCALE:
+        logits = logits * key_scale[None, :]
+    return logits
+
+
+@triton.jit
 def _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, j0, end, local, row_ok,
                 P: tl.constexpr, NR: tl.constexpr, PAGES: tl.constexpr, N_INIT: tl.constexpr,
                 HAS_SCALE: tl.constexpr, Q_TERMS: tl.constexpr):
     """Block maxima of PAGES pages for the NR rows, folded into the running top-K (vals, ids)."""
     logits = _page_logits(keys, key_scale, q_t, q_t1, q_t2, HAS_SCALE, Q_TERMS)  # [PAGES·P, NR]
     scores = tl.max(tl.reshape(logits, [PAGES, P, NR]), axis=1)  # [PAGES, NR] block maxima
+    return _fold_scores(vals, ids, scores, j0, end, local, row_ok, NR, PAGES, N_INIT)
+
+
+@triton.jit
+def _fold_scores(vals, ids, scores, j0, end, local, row_ok,
+                 NR: tl.constexpr, PAGES: tl.constexpr, N_INIT: tl.constexpr):
+    """Block maxima [PAGES, NR] of pages j0 … folded into the running top-K (vals, ids)."""
     offs_pg = tl.arange(0, PAGES)
     blocks = j0 + offs_pg
     forced = (blocks[:, None] == local[None, :]) | (blocks[:, None] < N_INIT)
@@ -150,17 +217,19 @@ def _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, j0, end, local, row
     return vals, ids
 
 
-@triton.autotune(configs=_CONFIGS, key=["P", "DI", "NR", "KP", "HAS_SCALE", "Q_TERMS"])
+@triton.autotune(configs=_CONFIGS, key=["P", "DI", "NR", "KP", "HAS_SCALE", "Q_TERMS", "TMA", "KEYS_ON_M"],
+                 prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _score_split_kernel(
-    q_ptr, cache_ptr, scale_ptr, tables_ptr, seq_lens_ptr, cand_val_ptr, cand_id_ptr,
+    q_ptr, cache_ptr, key_desc, scale_ptr, tables_ptr, seq_lens_ptr, cand_val_ptr, cand_id_ptr,
     stride_qb, stride_qq, stride_qh,
     stride_cp, stride_ct, stride_ch,
     stride_sp, stride_st, stride_sh,
     stride_tb, num_splits,
     NUM_Q: tl.constexpr, HPK: tl.constexpr, NR: tl.constexpr, P: tl.constexpr, DI: tl.constexpr,
     KP: tl.constexpr, N_INIT: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
-    Q_TERMS: tl.constexpr, PAGES: tl.constexpr, PREFETCH: tl.constexpr,
+    Q_TERMS: tl.constexpr, TMA: tl.constexpr, KEYS_ON_M: tl.constexpr, PAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     """One (sequence, split, key head): running top-K of its pages for the NR = Q·HPK rows.
 
@@ -199,7 +268,12 @@ def _score_split_kernel(
     cache_ptr += hk * stride_ch
     scale_ptr += hk * stride_sh
     tables_ptr += b * stride_tb
-    if PREFETCH:  # double-buffer in registers: the next pages' loads are in flight during this fold
+    if TMA:  # key_desc views the cache as [pages·P, HkI·DI]; the compiler pipelines the copies
+        for j0 in range(first, end, PAGES):
+            scores = _tma_page_scores(key_desc, scale_ptr, tables_ptr, j0, end, hk * DI, stride_sp, stride_st,
+                                      q_t, q_t1, q_t2, P, NR, PAGES, HAS_SCALE, Q_TERMS, KEYS_ON_M)
+            vals, ids = _fold_scores(vals, ids, scores, j0, end, local, row_ok, NR, PAGES, N_INIT)
+    elif PREFETCH:  # double-buffer in registers: the next pages' loads are in flight during this fold
         keys, key_scale = _load_pages(cache_ptr, scale_ptr, tables_ptr, first, end, stride_cp, stride_ct,
                                       stride_sp, stride_st, P, DI, PAGES, HAS_SCALE)
         for j0 in range(first, end, PAGES):
@@ -272,6 +346,27 @@ def _query_terms(q_index: torch.Tensor, index_scale: torch.Tensor | None, fp8_sc
     return _QUERY_TERMS[q_index.dtype]
 
 
+def _key_descriptor(index_cache: torch.Tensor, key_load: KeyLoad) -> TensorDescriptor | None:
+    """A TMA descriptor over the cache as [pages·P, HkI·DI] with [P, DI] boxes, or None for pointer loads.
+
+    TMA needs Hopper or later, a 16-byte-aligned base and the (page, token, head) axes packed; a cache
+    that is not gets a clear error instead of a silent fallback, so a benchmark measures what it names."""
+    check(key_load in KEY_LOADS, f"key_load is {key_load!r}; allowed {', '.join(KEY_LOADS)}")
+    if key_load == "pointer":
+        return None
+    num_pages, page_size, key_heads, index_dim = index_cache.shape
+    if index_cache.is_cuda:
+        major = torch.cuda.get_device_capability(index_cache.device)[0]
+        check(major >= 9, f"key_load='tma' needs compute capability 9.0 or later, this GPU has {major}.x")
+    row_bytes = index_cache.stride(1) * index_cache.element_size()
+    packed = index_cache.stride(2) == index_dim and index_cache.stride(0) == page_size * index_cache.stride(1)
+    check(packed and index_cache.data_ptr() % 16 == 0 and row_bytes % 16 == 0,
+          f"key_load='tma' needs index_cache packed as [pages, P, HkI, DI] with a 16-byte-aligned base and "
+          f"rows; got strides {index_cache.stride()} at address {index_cache.data_ptr()}")
+    view = index_cache.as_strided((num_pages * page_size, key_heads * index_dim), (index_cache.stride(1), 1))
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [page_size, index_dim])
+
+
 def _launch(
     q_index: torch.Tensor,
     index_cache: torch.Tensor,
@@ -281,6 +376,7 @@ def _launch(
     top_k: int,
     n_init: int,
     fp8_scan: Fp8Scan,
+    key_load: KeyLoad,
 ) -> torch.Tensor:
     batch, num_q, num_heads, index_dim = q_index.shape
     num_pages, page_size, key_heads, _ = index_cache.shape
@@ -309,15 +405,18 @@ def _launch(
                            dtype=torch.float32)
     cand_id = torch.empty_like(cand_val, dtype=torch.int32)
     scale = index_scale if index_scale is not None else cand_val  # unused when HAS_SCALE=False
+    key_desc = _key_descriptor(index_cache, key_load)
     _score_split_kernel[(batch, splits, key_heads)](
-        q_index, index_cache, scale, block_tables, seq_lens, cand_val, cand_id,
+        q_index, index_cache, key_desc if key_desc is not None else index_cache, scale, block_tables,
+        seq_lens, cand_val, cand_id,
         q_index.stride(0), q_index.stride(1), q_index.stride(2),
         index_cache.stride(0), index_cache.stride(1), index_cache.stride(2),
         scale.stride(0), scale.stride(1), scale.stride(2),
         block_tables.stride(0), splits,
         NUM_Q=num_q, HPK=heads_per_key, NR=num_rows, P=page_size, DI=index_dim, KP=kp, N_INIT=n_init,
         HAS_SCALE=index_scale is not None, UPCAST=INTERPRET,
-        Q_TERMS=_query_terms(q_index, index_scale, fp8_scan),
+        Q_TERMS=_query_terms(q_index, index_scale, fp8_scan), TMA=key_desc is not None,
+        KEYS_ON_M=_KEYS_ON_M or key_desc is None,
     )
     out = torch.empty((batch, num_q, num_heads, top_k), device=q_index.device, dtype=torch.int32)
     # One row per program on the GPU (registers); all rows at once under the interpreter.
@@ -343,11 +442,14 @@ def indexer_decode(
     index_scale: torch.Tensor | None = None,
     *,
     fp8_scan: Fp8Scan = DEFAULT_FP8_SCAN,
+    key_load: KeyLoad = DEFAULT_KEY_LOAD,
 ) -> torch.Tensor:
     """q_index: [B, Q, Hkv, DI] (query i of sequence b at position seq_lens[b] - Q + i);
     index_cache: [num_pages, P, HkI, DI] (bf16/fp16/fp32, or fp8-e4m3 with index_scale
     [num_pages, P, HkI] fp32); block_tables: [B, max_pages]; seq_lens: [B]
     → selected [B, Q, Hkv, top_k] int32 (ascending, -1 pad).
     fp8_scan: how fp8 keys meet the query (module docstring); ignored for other key dtypes.
+    key_load: how key pages reach the MMA ("pointer" gathers, "tma" copies; DEFAULT_KEY_LOAD).
     """
-    return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, top_k, n_init, fp8_scan)
+    return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, top_k, n_init, fp8_scan,
+                   key_load)
