@@ -11,7 +11,8 @@ overlapping blocks as real ones do (a purely random index makes every tile's uni
 The decode table's fp8 columns use the indexer's default fp8 scan ("split-query": keys as stored,
 query split into fp8 terms); the `*_widen` columns time the other one ("widen-keys": keys widened
 to fp16) on the same data, and `widen_same_rows` is the share of rows whose selections agree
-exactly (near-ties may swap).
+exactly (near-ties may swap). bf16 index keys reach the MMA by TMA on Hopper (key_load "auto"); the
+`*_pointer` columns time the pointer-gather path on the same data.
 """
 
 import argparse
@@ -40,6 +41,7 @@ from msa_production import bench_production
 from msa_report import Report
 
 from msaserve.kernels.dispatch import get_ops
+from msaserve.kernels.indexer_decode import triton as idec_triton
 from msaserve.kernels.indexer_decode.triton import DEFAULT_FP8_SCAN, FP8_SCANS
 from msaserve.kernels.sparse_prefill.triton import DEFAULT_TILE_DENSE_SHARE
 
@@ -117,6 +119,13 @@ def bench_decode(report: Report, ceil: dict, context: int, batch: int, naive: bo
     t_step8 = time_graph_ms(lambda: ops.sparse_decode(q, c["k"], c["v"], tables, seq_lens, indexer(True)))
     t_idx8o, t_step8o, same_rows = _other_scan_ab(report, indexer, lambda sel: ops.sparse_decode(
         q, c["k"], c["v"], tables, seq_lens, sel))
+    # bf16 keys through pointer gathers, the path key_load="auto" replaced with TMA copies on Hopper.
+    def indexer_pointer() -> torch.Tensor:
+        return idec_triton.indexer_decode(q_index, c["index"], tables, seq_lens, TOP_K, N_INIT,
+                                          key_load="pointer")
+
+    t_idxp = time_graph_ms(indexer_pointer)
+    t_stepp = time_graph_ms(lambda: ops.sparse_decode(q, c["k"], c["v"], tables, seq_lens, indexer_pointer()))
     t_naive = float("nan")
     if naive:
         def naive_step() -> torch.Tensor:
@@ -140,7 +149,9 @@ def bench_decode(report: Report, ceil: dict, context: int, batch: int, naive: bo
     tag = OTHER_SCAN_TAG
     other = {f"indexer_fp8_{tag}_ms": t_idx8o, f"indexer_fp8_{tag}_tbps": index8_bytes / t_idx8o / 1e9,
              f"step_fp8_{tag}_ms": t_step8o, f"speedup_fp8_{tag}": t_dense / t_step8o,
-             f"{tag}_same_rows": same_rows}
+             f"{tag}_same_rows": same_rows, "indexer_pointer_ms": t_idxp,
+             "indexer_pointer_tbps": index_bytes / t_idxp / 1e9, "step_pointer_ms": t_stepp,
+             "speedup_pointer": t_dense / t_stepp}
     report.row("decode", context=context, batch=batch, dense_ms=t_dense,
                dense_tbps=dense_bytes / t_dense / 1e9,
                indexer_ms=t_idx, indexer_tbps=index_bytes / t_idx / 1e9, indexer_fp8_ms=t_idx8,

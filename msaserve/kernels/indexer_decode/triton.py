@@ -39,14 +39,16 @@ FP8_SCANS: tuple[Fp8Scan, ...] = ("widen-keys", "split-query")
 # "split-query" won every row of the H200 decode table (benchmarks/results/kernels.json, decode; the
 # other scan's columns are *_widen): at 1M x 8 the fp8 index is read at 3.14 TB/s instead of 2.47 (d7fd8a4).
 DEFAULT_FP8_SCAN: Fp8Scan = "split-query"
-KeyLoad = Literal["pointer", "tma"]
-KEY_LOADS: tuple[KeyLoad, ...] = ("pointer", "tma")
+KeyLoad = Literal["auto", "pointer", "tma"]
+KEY_LOADS: tuple[KeyLoad, ...] = ("pointer", "tma")  # the two paths; "auto" picks one of them
 # How a page of index keys reaches the MMA. "pointer": gathered through per-element addresses into
-# registers (and from there to shared memory); "tma": one tensor-memory-access copy per page straight
-# into shared memory (Hopper and later; the interpreter emulates it). Chosen by measurement below.
-DEFAULT_KEY_LOAD: KeyLoad = "pointer"
-# TMA path only, under measurement: keys on the MMA's M side (True) or the query rows (False).
-_KEYS_ON_M = True
+# registers (and from there to shared memory); "tma": one tensor-memory-access box per page straight
+# into shared memory (Hopper and later; the interpreter emulates it). "auto": TMA for 16-bit keys on
+# Hopper and later, pointers otherwise. On the H200 at 1M x 8, in one process
+# (benchmarks/results/indexer_decode_key_loads.json), TMA read bf16 keys at 4.36 TB/s against 3.85
+# for pointers, but fp8 keys at 2.97 against 3.26: the fp8 scan is bound by its per-page MMAs and
+# epilogue, not by how the page arrives.
+DEFAULT_KEY_LOAD: KeyLoad = "auto"
 # fp8 terms that represent a query of this dtype exactly (fp32: to 12 significant bits).
 _QUERY_TERMS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 3}
 
@@ -147,7 +149,7 @@ def _page_logits(keys, key_scale, q_t, q_t1, q_t2, HAS_SCALE: tl.constexpr, Q_TE
 @triton.jit
 def _tma_page_scores(key_desc, scale_ptr, tables_ptr, j0, end, col, stride_sp, stride_st, q_t, q_t1, q_t2,
                      P: tl.constexpr, NR: tl.constexpr, PAGES: tl.constexpr, HAS_SCALE: tl.constexpr,
-                     Q_TERMS: tl.constexpr, KEYS_ON_M: tl.constexpr):
+                     Q_TERMS: tl.constexpr):
     """Block maxima [PAGES, NR] of pages j0 … j0+PAGES−1, each page copied by TMA as one [P, DI] box
     (pages past `end` read page 0; their scores are masked by the caller)."""
     offs_pg = tl.arange(0, PAGES)
@@ -160,29 +162,9 @@ def _tma_page_scores(key_desc, scale_ptr, tables_ptr, j0, end, col, stride_sp, s
             key_scale = tl.load(scale_ptr + page.to(tl.int64) * stride_sp + tl.arange(0, P) * stride_st)
         else:
             key_scale = tl.full([P], 1.0, tl.float32)
-        if KEYS_ON_M:
-            logits = _page_logits(keys, key_scale, q_t, q_t1, q_t2, HAS_SCALE, Q_TERMS)  # [P, NR]
-            score = tl.max(logits, axis=0)
-        else:  # the rows on M, the page's tokens on N: the block max stays within each warp's columns
-            logits = _row_logits(keys, key_scale, tl.trans(q_t), tl.trans(q_t1), tl.trans(q_t2), HAS_SCALE,
-                                 Q_TERMS)  # [NR, P]
-            score = tl.max(logits, axis=1)
-        scores = tl.where(offs_pg[:, None] == i, score[None, :], scores)
+        logits = _page_logits(keys, key_scale, q_t, q_t1, q_t2, HAS_SCALE, Q_TERMS)  # [P, NR]
+        scores = tl.where(offs_pg[:, None] == i, tl.max(logits, axis=0)[None, :], scores)
     return scores
-
-
-@triton.jit
-def _row_logits(keys, key_scale, q, q1, q2, HAS_SCALE: tl.constexpr, Q_TERMS: tl.constexpr):
-    """queries [NR, DI] · keys [P, DI]ᵀ → logits [NR, P] fp32, as _page_logits with the operands swapped."""
-    keys_t = tl.trans(keys)
-    if Q_TERMS > 0:
-        logits = tl.dot(q1, keys_t, tl.dot(q2, keys_t) * 0.0625) if Q_TERMS > 2 else tl.dot(q1, keys_t)
-        logits = tl.dot(q, keys_t, logits * 0.0625)
-    else:
-        logits = tl.dot(q, keys_t.to(q.dtype))
-    if HAS_SCALE:
-        logits = logits * key_scale[None, :]
-    return logits
 
 
 @triton.jit
@@ -217,7 +199,7 @@ def _fold_scores(vals, ids, scores, j0, end, local, row_ok,
     return vals, ids
 
 
-@triton.autotune(configs=_CONFIGS, key=["P", "DI", "NR", "KP", "HAS_SCALE", "Q_TERMS", "TMA", "KEYS_ON_M"],
+@triton.autotune(configs=_CONFIGS, key=["P", "DI", "NR", "KP", "HAS_SCALE", "Q_TERMS", "TMA"],
                  prune_configs_by={"early_config_prune": _prune_configs})
 @triton.jit
 def _score_split_kernel(
@@ -228,8 +210,7 @@ def _score_split_kernel(
     stride_tb, num_splits,
     NUM_Q: tl.constexpr, HPK: tl.constexpr, NR: tl.constexpr, P: tl.constexpr, DI: tl.constexpr,
     KP: tl.constexpr, N_INIT: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
-    Q_TERMS: tl.constexpr, TMA: tl.constexpr, KEYS_ON_M: tl.constexpr, PAGES: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    Q_TERMS: tl.constexpr, TMA: tl.constexpr, PAGES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One (sequence, split, key head): running top-K of its pages for the NR = Q·HPK rows.
 
@@ -271,7 +252,7 @@ def _score_split_kernel(
     if TMA:  # key_desc views the cache as [pages·P, HkI·DI]; the compiler pipelines the copies
         for j0 in range(first, end, PAGES):
             scores = _tma_page_scores(key_desc, scale_ptr, tables_ptr, j0, end, hk * DI, stride_sp, stride_st,
-                                      q_t, q_t1, q_t2, P, NR, PAGES, HAS_SCALE, Q_TERMS, KEYS_ON_M)
+                                      q_t, q_t1, q_t2, P, NR, PAGES, HAS_SCALE, Q_TERMS)
             vals, ids = _fold_scores(vals, ids, scores, j0, end, local, row_ok, NR, PAGES, N_INIT)
     elif PREFETCH:  # double-buffer in registers: the next pages' loads are in flight during this fold
         keys, key_scale = _load_pages(cache_ptr, scale_ptr, tables_ptr, first, end, stride_cp, stride_ct,
@@ -351,18 +332,21 @@ def _key_descriptor(index_cache: torch.Tensor, key_load: KeyLoad) -> TensorDescr
 
     TMA needs Hopper or later, a 16-byte-aligned base and the (page, token, head) axes packed; a cache
     that is not gets a clear error instead of a silent fallback, so a benchmark measures what it names."""
-    check(key_load in KEY_LOADS, f"key_load is {key_load!r}; allowed {', '.join(KEY_LOADS)}")
-    if key_load == "pointer":
-        return None
+    check(key_load in ("auto", *KEY_LOADS), f"key_load is {key_load!r}; allowed auto, {', '.join(KEY_LOADS)}")
     num_pages, page_size, key_heads, index_dim = index_cache.shape
-    if index_cache.is_cuda:
-        major = torch.cuda.get_device_capability(index_cache.device)[0]
-        check(major >= 9, f"key_load='tma' needs compute capability 9.0 or later, this GPU has {major}.x")
+    major = torch.cuda.get_device_capability(index_cache.device)[0] if index_cache.is_cuda else None
     row_bytes = index_cache.stride(1) * index_cache.element_size()
     packed = index_cache.stride(2) == index_dim and index_cache.stride(0) == page_size * index_cache.stride(1)
-    check(packed and index_cache.data_ptr() % 16 == 0 and row_bytes % 16 == 0,
-          f"key_load='tma' needs index_cache packed as [pages, P, HkI, DI] with a 16-byte-aligned base and "
-          f"rows; got strides {index_cache.stride()} at address {index_cache.data_ptr()}")
+    packed = packed and index_cache.data_ptr() % 16 == 0 and row_bytes % 16 == 0
+    if key_load == "auto":
+        key_load = "tma" if major is not None and major >= 9 and index_cache.element_size() == 2 and packed \
+            else "pointer"
+    if key_load == "pointer":
+        return None
+    check(major is None or major >= 9,
+          f"key_load='tma' needs compute capability 9.0 or later, this GPU has {major}.x")
+    check(packed, f"key_load='tma' needs index_cache packed as [pages, P, HkI, DI] with a 16-byte-aligned "
+                  f"base and rows; got strides {index_cache.stride()} at address {index_cache.data_ptr()}")
     view = index_cache.as_strided((num_pages * page_size, key_heads * index_dim), (index_cache.stride(1), 1))
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [page_size, index_dim])
 
@@ -416,7 +400,6 @@ def _launch(
         NUM_Q=num_q, HPK=heads_per_key, NR=num_rows, P=page_size, DI=index_dim, KP=kp, N_INIT=n_init,
         HAS_SCALE=index_scale is not None, UPCAST=INTERPRET,
         Q_TERMS=_query_terms(q_index, index_scale, fp8_scan), TMA=key_desc is not None,
-        KEYS_ON_M=_KEYS_ON_M or key_desc is None,
     )
     out = torch.empty((batch, num_q, num_heads, top_k), device=q_index.device, dtype=torch.int32)
     # One row per program on the GPU (registers); all rows at once under the interpreter.
@@ -449,7 +432,7 @@ def indexer_decode(
     [num_pages, P, HkI] fp32); block_tables: [B, max_pages]; seq_lens: [B]
     → selected [B, Q, Hkv, top_k] int32 (ascending, -1 pad).
     fp8_scan: how fp8 keys meet the query (module docstring); ignored for other key dtypes.
-    key_load: how key pages reach the MMA ("pointer" gathers, "tma" copies; DEFAULT_KEY_LOAD).
+    key_load: how key pages reach the MMA: "pointer" gathers, "tma" copies, "auto" (DEFAULT_KEY_LOAD).
     """
     return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, top_k, n_init, fp8_scan,
                    key_load)
