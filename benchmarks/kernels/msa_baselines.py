@@ -7,6 +7,7 @@ selection and the causal limit, so it computes exactly the MSA output.
 """
 
 import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -58,15 +59,24 @@ def time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def time_graph_ms(fn: Callable[[], object], reps: int = 20) -> float:
-    """Capture `fn` in a CUDA graph (after two eager warm-ups) and time its replays (median)."""
+def time_graph_ms(fn: Callable[[], object], reps: int = 20, warm_s: float = 0.05) -> float:
+    """Capture `fn` in a CUDA graph (after two eager warm-ups) and time its replays (median).
+
+    Before timing, the graph replays back to back for about `warm_s` seconds: on the H200 the first
+    sub-millisecond kernel timed after a pause (compiling, autotuning, host work) could read 10-15 %
+    slow: at git ae310cf the decode indexer timed 0.568 ms first in its run and 0.493 ms for another
+    load path right after, while the whole decode steps containing each differed by 0.6 %."""
     fn()
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         fn()
-    return time_ms(graph.replay, reps=reps, warmup=3)
+    start = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    once = time.perf_counter() - start
+    return time_ms(graph.replay, reps=reps, warmup=max(3, min(2000, int(warm_s / max(once, 1e-6)))))
 
 
 def copy_bandwidth_tbps(gib: float = 4.0) -> float:
