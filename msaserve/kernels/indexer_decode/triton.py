@@ -39,16 +39,16 @@ FP8_SCANS: tuple[Fp8Scan, ...] = ("widen-keys", "split-query")
 # "split-query" won every row of the H200 decode table (benchmarks/results/kernels.json, decode; the
 # other scan's columns are *_widen): at 1M x 8 the fp8 index is read at 3.14 TB/s instead of 2.47 (d7fd8a4).
 DEFAULT_FP8_SCAN: Fp8Scan = "split-query"
-KeyLoad = Literal["auto", "pointer", "tma"]
-KEY_LOADS: tuple[KeyLoad, ...] = ("pointer", "tma")  # the two paths; "auto" picks one of them
-# How a page of index keys reaches the MMA. "pointer": gathered through per-element addresses into
-# registers (and from there to shared memory); "tma": one tensor-memory-access box per page straight
-# into shared memory (Hopper and later; the interpreter emulates it). "auto": TMA for 16-bit keys on
-# Hopper and later, pointers otherwise. On the H200 at 1M x 8, in one process
-# (benchmarks/results/indexer_decode_key_loads.json), TMA read bf16 keys at 4.36 TB/s against 3.85
-# for pointers, but fp8 keys at 2.97 against 3.26: the fp8 scan is bound by its per-page MMAs and
-# epilogue, not by how the page arrives.
-DEFAULT_KEY_LOAD: KeyLoad = "auto"
+KeyLoad = Literal["pointer", "tma"]
+KEY_LOADS: tuple[KeyLoad, ...] = ("pointer", "tma")
+# How a page of index keys reaches the MMA. "pointer": gathered through per-element addresses (the
+# compiler pipelines them into shared memory); "tma": one tensor-memory-access box per page straight
+# into shared memory (Hopper and later; the interpreter emulates it). On the H200, alternating the two
+# over three rounds (benchmarks/results/indexer_decode_key_loads.json, e022016): bf16 keys at 1M x 8
+# 0.4926 ms both; fp8 keys 0.344 ms by pointers, 0.373 by TMA; at 128K x 32 bf16 tied again and fp8
+# TMA won by 4 %. The fp8 scan is bound by its per-page MMAs and epilogue, not by how the page
+# arrives, so the default stays with pointers, which need no Hopper.
+DEFAULT_KEY_LOAD: KeyLoad = "pointer"
 # fp8 terms that represent a query of this dtype exactly (fp32: to 12 significant bits).
 _QUERY_TERMS = {torch.bfloat16: 2, torch.float16: 3, torch.float32: 3}
 
@@ -69,8 +69,9 @@ _CONFIGS = [triton.Config({"PAGES": pages, "PREFETCH": prefetch}, num_warps=warp
             for pages, prefetch, warps, stages in (
                 (2, 1, 4, 1), (2, 0, 4, 3), (1, 0, 4, 4), (4, 0, 8, 2), (4, 1, 8, 1), (2, 1, 8, 1),
                 (1, 1, 4, 1), (4, 0, 4, 3), (4, 0, 8, 3), (2, 0, 8, 3))]
-# With TMA loads the pages land in shared memory, pipelined by the compiler over num_stages buffers
-# (PREFETCH does not apply).
+# Deeper compiler pipelines, for TMA copies (PREFETCH does not apply to them) and pointer loads alike:
+# at 1M x 8 both scans of bf16 keys picked (1 page, 4 warps, 6 stages), 0.4926 ms (e022016), where
+# the list without these picked 4 stages, 0.509 ms (d7fd8a4).
 _CONFIGS += [triton.Config({"PAGES": pages, "PREFETCH": 0}, num_warps=warps, num_stages=stages)
              for pages, warps, stages in ((1, 4, 4), (1, 4, 6), (2, 4, 4), (1, 8, 4), (2, 8, 3), (4, 4, 2))]
 _CONFIGS = _CONFIGS[:1] if INTERPRET else _CONFIGS
@@ -332,17 +333,14 @@ def _key_descriptor(index_cache: torch.Tensor, key_load: KeyLoad) -> TensorDescr
 
     TMA needs Hopper or later, a 16-byte-aligned base and the (page, token, head) axes packed; a cache
     that is not gets a clear error instead of a silent fallback, so a benchmark measures what it names."""
-    check(key_load in ("auto", *KEY_LOADS), f"key_load is {key_load!r}; allowed auto, {', '.join(KEY_LOADS)}")
+    check(key_load in KEY_LOADS, f"key_load is {key_load!r}; allowed {', '.join(KEY_LOADS)}")
+    if key_load == "pointer":
+        return None
     num_pages, page_size, key_heads, index_dim = index_cache.shape
     major = torch.cuda.get_device_capability(index_cache.device)[0] if index_cache.is_cuda else None
     row_bytes = index_cache.stride(1) * index_cache.element_size()
     packed = index_cache.stride(2) == index_dim and index_cache.stride(0) == page_size * index_cache.stride(1)
     packed = packed and index_cache.data_ptr() % 16 == 0 and row_bytes % 16 == 0
-    if key_load == "auto":
-        key_load = "tma" if major is not None and major >= 9 and index_cache.element_size() == 2 and packed \
-            else "pointer"
-    if key_load == "pointer":
-        return None
     check(major is None or major >= 9,
           f"key_load='tma' needs compute capability 9.0 or later, this GPU has {major}.x")
     check(packed, f"key_load='tma' needs index_cache packed as [pages, P, HkI, DI] with a 16-byte-aligned "
@@ -432,7 +430,7 @@ def indexer_decode(
     [num_pages, P, HkI] fp32); block_tables: [B, max_pages]; seq_lens: [B]
     → selected [B, Q, Hkv, top_k] int32 (ascending, -1 pad).
     fp8_scan: how fp8 keys meet the query (module docstring); ignored for other key dtypes.
-    key_load: how key pages reach the MMA: "pointer" gathers, "tma" copies, "auto" (DEFAULT_KEY_LOAD).
+    key_load: how key pages reach the MMA: "pointer" gathers or "tma" copies (DEFAULT_KEY_LOAD).
     """
     return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, top_k, n_init, fp8_scan,
                    key_load)
