@@ -70,8 +70,8 @@ _CONFIGS = [triton.Config({"PAGES": pages, "PREFETCH": prefetch}, num_warps=warp
                 (2, 1, 4, 1), (2, 0, 4, 3), (1, 0, 4, 4), (4, 0, 8, 2), (4, 1, 8, 1), (2, 1, 8, 1),
                 (1, 1, 4, 1), (4, 0, 4, 3), (4, 0, 8, 3), (2, 0, 8, 3))]
 # Deeper compiler pipelines, for TMA copies (PREFETCH does not apply to them) and pointer loads alike:
-# at 1M x 8 both scans of bf16 keys picked (1 page, 4 warps, 6 stages), 0.4926 ms (e022016), where
-# the list without these picked 4 stages, 0.509 ms (d7fd8a4).
+# at 1M x 8 both loads of bf16 keys picked (1 page, 4 warps, 6 stages), 0.4926 ms (e022016); the
+# earlier list's pick (4 stages) measured 0.502-0.509 ms in the d7fd8a4 sweep, timed without warm-up.
 _CONFIGS += [triton.Config({"PAGES": pages, "PREFETCH": 0}, num_warps=warps, num_stages=stages)
              for pages, warps, stages in ((1, 4, 4), (1, 4, 6), (2, 4, 4), (1, 8, 4), (2, 8, 3), (4, 4, 2))]
 _CONFIGS = _CONFIGS[:1] if INTERPRET else _CONFIGS
