@@ -15,7 +15,6 @@ and the page's tokens on N: bf16 tied (0.492 ms at 1M x 8), fp8 was slower (2.59
 so that variant was removed.
 """
 
-import argparse
 import datetime
 import json
 import statistics
@@ -27,7 +26,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from msa_baselines import copy_bandwidth_tbps, index_keys, index_queries, time_graph_ms
+from msa_baselines import bench_parser, copy_bandwidth_tbps, decode_index_inputs, time_graph_ms
+from msa_baselines import indexer_decode_config_name as config_name
 
 from msaserve.kernels.indexer_decode import triton as idec
 
@@ -40,31 +40,15 @@ PINNED = ((1, 4, 3), (1, 4, 4), (1, 4, 6), (2, 4, 3), (2, 4, 4), (4, 4, 2),
           (1, 8, 4), (2, 8, 3), (4, 8, 2))
 
 
-def config_name(cfg: triton.Config | None) -> str:
-    if cfg is None:
-        return "?"
-    kw = cfg.kwargs
-    return f"PAGES={kw['PAGES']} PREFETCH={kw['PREFETCH']} warps={cfg.num_warps} stages={cfg.num_stages}"
-
-
 def inputs(batch: int, context: int) -> dict:
-    pages_per_seq = context // P
-    num_pages = batch * pages_per_seq
-    tables = torch.randperm(num_pages, device="cuda").to(torch.int32).view(batch, pages_per_seq)
-    keys = index_keys(num_pages, P, HKI, DI)
-    scale = keys.float().abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-    keys8 = (keys.float() / scale[..., None]).to(torch.float8_e4m3fn)
-    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-    q = index_queries(batch, context - 1, P, HKV, DI).view(batch, 1, HKV, DI)
-    return {"bf16": (q, keys, tables, seq_lens, None, batch * context * DI * 2),
-            "fp8": (q, keys8, tables, seq_lens, scale, batch * context * (DI + 4))}
+    d = decode_index_inputs(batch, context, P, HKI, DI, HKV)
+    args = (d["q"], d["keys"], d["tables"], d["seq_lens"])
+    return {"bf16": (*args, None, batch * context * DI * 2),
+            "fp8": (d["q"], d["keys8"], d["tables"], d["seq_lens"], d["scale"], batch * context * (DI + 4))}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--git-revision", default="unknown")
-    args = parser.parse_args()
+    args = bench_parser(__doc__).parse_args()
     torch.manual_seed(0)
     kernel = idec._score_split_kernel
     own = list(kernel.configs)

@@ -6,9 +6,11 @@ flex_attention gets a BlockMask built from the union of each 128-query tile's se
 selection and the causal limit, so it computes exactly the MSA output.
 """
 
+import argparse
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -41,6 +43,38 @@ def index_queries(num_tokens: int, first_pos: int, page_size: int, heads: int, d
     tile_of = positions // page_size - first_pos // page_size
     q = base[tile_of] + QUERY_NOISE * torch.randn(num_tokens, heads, dim, device=device)
     return q.to(torch.bfloat16)
+
+
+def bench_parser(doc: str) -> argparse.ArgumentParser:
+    """The options every kernel benchmark script takes: --out DIR and --git-revision REV."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--git-revision", default="unknown")
+    return parser
+
+
+def decode_index_inputs(batch: int, context: int, page_size: int, key_heads: int, dim: int,
+                        heads: int) -> dict:
+    """Decode-indexer inputs, one query per sequence at position context - 1: block tables over
+    shuffled pages, bf16 index keys and their fp8-e4m3 copy with per-token scales.
+    → {"tables", "keys", "keys8", "scale", "seq_lens", "q" [B, 1, heads, dim]}."""
+    pages_per_seq = context // page_size
+    num_pages = batch * pages_per_seq
+    tables = torch.randperm(num_pages, device="cuda").to(torch.int32).view(batch, pages_per_seq)
+    keys = index_keys(num_pages, page_size, key_heads, dim)
+    scale = keys.float().abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
+    keys8 = (keys.float() / scale[..., None]).to(torch.float8_e4m3fn)
+    seq_lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
+    q = index_queries(batch, context - 1, page_size, heads, dim).view(batch, 1, heads, dim)
+    return {"tables": tables, "keys": keys, "keys8": keys8, "scale": scale, "seq_lens": seq_lens, "q": q}
+
+
+def indexer_decode_config_name(cfg: object) -> str:
+    """A decode-indexer autotune config (triton.Config) as one line; "?" for None."""
+    if cfg is None:
+        return "?"
+    kw = cfg.kwargs
+    return f"PAGES={kw['PAGES']} PREFETCH={kw['PREFETCH']} warps={cfg.num_warps} stages={cfg.num_stages}"
 
 
 def time_ms(fn: Callable[[], object], reps: int = 10, warmup: int = 2) -> float:

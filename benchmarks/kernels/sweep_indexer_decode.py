@@ -9,7 +9,6 @@ Splits: `waves` CTAs per SM over the whole grid (the kernel's heuristic uses 2).
 the kernel's own list are tried too and marked `candidate`.
 """
 
-import argparse
 import datetime
 import json
 import sys
@@ -20,7 +19,8 @@ import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from msa_baselines import index_keys, index_queries, time_graph_ms
+from msa_baselines import bench_parser, decode_index_inputs, time_graph_ms
+from msa_baselines import indexer_decode_config_name as config_name
 
 from msaserve.kernels.indexer_decode import triton as idec
 
@@ -29,11 +29,6 @@ BATCH, CONTEXT, HKV, HKI, DI, P, TOP_K, N_INIT = 8, 1 << 20, 4, 1, 128, 128, 16,
 CANDIDATES = ((8, 0, 8, 2), (8, 0, 8, 3), (8, 1, 8, 1), (4, 0, 4, 4), (4, 1, 4, 1), (2, 0, 4, 4),
               (4, 0, 8, 4), (8, 0, 4, 2))
 WAVES = (1, 2, 4)
-
-
-def config_name(cfg: triton.Config) -> str:
-    kw = cfg.kwargs
-    return f"PAGES={kw['PAGES']} PREFETCH={kw['PREFETCH']} warps={cfg.num_warps} stages={cfg.num_stages}"
 
 
 def sweep_scan(name: str, fn, nbytes: int, configs: list, extra: list, sms: int) -> list[dict]:
@@ -63,19 +58,11 @@ def sweep_scan(name: str, fn, nbytes: int, configs: list, extra: list, sms: int)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
-    parser.add_argument("--git-revision", default="unknown")
-    args = parser.parse_args()
+    args = bench_parser(__doc__).parse_args()
     torch.manual_seed(0)
-    pages_per_seq = CONTEXT // P
-    num_pages = BATCH * pages_per_seq
-    tables = torch.randperm(num_pages, device="cuda").to(torch.int32).view(BATCH, pages_per_seq)
-    keys = index_keys(num_pages, P, HKI, DI)
-    scale = keys.float().abs().amax(-1).clamp(min=1e-12) / torch.finfo(torch.float8_e4m3fn).max
-    keys8 = (keys.float() / scale[..., None]).to(torch.float8_e4m3fn)
-    seq_lens = torch.full((BATCH,), CONTEXT, dtype=torch.int32, device="cuda")
-    q = index_queries(BATCH, CONTEXT - 1, P, HKV, DI).view(BATCH, 1, HKV, DI)
+    d = decode_index_inputs(BATCH, CONTEXT, P, HKI, DI, HKV)
+    q, keys, keys8, scale = d["q"], d["keys"], d["keys8"], d["scale"]
+    tables, seq_lens = d["tables"], d["seq_lens"]
     scans = {"bf16": (lambda: idec.indexer_decode(q, keys, tables, seq_lens, TOP_K, N_INIT),
                       BATCH * CONTEXT * DI * 2)}
     for s in idec.FP8_SCANS:
