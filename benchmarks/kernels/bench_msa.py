@@ -41,8 +41,7 @@ from msa_production import bench_production
 from msa_report import Report
 
 from msaserve.kernels.dispatch import get_ops
-from msaserve.kernels.indexer_decode import triton as idec_triton
-from msaserve.kernels.indexer_decode.triton import DEFAULT_FP8_SCAN, FP8_SCANS
+from msaserve.kernels.indexer_decode.triton import DEFAULT_FP8_SCAN, DEFAULT_KEY_LOAD, FP8_SCANS, KEY_LOADS
 from msaserve.kernels.sparse_prefill.triton import DEFAULT_TILE_DENSE_SHARE
 
 HQ, HKV, D, HKI, DI, P, TOP_K, N_INIT = 64, 4, 128, 1, 128, 128, 16, 1
@@ -77,7 +76,7 @@ def paged_caches(num_pages: int, fp8: bool = False) -> dict:
 OTHER_FP8_SCAN = next(s for s in FP8_SCANS if s != DEFAULT_FP8_SCAN)
 OTHER_SCAN_TAG = {"widen-keys": "widen", "split-query": "splitq"}[OTHER_FP8_SCAN]
 # The bf16 key load that is not the default; its columns are indexer_tma_ms, step_tma_ms, ...
-OTHER_KEY_LOAD = next(k for k in idec_triton.KEY_LOADS if k != idec_triton.DEFAULT_KEY_LOAD)
+OTHER_KEY_LOAD = next(k for k in KEY_LOADS if k != DEFAULT_KEY_LOAD)
 
 
 def _other_scan_ab(report: Report, indexer, sparse) -> tuple[float, float, float]:
@@ -105,11 +104,12 @@ def bench_decode(report: Report, ceil: dict, context: int, batch: int, naive: bo
     q_index = index_queries(batch, context - 1).view(batch, 1, HKV, DI)
     ops = TRITON
 
-    def indexer(fp8: bool, fp8_scan: str = DEFAULT_FP8_SCAN) -> torch.Tensor:
+    def indexer(fp8: bool, fp8_scan: str = DEFAULT_FP8_SCAN,
+                key_load: str = DEFAULT_KEY_LOAD) -> torch.Tensor:
         if fp8:
             return ops.indexer_decode(q_index, c["index_fp8"], tables, seq_lens, TOP_K, N_INIT,
                                       c["index_scale"], fp8_scan=fp8_scan)
-        return ops.indexer_decode(q_index, c["index"], tables, seq_lens, TOP_K, N_INIT)
+        return ops.indexer_decode(q_index, c["index"], tables, seq_lens, TOP_K, N_INIT, key_load=key_load)
 
     selected = indexer(False)
     if context == 1 << 20:
@@ -122,13 +122,9 @@ def bench_decode(report: Report, ceil: dict, context: int, batch: int, naive: bo
     t_idx8o, t_step8o, same_rows = _other_scan_ab(report, indexer, lambda sel: ops.sparse_decode(
         q, c["k"], c["v"], tables, seq_lens, sel))
     # bf16 keys through the key load that is not the default (OTHER_KEY_LOAD), same data.
-    def indexer_other_load() -> torch.Tensor:
-        return idec_triton.indexer_decode(q_index, c["index"], tables, seq_lens, TOP_K, N_INIT,
-                                          key_load=OTHER_KEY_LOAD)
-
-    t_idxl = time_graph_ms(indexer_other_load)
+    t_idxl = time_graph_ms(lambda: indexer(False, key_load=OTHER_KEY_LOAD))
     t_stepl = time_graph_ms(lambda: ops.sparse_decode(q, c["k"], c["v"], tables, seq_lens,
-                                                      indexer_other_load()))
+                                                      indexer(False, key_load=OTHER_KEY_LOAD)))
     t_naive = float("nan")
     if naive:
         def naive_step() -> torch.Tensor:
