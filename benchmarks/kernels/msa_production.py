@@ -1,4 +1,4 @@
-"""MiniMax's 128 production prefill shapes (../shared/workloads/msa_prefill_benchmark_cases_v1.json)
+"""MiniMax's 128 production prefill shapes (benchmarks/data/msa_prefill_benchmark_cases_v1.json)
 through the MSA prefill kernels (indexer + selection + sparse attention), weighted as its README says.
 
 Per-sequence lengths are not in the file; the rule used (printed with the results):

@@ -36,7 +36,7 @@ class Calibration:
     def default() -> "Calibration":
         """m3-proxy shape (DESIGN §4: hidden 6144, Hq=64, Hkv=4, D=128, one index-K head DI=128,
         dense SwiGLU 8192, P=128, K=16) with 60 layers, priced with the H200 figures measured in
-        /work/shared/ENVIRONMENT.md (686 TFLOP/s bf16 GEMM, 4.27 TB/s HBM copy, flex_attention
+        docs/environment.md (686 TFLOP/s bf16 GEMM, 4.27 TB/s HBM copy, flex_attention
         block-sparse prefill at 128K: 8.5 ms per layer). The engine itself has not been measured
         on the GPU yet: re-run with --calibration <json> once it is."""
         hidden, heads, kv_heads, head_dim, inter, idx_dim = 6144, 64, 4, 128, 8192, 128
@@ -44,7 +44,7 @@ class Calibration:
                          + hidden * (kv_heads * idx_dim + idx_dim) + 3 * hidden * inter)
         top_k, page = 16, 128
         return Calibration(
-            source="H200 figures from shared/ENVIRONMENT.md at the m3-proxy shape, 60 layers "
+            source="H200 figures from docs/environment.md at the m3-proxy shape, 60 layers "
                    "(assumed 50% MFU for linear layers); not yet measured on the msaserve engine",
             num_layers=60,
             linear_flops_per_token_layer=2.0 * linear_params,

@@ -5,7 +5,7 @@ The router side is the production code: `msaserve.router` policies over `RouterS
 events and load as late as it would live) plus its own estimates of what it routed since. The
 replica side is `replica_model.py` (chunked prefill, LRU prefix cache of the trace's 512-token
 blocks, finite KV pages), priced by a calibration (`--calibration`, default: H200 figures from
-shared/ENVIRONMENT.md, see `Calibration.default`).
+docs/environment.md, see `Calibration.default`).
 
 Trace rows (JSONL): timestamp (ms), input_length, output_length, hash_ids (512-token prefix
 blocks; equal ids = equal prefix). `--scales` compresses arrival times (scale 2 = twice the
@@ -35,7 +35,7 @@ from msaserve.router.kv_aware import POLICIES, KVAwareConfig, make_policy
 from msaserve.router.state import RequestView, RouterState, estimate_expiry_for
 from msaserve.router.stats import RoutingStatsRecorder, parse_routing_stats, routing_stats_payload
 
-DEFAULT_TRACE = "/work/shared/traces/mooncake_synthetic_trace.jsonl"
+DEFAULT_TRACE = str(Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl")
 
 
 def load_trace(path: str, limit: int | None = None) -> list[dict]:

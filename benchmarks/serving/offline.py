@@ -37,7 +37,7 @@ from traffic import part_traffic
 from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.types import GenerateRequest, SamplingParams
 
-TRACE = "../shared/traces/mooncake_synthetic_trace.jsonl"
+TRACE = str(Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl")
 CONCURRENCY = (1, 8, 32)
 DENSE_SESSION = ("dense backend: SDPA (flash) prefill in the same chunks as MSA; decode by the paged "
                  "flash-decoding kernel (msaserve/kernels/dense/paged_decode.py) in a CUDA graph")

@@ -11,7 +11,7 @@ import yaml
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "msaserve"
-SCHEMAS = REPO.parent / "shared" / "schemas"
+SCHEMAS = Path(__file__).resolve().parent / "schemas"  # KubeRay CRDs, see schemas/README.md
 VALUES_FILES = {
     "default": None,
     "gpu": CHART / "ci" / "gpu-values.yaml",

@@ -2,7 +2,7 @@
 
 Core kinds: kubernetes-validate (strict) for Kubernetes 1.30 and 1.33, including the pod templates
 and the API Service embedded in the RayService. RayService (and its rayClusterConfig as a
-RayCluster): the KubeRay CRD schemas in ../shared/schemas. ServiceMonitor has no schema here, so its
+RayCluster): the KubeRay CRD schemas in tests/helm/schemas. ServiceMonitor has no schema here, so its
 wiring to the metrics Service is checked by hand.
 """
 
@@ -16,7 +16,7 @@ import pytest
 from helm_chart import CHART, KUBE_VERSIONS, VALUES_FILES, load_values
 
 CRD_KINDS = {"RayService"}
-NO_SCHEMA_KINDS = {"ServiceMonitor"}  # monitoring.coreos.com: neither in kubernetes-validate nor shared/
+NO_SCHEMA_KINDS = {"ServiceMonitor"}  # monitoring.coreos.com: neither in kubernetes-validate nor tests/helm/schemas
 
 
 def _pod_templates(rayservice: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
