@@ -122,7 +122,8 @@ def test_all_features_objects_are_wired_together(rendered) -> None:
         assert env["REPO_ID"]["value"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
         assert env["TARGET"]["value"] == "/models/smollm2"
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
-    keys = {e["name"]: e for e in groups["cpu"]["template"]["spec"]["containers"][0]["env"]}["MSASERVE_API_KEYS"]
+    cpu_env = {e["name"]: e for e in groups["cpu"]["template"]["spec"]["containers"][0]["env"]}
+    keys = cpu_env["MSASERVE_API_KEYS"]
     assert keys["valueFrom"]["secretKeyRef"] == {"name": "msaserve-keys", "key": "keys"}
     assert "initContainers" not in groups["kvcache"]["template"]["spec"]  # it never reads the model
     [dashboard_cm] = [d for d in docs if d["kind"] == "ConfigMap" and "msaserve.json" in d["data"]]
@@ -132,7 +133,8 @@ def test_all_features_objects_are_wired_together(rendered) -> None:
 
 def test_generated_secrets_only_when_asked(render) -> None:
     """generate: true (Helm CLI) makes both Secrets; the default names existing ones and makes none."""
-    docs = render({"apiKeys": {"existingSecret": "", "generate": True}, "rayAuth": {"existingSecret": "", "generate": True}})
+    generated = {"existingSecret": "", "generate": True}
+    docs = render({"apiKeys": generated, "rayAuth": generated})
     secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
     assert set(secrets) == {"demo-msaserve-api-keys", "demo-msaserve-ray-token"}
     assert set(secrets["demo-msaserve-ray-token"]["data"]) == {"auth_token"}

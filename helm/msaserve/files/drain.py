@@ -40,7 +40,7 @@ def _serve_replicas_on(node_id: str) -> int:
 
     try:
         actors = list_actors(filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")], limit=10_000)
-    except Exception as error:  # noqa: BLE001 - the state API may be briefly down (head restart)
+    except Exception as error:
         print(f"drain: cannot list actors ({error}); still waiting", file=sys.stderr)
         return 1
     return sum(1 for actor in actors if str(actor.class_name).startswith("ServeReplica:"))
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ray.init(address="auto", logging_level="ERROR", log_to_driver=False)
         node_id = ray.get_runtime_context().get_node_id()
-    except Exception as error:  # noqa: BLE001 - a hook that fails must still let the pod stop
+    except Exception as error:
         print(f"drain: cannot reach the local Ray node ({error}); stopping without a drain", file=sys.stderr)
         return 0
     reason = f"pod {os.environ.get('HOSTNAME', '?')} is terminating"
@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
         check=False,
     )
     if drained.returncode != 0:
-        print(f"drain: ray drain-node exited {drained.returncode}; waiting for replicas anyway", file=sys.stderr)
+        print(f"drain: ray drain-node exited {drained.returncode}; waiting anyway", file=sys.stderr)
     left = wait_until_gone(lambda: _serve_replicas_on(node_id), deadline)
     print(f"drain: node {node_id[:12]}: {left} Serve replicas left after the drain", file=sys.stderr)
     return 0
