@@ -115,10 +115,11 @@ same rules to a ServeConfig in `msaserve deploy-config`.
 {{- $pods = append $pods (list "model.download.resources" .Values.model.download.resources) -}}
 {{- end -}}
 {{- range $pods -}}
+{{- $where := index . 0 -}}
 {{- $r := index . 1 -}}
 {{- range $kind := list "cpu" "memory" -}}
 {{- if ne (toString (index $r.requests $kind)) (toString (index $r.limits $kind)) -}}
-{{- fail (printf "%s: requests.%s=%v differs from limits.%s=%v; GPU pods must be Guaranteed (requests = limits for every container) or the kubelet evicts them first under memory pressure; make them equal" (index . 0) $kind (index $r.requests $kind) $kind (index $r.limits $kind)) -}}
+{{- fail (printf "%s: requests.%s=%v differs from limits.%s=%v; GPU pods must be Guaranteed (requests = limits for every container) or the kubelet evicts them first under memory pressure; make them equal" $where $kind (index $r.requests $kind) $kind (index $r.limits $kind)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}
