@@ -11,10 +11,11 @@ import helm_python
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-# MSASERVE_CHART points the tests at another copy of the chart, e.g. the one on main
-# (`git archive main helm/msaserve | tar -x -C /tmp/old`), to see a test fail on the old chart.
+# MSASERVE_CHART points the tests at another copy of the chart and MSASERVE_CI_VALUES at its values
+# files, e.g. the chart before a fix (`git archive REV helm/msaserve | tar -x -C /tmp/old`), to see a
+# test fail on it; a profile that copy lacks then renders with that chart's own defaults.
 CHART = Path(os.environ.get("MSASERVE_CHART", REPO / "helm" / "msaserve"))
-CI_VALUES = REPO / "helm" / "msaserve" / "ci"
+CI_VALUES = Path(os.environ.get("MSASERVE_CI_VALUES", REPO / "helm" / "msaserve" / "ci"))
 SCHEMAS = Path(__file__).resolve().parent / "schemas"  # vendored CRDs and JSON schemas, see schemas/README.md
 VALUES_FILES = {
     "default": CI_VALUES / "default-values.yaml",
@@ -38,7 +39,9 @@ INT32 = (-(2**31), 2**31 - 1)
 
 def load_values(name: str) -> dict[str, Any]:
     path = VALUES_FILES[name]
-    return {} if path is None else yaml.safe_load(path.read_text())
+    if "MSASERVE_CI_VALUES" in os.environ and not path.exists():
+        return {}
+    return yaml.safe_load(path.read_text())
 
 
 def merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
