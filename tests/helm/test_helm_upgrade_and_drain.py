@@ -57,12 +57,18 @@ def _canonical(obj: Any) -> str:
 # --- 1. a chart bump is not a cluster change -----------------------------------------------------
 
 
+BUMPS = [{"appVersion": "0.2.0"}, {"version": "0.2.0", "appVersion": "0.2.0"}]
+
+
+@pytest.mark.parametrize("bump", BUMPS, ids=["appVersion", "version+appVersion"])
 @pytest.mark.parametrize("values_name", ["default", "all-features", "m3"])
-def test_chart_bump_leaves_the_ray_cluster_spec_byte_identical(tmp_path: Path, values_name: str) -> None:
-    """`helm upgrade` v1 → v2 with only version/appVersion changed: KubeRay must see no cluster change."""
+def test_chart_bump_leaves_the_ray_cluster_spec_byte_identical(
+    tmp_path: Path, values_name: str, bump: dict[str, str]
+) -> None:
+    """`helm upgrade` v1 → v2 with only the chart's versions changed: KubeRay must see no cluster change."""
     values = load_values(values_name)
     v1 = _one(_render_chart(CHART, values), "RayService")
-    v2 = _one(_render_chart(_chart_copy(tmp_path, version="0.2.0", appVersion="0.2.0"), values), "RayService")
+    v2 = _one(_render_chart(_chart_copy(tmp_path, **bump), values), "RayService")
     assert v1["metadata"]["labels"] != v2["metadata"]["labels"]  # the bump is visible where it is harmless
     assert _canonical(v1["spec"]["rayClusterConfig"]) == _canonical(v2["spec"]["rayClusterConfig"])
     assert _only_service_labels_differ(v1, v2)
