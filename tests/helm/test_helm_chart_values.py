@@ -28,12 +28,15 @@ def _all_containers(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
     return pod_spec.get("initContainers", []) + pod_spec["containers"]
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu", "minimal", "all-features"])
+@pytest.mark.parametrize("values_name", ["default", "gpu", "minimal", "all-features", "m3"])
 def test_security_and_resources_on_every_container(rendered, values_name: str) -> None:
+    cluster = _one(rendered[values_name], "RayService")["spec"]["rayClusterConfig"]
+    autoscaler = cluster["enableInTreeAutoscaling"]
     for name, group in _groups(rendered[values_name]).items():
         spec = group["template"]["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True, name
-        assert spec["automountServiceAccountToken"] is False, name
+        # Only the head runs a Kubernetes client: KubeRay's autoscaler sidecar, when it is on.
+        assert spec["automountServiceAccountToken"] is (name == "head" and autoscaler), name
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert "emptyDir" in volumes["tmp"] and volumes["dshm"]["emptyDir"]["medium"] == "Memory", name
         for container in _all_containers(spec):

@@ -15,6 +15,7 @@ import pytest
 from helm_chart import load_values, with_site
 
 PROFILES = ["default", "gpu", "all-features", "m3"]
+RELEASE_PEER = {"app.kubernetes.io/name": "msaserve", "app.kubernetes.io/instance": "demo"}
 _SUFFIXES = {
     "Ki": 2**10,
     "Mi": 2**20,
@@ -92,13 +93,12 @@ def test_outside_the_release_only_api_dashboard_and_scrape_get_in(rendered, valu
     docs = rendered[values_name]
     values = load_values(values_name)
     serve_port = values.get("serve", {}).get("http", {}).get("port", 8000)
-    release_peer = {"app.kubernetes.io/name": "msaserve", "app.kubernetes.io/instance": "demo"}
     for policy in (d for d in docs if d["kind"] == "NetworkPolicy"):
         component = policy["spec"]["podSelector"]["matchLabels"]["app.kubernetes.io/component"]
         allowed = {"head": {8265, 8080}, "kvcache": {8080}}.get(component, {serve_port, 8080})
         for rule in policy["spec"]["ingress"]:
             peers = rule.get("from", [])
-            if peers == [{"podSelector": {"matchLabels": release_peer}}]:
+            if peers == [{"podSelector": {"matchLabels": RELEASE_PEER}}]:
                 continue  # Ray's own traffic inside the release: every port
             assert rule.get("ports"), (component, rule)  # no rule opens every port to outsiders
             assert _open_ports(rule) <= allowed, (component, rule)
@@ -248,3 +248,28 @@ def test_image_by_tag_or_digest_everywhere(render, image: dict[str, str], expect
     docs = render({"image": image})
     for name, group in _groups(docs).items():
         assert group["template"]["spec"]["containers"][0]["image"] == expected, name
+
+
+def test_closed_egress_admits_the_release_dns_and_listed_destinations(rendered) -> None:
+    """m3 closes egress: the release, DNS and its Redis; the default leaves egress open."""
+    redis = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "redis"}}}
+    policies = [d for d in rendered["m3"] if d["kind"] == "NetworkPolicy"]
+    assert len(policies) == 4
+    for policy in policies:
+        spec = policy["spec"]
+        assert spec["policyTypes"] == ["Ingress", "Egress"]
+        destinations = [(rule["to"], _open_ports(rule)) for rule in spec["egress"]]
+        assert destinations[0] == ([{"podSelector": {"matchLabels": RELEASE_PEER}}], set())
+        assert destinations[1][1] == {53}
+        assert destinations[2] == ([redis], {6379})
+        assert destinations[3] == ([{"ipBlock": {"cidr": "192.0.2.10/32"}}], {6443})  # API server
+        assert len(destinations) == 4
+    for policy in (d for d in rendered["default"] if d["kind"] == "NetworkPolicy"):
+        assert policy["spec"]["policyTypes"] == ["Ingress"] and "egress" not in policy["spec"]
+
+
+def test_closed_egress_without_destinations_is_refused(chart) -> None:
+    closed = {"networkPolicy": {"egress": {"enabled": True}}}
+    with pytest.raises(helm_python.HelmRenderError) as refused:
+        chart.render(values=with_site(closed), name="demo", namespace="ml", is_install=True)
+    assert "list them in networkPolicy.egress.to" in str(refused.value)

@@ -246,10 +246,14 @@ preStop:
 {{- end }}
 {{- end -}}
 
-{{/* Scheduling and security fields of a pod spec; ctx: dict "root" $ "group" <group values>. */}}
+{{/*
+Scheduling and security fields of a pod spec; ctx: dict "root" $ "group" <group values>
+"apiToken" <bool>. Only the head with the autoscaler gets a Kubernetes API token: KubeRay's
+autoscaler sidecar patches the RayCluster with it (KubeRay binds its Role to this ServiceAccount).
+*/}}
 {{- define "msaserve.podScheduling" -}}
 serviceAccountName: {{ include "msaserve.serviceAccountName" .root }}
-automountServiceAccountToken: false
+automountServiceAccountToken: {{ if .apiToken }}true{{ else }}false{{ end }}
 securityContext:
   {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
 {{- with .root.Values.imagePullSecrets }}

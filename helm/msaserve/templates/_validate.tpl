@@ -88,6 +88,10 @@ same rules to a ServeConfig in `msaserve deploy-config`.
 {{- if lt (float64 .Values.upgradeStrategy.oldClusterDeletionDelaySeconds) $timeout -}}
 {{- fail (printf "upgradeStrategy.oldClusterDeletionDelaySeconds=%v is less than serve.http.request_timeout_s=%v: KubeRay would delete the old cluster while its requests still run; set it to at least %v" .Values.upgradeStrategy.oldClusterDeletionDelaySeconds $timeout (ceil $timeout | int)) -}}
 {{- end -}}
+{{- $egress := .Values.networkPolicy.egress -}}
+{{- if and .Values.networkPolicy.enabled $egress.enabled (not $egress.to) (or .Values.autoscaler.enabled .Values.gcsFaultTolerance.enabled (eq .Values.model.source "download")) -}}
+{{- fail "networkPolicy.egress.enabled with an empty networkPolicy.egress.to: the autoscaler sidecar (Kubernetes API), the GCS's Redis or the model download could not reach their destination; list them in networkPolicy.egress.to" -}}
+{{- end -}}
 {{- if and .Values.gcsFaultTolerance.enabled (not .Values.gcsFaultTolerance.redisAddress) -}}
 {{- fail "gcsFaultTolerance.enabled is true: set gcsFaultTolerance.redisAddress (host:port of the external Redis that keeps the GCS tables)" -}}
 {{- end -}}
