@@ -179,6 +179,22 @@ def test_drain_hook_waits_until_the_replicas_have_moved() -> None:
     assert now[0] == 3 * drain.POLL_SECONDS
 
 
+def test_drain_hook_stops_waiting_when_the_head_is_gone() -> None:
+    """The whole cluster is deleted (or the head died without GCS FT): nothing will move the replicas."""
+    drain = _drain_module()
+    now = [0.0]
+    answers = iter([2, None, 1])  # t=0 s: 2, t=5 s: unreachable, t=10 s: 1, from t=15 s: unreachable
+    left = drain.wait_until_gone(
+        lambda: next(answers, None),
+        deadline=600.0,
+        clock=lambda: now[0],
+        sleep=lambda s: now.__setitem__(0, now[0] + s),
+    )
+    assert left is None
+    # The answer at t=10 s restarted the clock: it gives up HEAD_GONE_SECONDS after t=15 s.
+    assert now[0] == 15.0 + drain.HEAD_GONE_SECONDS
+
+
 def test_drain_hook_gives_up_at_its_budget() -> None:
     drain = _drain_module()
     now = [0.0]

@@ -5,8 +5,9 @@ the GCS to drain the node, as Ray's autoscaler does before it removes one. Ray S
 replacement replicas on other nodes and stops the ones here gracefully: each finishes its running
 requests first (serveConfigV2 sets graceful_shutdown_timeout_s to request_timeout_s for the gateway and
 the model), the router sends new requests elsewhere, and a session continues on another replica from
-the KV cache service. The hook returns once no Serve replica is left on this node, or when the budget
-(the pod's terminationGracePeriodSeconds less 60 s for `ray stop`) runs out.
+the KV cache service. The hook returns once no Serve replica is left on this node, when the budget
+(the pod's terminationGracePeriodSeconds less 60 s for `ray stop`) runs out, or when the head has
+been unreachable for a minute.
 
     python drain.py --budget-seconds 660
 """
@@ -19,30 +20,42 @@ import time
 from collections.abc import Callable
 
 POLL_SECONDS = 5.0
+# The head (GCS, Serve controller) unreachable this long: nothing can move the replicas any more
+# (the whole cluster is being deleted, or the head is down without GCS fault tolerance, in which
+# case Ray's raylet gives up after 60 s too), so waiting longer only holds the node.
+HEAD_GONE_SECONDS = 60.0
 
 
 def wait_until_gone(
-    count_replicas: Callable[[], int],
+    count_replicas: Callable[[], int | None],
     deadline: float,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
-) -> int:
-    """Poll until count_replicas() is 0 or the deadline passes; returns the replicas still left."""
+) -> int | None:
+    """Poll until count_replicas() is 0, the deadline passes, or the count has been unknown (None:
+    the head unreachable) for HEAD_GONE_SECONDS. Returns the replicas still left (None: unknown)."""
     left = count_replicas()
-    while left > 0 and clock() < deadline:
+    unknown_since = clock() if left is None else None
+    while left != 0 and clock() < deadline:
+        if unknown_since is not None and clock() - unknown_since >= HEAD_GONE_SECONDS:
+            break
         sleep(min(POLL_SECONDS, max(0.0, deadline - clock())))
         left = count_replicas()
+        if left is None:
+            unknown_since = clock() if unknown_since is None else unknown_since
+        else:
+            unknown_since = None
     return left
 
 
-def _serve_replicas_on(node_id: str) -> int:
+def _serve_replicas_on(node_id: str) -> int | None:
     from ray.util.state import list_actors
 
     try:
         actors = list_actors(filters=[("node_id", "=", node_id), ("state", "=", "ALIVE")], limit=10_000)
     except Exception as error:
-        print(f"drain: cannot list actors ({error}); still waiting", file=sys.stderr)
-        return 1
+        print(f"drain: cannot list actors ({error})", file=sys.stderr)
+        return None
     return sum(1 for actor in actors if str(actor.class_name).startswith("ServeReplica:"))
 
 
