@@ -41,10 +41,10 @@ def wait_until_gone(
             break
         sleep(min(POLL_SECONDS, max(0.0, deadline - clock())))
         left = count_replicas()
-        if left is None:
-            unknown_since = clock() if unknown_since is None else unknown_since
-        else:
+        if left is not None:
             unknown_since = None
+        elif unknown_since is None:
+            unknown_since = clock()
     return left
 
 
