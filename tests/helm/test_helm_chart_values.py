@@ -199,6 +199,9 @@ SCHEMA_REFUSALS = [
     ({"serve": {"engine": {"max_num_seqs": 0}}}, "/serve/engine/max_num_seqs"),
     ({"serve": {"modle": {"spec": "tiny"}}}, "'modle' not allowed"),
     ({"serve": {"router": {"policy": "random"}}}, "/serve/router/policy"),
+    ({"kvcache": {"terminationGracePeriodSeconds": 30}}, "/kvcache/terminationGracePeriodSeconds"),
+    ({"gcsFaultTolerance": {"redisAdress": "r:6379"}}, "'redisAdress' not allowed"),
+    ({"networkPolicy": {"egress": {"to": {"cidr": "10.0.0.0/8"}}}}, "/networkPolicy/egress/to"),
 ]
 
 
