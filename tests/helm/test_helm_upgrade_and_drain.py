@@ -143,8 +143,8 @@ def test_workers_drain_for_as_long_as_a_request_may_run(rendered, values_name: s
     ("values", "message"),
     [
         (
-            {"gpuWorkers": {"terminationGracePeriodSeconds": 30}},
-            "gpuWorkers.terminationGracePeriodSeconds=30",
+            {"gpuWorkers": {"terminationGracePeriodSeconds": 300}},
+            "gpuWorkers.terminationGracePeriodSeconds=300",
         ),
         ({"serve": {"http": {"request_timeout_s": 3600}}}, "set it to at least 3660"),
         ({"upgradeStrategy": {"oldClusterDeletionDelaySeconds": 60}}, "delete the old cluster while"),
