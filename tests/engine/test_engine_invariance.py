@@ -1,4 +1,4 @@
-"""Greedy tokens do not depend on how the engine gets them (DESIGN §2, property 2): chunk size,
+"""Greedy tokens do not depend on how the engine gets them (docs/design.md §2, property 2): chunk size,
 batch composition, prefix-cache hit or miss, preemption by swap or by recompute. Prompts are
 longer than K·P = 64 tokens of the tiny preset, so the MSA selection is really sparse."""
 

@@ -1,4 +1,4 @@
-"""Model-level MSA properties on the tiny preset (DESIGN §2): MSA = dense when T ≤ K·P, and any
+"""Model-level MSA properties on the tiny preset (docs/design.md §2): MSA = dense when T ≤ K·P, and any
 split into prefill chunks and decode steps gives the same result."""
 
 import pytest
