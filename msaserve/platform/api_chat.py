@@ -35,6 +35,7 @@ from msaserve.platform.openai_types import (
     ResponseFunctionCall,
     ResponseToolCall,
 )
+from msaserve.platform.text_checks import reject_lone_surrogates
 from msaserve.platform.tools import CLOSE, StreamingToolParser, forced_name, parse_reply
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -48,6 +49,7 @@ def build_router(ctx: Any) -> APIRouter:
     @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         key = ctx.authorize(request)
+        reject_lone_surrogates(body.model_dump(exclude_none=True))
         ctx.check_model(body.model)
         info = await ctx.require_ready()
         ctx.auth.limits.acquire(key)
@@ -89,7 +91,8 @@ async def _start(ctx: Any, body: ChatCompletionRequest, request: Request, info: 
     prompt, prefix, parts = render_prompt(info.tokenizer, body)
     items = await media.preprocess(ctx, parts, info)
     token_ids, expanded = media.encode_prompt(info.tokenizer, prompt, items, info)
-    fit_max_tokens(params, given, expanded or len(token_ids), info)
+    chosen = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    fit_max_tokens(params, given, expanded or len(token_ids), info, "messages", chosen)
     greq = GenerateRequest(
         request_id=request.state.request_id,
         prompt_token_ids=token_ids,

@@ -23,6 +23,7 @@ from msaserve.platform.config import ServeConfig
 from msaserve.platform.errors import APIError, error_response, install_error_handlers
 from msaserve.platform.metrics import PlatformMetrics, get_metrics
 from msaserve.platform.model_messages import ModelInfo
+from msaserve.platform.request_metrics import RequestMetricsMiddleware
 
 # A child of Serve's logger, so every line lands in the replica log with Serve's request id.
 logger = logging.getLogger("ray.serve.msaserve.gateway")
@@ -161,10 +162,6 @@ def create_api(ctx: GatewayContext) -> FastAPI:
         elapsed = time.perf_counter() - start
         route = request.url.path
         logger.info("[%s] %s %s → %d in %.3fs", rid, request.method, route, response.status_code, elapsed)
-        if route.startswith("/v1/"):
-            ctx.metrics.inc(
-                "requests", model=ctx.model_name, route=_route_label(route), status=str(response.status_code)
-            )
         return response
 
     if ctx.config.http.cors_origins:
@@ -175,13 +172,10 @@ def create_api(ctx: GatewayContext) -> FastAPI:
             allow_headers=["*"],
         )
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.http.max_body_bytes)
+    app.add_middleware(RequestMetricsMiddleware, metrics=ctx.metrics, model=ctx.model_name)  # outermost
     for module in (api_models, api_chat, api_completions, api_sessions):
         app.include_router(module.build_router(ctx))
     return app
-
-
-def _route_label(path: str) -> str:
-    return "/v1/sessions" if path.startswith("/v1/sessions/") else path
 
 
 class Gateway:
