@@ -16,8 +16,9 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from msaserve.engine.config import EngineConfig
-from msaserve.engine.types import EngineError, EngineStats, GenerateOutput, GenerateRequest
+from msaserve.engine.types import EngineError, EngineStats, GenerateOutput, GenerateRequest, QueueFull
 from msaserve.platform.config import ServeConfig
+from msaserve.platform.drain_rate import DrainRate
 from msaserve.platform.engine_factory import build_engine
 from msaserve.platform.errors import from_engine_error
 from msaserve.platform.metrics import get_metrics
@@ -84,6 +85,7 @@ class ModelDeployment:
         self.engine = None
         self.error: str | None = None
         self.sessions = SessionTable()
+        self.drain = DrainRate()
         self.routing = RoutingStatsRecorder()
         self.metrics = get_metrics()
         self._output_tokens = 0
@@ -145,6 +147,8 @@ class ModelDeployment:
                 first = await stream.__anext__()
             except EngineError as e:
                 api = from_engine_error(e)
+                if isinstance(e, QueueFull):  # when the queue ahead will have drained
+                    api.retry_after_s = self.drain.retry_after_s(self.engine.stats().num_waiting)
                 yield ModelError(api.status, api.message, api.param, api.code, api.retry_after_s)
                 return
             last = first
@@ -160,6 +164,8 @@ class ModelDeployment:
             # engine's iterator aborts an unfinished request and frees its pages.
             await stream.aclose()
             self.sessions.end(request.session_id, last.stats if last else None)
+            if last is not None:
+                self.drain.note_finished()
 
     def record_routing_stats(self) -> dict:
         if self.engine is None:
