@@ -10,6 +10,7 @@ from msaserve.engine.types import GenerateRequest
 from msaserve.platform import media
 from msaserve.platform.chat_prompt import render_prompt
 from msaserve.platform.errors import APIError
+from msaserve.platform.gateway_tenancy import session_of
 from msaserve.platform.generation import (
     SSE_DONE,
     Generation,
@@ -97,8 +98,9 @@ async def _start(ctx: Any, body: ChatCompletionRequest, request: Request, info: 
         request_id=request.state.request_id,
         prompt_token_ids=token_ids,
         sampling=params,
-        session_id=request.headers.get("x-session-id") or None,
+        session_id=session_of(request),
         media=items,
+        cache_salt=request.state.tenant.cache_salt,
     )
     known = {t.function.name for t in body.tools or []} if body.tool_choice != "none" else set()
     return await start_generation(ctx, greq), prefix, known

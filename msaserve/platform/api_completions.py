@@ -8,6 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from msaserve.engine.types import GenerateRequest
 from msaserve.platform.errors import APIError, bad_parameter
+from msaserve.platform.gateway_tenancy import session_of
 from msaserve.platform.generation import (
     SSE_DONE,
     Generation,
@@ -98,7 +99,8 @@ async def _start(ctx: Any, body: CompletionRequest, request: Request, info: Any)
         request_id=request.state.request_id,
         prompt_token_ids=token_ids,
         sampling=params,
-        session_id=request.headers.get("x-session-id") or None,
+        session_id=session_of(request),
+        cache_salt=request.state.tenant.cache_salt,
     )
     return await start_generation(ctx, greq)
 

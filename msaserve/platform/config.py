@@ -227,12 +227,24 @@ class AuthConfig(StrictModel):
     max_concurrent_requests: int | None = Field(
         None, ge=1, le=1_000_000, description="Per-key in-flight request limit; unset = unlimited."
     )
+    admin_api_keys: list[str] = Field(
+        default_factory=list,
+        description="Keys that may also list every tenant's sessions (GET /v1/sessions); they are "
+        "accepted as API keys too. A tenant is an API key: its sessions, KV pages and prefix-cache "
+        "hits are private to it.",
+    )
+    share_prefix_cache: bool = Field(
+        False,
+        description="Let all API keys share prefix-cache pages (more hits for common system prompts) at "
+        "the price of a timing side channel: a key can tell from a fast first token that another "
+        "key sent the same prefix. Off by default: each key's page-hash chain starts at its own root.",
+    )
 
     def resolve_keys(self) -> list[str]:
         """Every configured key from the list, the environment variable and the file."""
         import os
 
-        keys = list(self.api_keys)
+        keys = list(self.api_keys) + list(self.admin_api_keys)
         if self.api_keys_env:
             keys += [k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip()]
         if self.api_keys_file:

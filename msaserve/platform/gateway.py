@@ -24,6 +24,7 @@ from msaserve.platform.errors import APIError, error_response, install_error_han
 from msaserve.platform.metrics import PlatformMetrics, get_metrics
 from msaserve.platform.model_messages import ModelInfo
 from msaserve.platform.request_metrics import RequestMetricsMiddleware
+from msaserve.platform.tenants import make_tenant
 
 # A child of Serve's logger, so every line lands in the replica log with Serve's request id.
 logger = logging.getLogger("ray.serve.msaserve.gateway")
@@ -86,8 +87,12 @@ class GatewayContext:
             )
 
     def authorize(self, request: Request) -> str:
+        """The caller's key (401 if wrong, 429 over its rate); its tenant goes to request.state."""
         key = self.auth.authenticate(request.headers.get("authorization"))
         self.auth.limits.check_rate(key)
+        request.state.tenant = make_tenant(
+            key, self.auth.is_admin(key), self.config.auth.share_prefix_cache
+        )
         return key
 
 

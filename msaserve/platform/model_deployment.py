@@ -185,6 +185,10 @@ class ModelDeployment:
             return []
         return await self.engine.call(lambda engine: engine.sessions.release(session_id))
 
+    async def list_sessions(self) -> list[str]:
+        """Ids of the sessions this replica has a record of (scoped to their tenants)."""
+        return self.sessions.ids()
+
     async def session_info(self, session_id: str) -> SessionInfo | None:
         return self.sessions.get(session_id)
 
