@@ -84,11 +84,11 @@ def record_reader(config: ServeConfig, engine: LLMEngine, api_key: str | None = 
     """session id → the token ids of its record in the platform's KV cache service (None if none).
     The gateway stores a session under its tenant (`api_key`'s; default: the first configured key,
     or the anonymous tenant without auth). Call after the app has started the service."""
+    from msaserve.engine.kv.pages import identity_for
     from msaserve.engine.memory import cache_dtypes
     from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
     from msaserve.kvcache.config import ServiceConfig
-    from msaserve.kvcache.pages import identity_for
-    from msaserve.kvcache.session import SessionNotFound
+    from msaserve.kvcache.session_records import SessionNotFound
     from msaserve.platform.tenants import make_tenant
 
     kv_dtype, index_dtype = cache_dtypes(engine.config)
