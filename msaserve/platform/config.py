@@ -265,6 +265,16 @@ class HttpConfig(StrictModel):
     request_timeout_s: float = Field(
         600.0, gt=0.0, le=86_400.0, description="Serve's end-to-end request timeout."
     )
+    ready_probe_timeout_s: float = Field(
+        10.0, gt=0.0, le=600.0,
+        description="GET /ready is 200 only if a model replica answered a 1-token probe within this long.",
+    )
+    ready_cache_s: float = Field(
+        2.0, ge=0.0, le=600.0, description="A successful /ready probe is reused for this long."
+    )
+    metrics_open: bool = Field(
+        False, description="Serve GET /metrics (Prometheus text) without an API key; by default it needs one."
+    )
 
 
 class ServeConfig(StrictModel):

@@ -17,12 +17,13 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from msaserve.platform import api_chat, api_completions, api_models, api_sessions
+from msaserve.platform import api_chat, api_completions, api_health, api_models, api_sessions
 from msaserve.platform.auth import Authenticator
 from msaserve.platform.config import ServeConfig
 from msaserve.platform.errors import APIError, error_response, install_error_handlers
 from msaserve.platform.metrics import PlatformMetrics, get_metrics
 from msaserve.platform.model_messages import ModelInfo
+from msaserve.platform.ray_defaults import bind_replica_grpc_to_loopback
 from msaserve.platform.request_metrics import RequestMetricsMiddleware
 from msaserve.platform.tenants import make_tenant
 
@@ -178,7 +179,7 @@ def create_api(ctx: GatewayContext) -> FastAPI:
         )
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.http.max_body_bytes)
     app.add_middleware(RequestMetricsMiddleware, metrics=ctx.metrics, model=ctx.model_name)  # outermost
-    for module in (api_models, api_chat, api_completions, api_sessions):
+    for module in (api_health, api_models, api_chat, api_completions, api_sessions):
         app.include_router(module.build_router(ctx))
     return app
 
@@ -190,6 +191,7 @@ class Gateway:
         self, config: dict, model: DeploymentHandle, preprocess: DeploymentHandle | None = None
     ) -> None:
         logging.getLogger("ray.serve.msaserve").setLevel(logging.INFO)
+        bind_replica_grpc_to_loopback()
         self.ctx = GatewayContext(ServeConfig.from_dict(config), model, preprocess)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

@@ -23,6 +23,7 @@ from msaserve.platform.engine_factory import build_engine
 from msaserve.platform.errors import from_engine_error
 from msaserve.platform.metrics import get_metrics
 from msaserve.platform.model_messages import ModelError, ModelInfo, SessionInfo
+from msaserve.platform.ray_defaults import bind_replica_grpc_to_loopback
 from msaserve.platform.sessions import SessionTable
 from msaserve.router.stats import RoutingStatsRecorder, routing_stats_payload
 
@@ -79,6 +80,7 @@ def _replica_id() -> str:
 class ModelDeployment:
     async def __init__(self, config: dict) -> None:
         logging.getLogger("ray.serve.msaserve").setLevel(logging.INFO)
+        bind_replica_grpc_to_loopback()
         self.config = ServeConfig.from_dict(config)
         self.name = self.config.model.resolved_name()
         self.replica_id = _replica_id()

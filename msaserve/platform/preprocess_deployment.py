@@ -9,10 +9,12 @@ import time
 
 from msaserve.platform.config import PreprocessLimits
 from msaserve.platform.model_messages import ModelError
+from msaserve.platform.ray_defaults import bind_replica_grpc_to_loopback
 
 
 class PreprocessDeployment:
     def __init__(self, limits: dict) -> None:
+        bind_replica_grpc_to_loopback()
         from msaserve.preprocess.config import PreprocessConfig
         from msaserve.preprocess.pipeline import Preprocessor
 
