@@ -17,6 +17,7 @@ from ray import serve
 
 from msaserve.platform.app import APP_NAME, build_app
 from msaserve.platform.config import ServeConfig
+from msaserve.platform.http_limits import apply_proxy_limits, proxy_http_options
 from msaserve.platform.ray_defaults import apply_local_loopback, apply_ray_defaults
 
 
@@ -63,6 +64,7 @@ def start_live_app(data: dict[str, Any], num_cpus: int = 4, timeout_s: float = 1
     config = ServeConfig.from_dict({**data, "http": {**data.get("http", {}), "port": http_port}})
     apply_ray_defaults()  # as `msaserve serve` does, before the GCS starts
     apply_local_loopback()
+    apply_proxy_limits(config.http)
     context = ray.init(
         address="local",
         num_cpus=num_cpus,
@@ -72,7 +74,7 @@ def start_live_app(data: dict[str, Any], num_cpus: int = 4, timeout_s: float = 1
         configure_logging=False,
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        serve.start(http_options=proxy_http_options(config.http))  # as `msaserve serve` does
         serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
         base_url = f"http://127.0.0.1:{http_port}"
         first = httpx.get(base_url + "/ready", timeout=30)

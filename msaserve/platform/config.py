@@ -265,6 +265,27 @@ class HttpConfig(StrictModel):
     request_timeout_s: float = Field(
         600.0, gt=0.0, le=86_400.0, description="Serve's end-to-end request timeout."
     )
+    keep_alive_timeout_s: int = Field(
+        5, ge=1, le=3600,
+        description="An idle keep-alive connection is closed after this long (Serve's default is 90 s).",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0.0, le=600.0,
+        description="A connection must complete a request's headers within this long of opening (or of "
+        "its previous response), else 408 and closed (slowloris). Enforced in `msaserve serve`'s proxy.",
+    )
+    body_read_timeout_s: float = Field(
+        30.0, gt=0.0, le=3600.0,
+        description="The whole request body must arrive within this long of the headers, else 408.",
+    )
+    max_requests: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="Requests in flight (streams included) per proxy / gateway process; beyond it 503.",
+    )
+    max_requests_per_client: int = Field(
+        64, ge=1, le=1_000_000,
+        description="Requests in flight from one client address; beyond it 429.",
+    )
     ready_probe_timeout_s: float = Field(
         10.0, gt=0.0, le=600.0,
         description="GET /ready is 200 only if a model replica answered a 1-token probe within this long.",

@@ -21,6 +21,7 @@ from msaserve.platform import api_chat, api_completions, api_health, api_models,
 from msaserve.platform.auth import Authenticator
 from msaserve.platform.config import ServeConfig
 from msaserve.platform.errors import APIError, error_response, install_error_handlers
+from msaserve.platform.http_limits import ConnectionGuard, HttpLimits
 from msaserve.platform.metrics import PlatformMetrics, get_metrics
 from msaserve.platform.model_messages import ModelInfo
 from msaserve.platform.ray_defaults import bind_replica_grpc_to_loopback
@@ -178,6 +179,7 @@ def create_api(ctx: GatewayContext) -> FastAPI:
             allow_headers=["*"],
         )
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.http.max_body_bytes)
+    app.add_middleware(ConnectionGuard, limits=HttpLimits.from_config(ctx.config.http, in_proxy=False))
     app.add_middleware(RequestMetricsMiddleware, metrics=ctx.metrics, model=ctx.model_name)  # outermost
     for module in (api_health, api_models, api_chat, api_completions, api_sessions):
         app.include_router(module.build_router(ctx))

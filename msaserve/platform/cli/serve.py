@@ -106,11 +106,13 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from msaserve.platform.app import APP_NAME, build_app
+    from msaserve.platform.http_limits import apply_proxy_limits, proxy_http_options
     from msaserve.platform.ray_defaults import apply_local_loopback, apply_ray_defaults
 
     metrics_port = args.metrics_port or _free_port()
     apply_ray_defaults()  # before ray.init: the GCS reads them at start
     apply_local_loopback()  # every Ray port on 127.0.0.1, not only the API and the dashboard
+    apply_proxy_limits(config.http)  # header/body deadlines and request caps inside Serve's proxy
     context = ray.init(
         address="local",
         _node_ip_address="127.0.0.1",  # Ray's own services on loopback too, not only HTTP
@@ -127,8 +129,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         host = config.http.host
-        serve.start(http_options={"host": host, "port": config.http.port,
-                                  "request_timeout_s": config.http.request_timeout_s})  # fmt: skip
+        serve.start(http_options=proxy_http_options(config.http))
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         base_url = f"http://{shown_host}:{config.http.port}"
