@@ -17,7 +17,8 @@ from ray import serve
 
 from msaserve.platform.app import APP_NAME, build_app
 from msaserve.platform.config import ServeConfig
-from msaserve.platform.ray_defaults import apply_ray_defaults
+from msaserve.platform.http_limits import apply_proxy_limits, proxy_http_options
+from msaserve.platform.ray_defaults import apply_local_loopback, apply_ray_defaults
 
 
 def free_port() -> int:
@@ -31,8 +32,8 @@ class LiveApp:
     base_url: str
     metrics_url: str
     config: ServeConfig
-    first_health: httpx.Response
-    """The /health answer right after serve.run returned (before the engine finished loading)."""
+    first_ready: httpx.Response
+    """The /ready answer right after serve.run returned (before the engine finished loading)."""
     logs_dir: str
     """The Ray session's log folder (every replica's stdout/stderr and Serve logs)."""
 
@@ -47,21 +48,23 @@ def wait_healthy(base_url: str, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            if httpx.get(base_url + "/health", timeout=10).status_code == 200:
+            if httpx.get(base_url + "/ready", timeout=30).status_code == 200:
                 return
         except httpx.HTTPError:
             pass
         time.sleep(0.25)
-    raise TimeoutError(f"{base_url}/health not 200 after {timeout_s}s")
+    raise TimeoutError(f"{base_url}/ready not 200 after {timeout_s}s")
 
 
 @contextmanager
 def start_live_app(data: dict[str, Any], num_cpus: int = 4, timeout_s: float = 120) -> Iterator[LiveApp]:
     """Start Ray + the msaserve app for `data` (a ServeConfig dict) on free loopback ports, wait
-    until /health is 200, and always shut both down."""
+    until /ready is 200 (a model replica answered), and always shut both down."""
     http_port, metrics_port = free_port(), free_port()
     config = ServeConfig.from_dict({**data, "http": {**data.get("http", {}), "port": http_port}})
     apply_ray_defaults()  # as `msaserve serve` does, before the GCS starts
+    apply_local_loopback()
+    apply_proxy_limits(config.http)
     context = ray.init(
         address="local",
         num_cpus=num_cpus,
@@ -71,10 +74,10 @@ def start_live_app(data: dict[str, Any], num_cpus: int = 4, timeout_s: float = 1
         configure_logging=False,
     )
     try:
-        serve.start(http_options={"host": "127.0.0.1", "port": http_port})
+        serve.start(http_options=proxy_http_options(config.http))  # as `msaserve serve` does
         serve.run(build_app(config), name=APP_NAME, route_prefix="/", blocking=False)
         base_url = f"http://127.0.0.1:{http_port}"
-        first = httpx.get(base_url + "/health", timeout=30)
+        first = httpx.get(base_url + "/ready", timeout=30)
         wait_healthy(base_url, timeout_s)
         logs_dir = context.address_info["session_dir"] + "/logs"
         yield LiveApp(base_url, f"http://127.0.0.1:{metrics_port}/metrics", config, first, logs_dir)

@@ -76,7 +76,7 @@ def start_app(config: ServeConfig) -> str:
     serve.start(http_options={"host": "127.0.0.1", "port": PORT})
     serve.run(build_app(config), name=APP_NAME, route_prefix="/")
     base = f"http://127.0.0.1:{PORT}"
-    while httpx.get(base + "/health", timeout=30).status_code != 200:
+    while httpx.get(base + "/ready", timeout=30).status_code != 200:
         time.sleep(0.5)
     return base
 

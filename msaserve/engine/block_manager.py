@@ -76,8 +76,9 @@ class BlockManager:
             return 0
         max_pages = (seq.num_tokens - 1) // self.page_size
         media = [seq.page_media_hashes(i) for i in range(max_pages)] if seq.media is not None else None
-        hashes = page_hashes(seq.token_ids[: max_pages * self.page_size], self.page_size, media)
-        pages = self.lookup(hashes, seq.token_ids)
+        prompt = seq.token_ids[: max_pages * self.page_size]
+        hashes = page_hashes(prompt, self.page_size, media, seq.root_hash)
+        pages = self.lookup(hashes, seq.token_ids, seq.root_hash)
         self.acquire(pages)
         seq.block_table = pages
         seq.page_hashes = hashes[: len(pages)]
@@ -86,10 +87,11 @@ class BlockManager:
         self.num_hit_tokens += seq.num_cached_tokens
         return seq.num_cached_tokens
 
-    def lookup(self, hashes: list[int], token_ids: list[int]) -> list[int]:
-        """Physical pages holding the longest cached run of `hashes` (tokens re-checked)."""
+    def lookup(self, hashes: list[int], token_ids: list[int], root: int = ROOT_HASH) -> list[int]:
+        """Physical pages holding the longest cached run of `hashes` (tokens re-checked); `root`:
+        the chain's root (the sequence's tenant salt), checked as the first page's parent."""
         pages: list[int] = []
-        parent = ROOT_HASH
+        parent = root
         for i, page_hash in enumerate(hashes):
             page = self._hash_to_page.get(page_hash)
             if page is None:
@@ -116,7 +118,7 @@ class BlockManager:
             return
         first = len(seq.page_hashes)
         for i in range(first, seq.num_computed_tokens // self.page_size):
-            parent = seq.page_hashes[-1] if seq.page_hashes else ROOT_HASH
+            parent = seq.page_hashes[-1] if seq.page_hashes else seq.root_hash
             tokens = seq.page_tokens(i, self.page_size)
             seq.page_hashes.append(hash_page(parent, tokens, seq.page_media_hashes(i)))
         self.register(seq, first)
@@ -128,7 +130,7 @@ class BlockManager:
             page_hash, page = seq.page_hashes[i], seq.block_table[i]
             if page_hash in self._hash_to_page or self._cached[page] is not None:
                 continue  # already cached elsewhere (or this page is a shared cached page)
-            parent = seq.page_hashes[i - 1] if i else ROOT_HASH
+            parent = seq.page_hashes[i - 1] if i else seq.root_hash
             self._cached[page] = _CachedPage(page_hash, parent, seq.page_tokens(i, self.page_size))
             self._hash_to_page[page_hash] = page
             stored.append(page_hash)

@@ -147,6 +147,7 @@ class LLMEngine:
             sampling=sampling,
             arrival_time=request.arrival_time if request.arrival_time is not None else now(),
             generator=generator,
+            root_hash=request.cache_salt,
         )
         self.trackers[seq.request_id] = RequestOutputTracker(
             seq, self.tokenizer, self.eos_token_ids, self.max_model_len

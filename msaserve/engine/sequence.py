@@ -51,6 +51,8 @@ class Sequence:
     last_token_time: float | None = None
     media: MediaPrompt | None = None
     """Images/videos whose (expanded) placeholders are in the prompt; None for text."""
+    root_hash: int = 0
+    """Parent hash of the first page (`GenerateRequest.cache_salt`): the tenant's chain root."""
 
     @property
     def num_tokens(self) -> int:

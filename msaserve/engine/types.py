@@ -108,6 +108,10 @@ class GenerateRequest:
     media: list[object] = field(default_factory=list)
     """Preprocessed media items (patches, grid, content hash), in prompt order."""
     arrival_time: float | None = None
+    cache_salt: int = 0
+    """Root of the request's page-hash chain (`kvcache.page_hash.tenant_root`): 0 shares prefix-cache
+    pages with every request; the gateway sets its tenant's root so that pages (and the timing of
+    a hit on them) stay within the tenant."""
 
 
 @dataclass

@@ -10,7 +10,14 @@ import numpy as np
 import xxhash
 
 ROOT_HASH = 0
-"""The parent of a sequence's first page."""
+"""The parent of a sequence's first page (pages shared by every request)."""
+
+
+def tenant_root(tenant: str) -> int:
+    """The parent of the first page of a tenant's sequences: with it at the root of the chain, the
+    same tokens hash differently per tenant, so no tenant can hit (or time a hit on) another's
+    prefix-cache pages. Never ROOT_HASH."""
+    return xxhash.xxh3_64_intdigest(b"msaserve-tenant/" + tenant.encode("utf-8", "backslashreplace")) or 1
 
 
 def hash_page(parent: int, token_ids: Sequence[int], media_hashes: Sequence[int] = ()) -> int:

@@ -10,6 +10,7 @@ from msaserve.engine.types import GenerateRequest
 from msaserve.platform import media
 from msaserve.platform.chat_prompt import render_prompt
 from msaserve.platform.errors import APIError
+from msaserve.platform.gateway_tenancy import session_of
 from msaserve.platform.generation import (
     SSE_DONE,
     Generation,
@@ -35,6 +36,7 @@ from msaserve.platform.openai_types import (
     ResponseFunctionCall,
     ResponseToolCall,
 )
+from msaserve.platform.text_checks import reject_lone_surrogates
 from msaserve.platform.tools import CLOSE, StreamingToolParser, forced_name, parse_reply
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -48,6 +50,7 @@ def build_router(ctx: Any) -> APIRouter:
     @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         key = ctx.authorize(request)
+        reject_lone_surrogates(body.model_dump(exclude_none=True))
         ctx.check_model(body.model)
         info = await ctx.require_ready()
         ctx.auth.limits.acquire(key)
@@ -89,13 +92,15 @@ async def _start(ctx: Any, body: ChatCompletionRequest, request: Request, info: 
     prompt, prefix, parts = render_prompt(info.tokenizer, body)
     items = await media.preprocess(ctx, parts, info)
     token_ids, expanded = media.encode_prompt(info.tokenizer, prompt, items, info)
-    fit_max_tokens(params, given, expanded or len(token_ids), info)
+    chosen = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+    fit_max_tokens(params, given, expanded or len(token_ids), info, "messages", chosen)
     greq = GenerateRequest(
         request_id=request.state.request_id,
         prompt_token_ids=token_ids,
         sampling=params,
-        session_id=request.headers.get("x-session-id") or None,
+        session_id=session_of(request),
         media=items,
+        cache_salt=request.state.tenant.cache_salt,
     )
     known = {t.function.name for t in body.tools or []} if body.tool_choice != "none" else set()
     return await start_generation(ctx, greq), prefix, known

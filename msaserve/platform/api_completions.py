@@ -8,6 +8,7 @@ from fastapi.responses import StreamingResponse
 
 from msaserve.engine.types import GenerateRequest
 from msaserve.platform.errors import APIError, bad_parameter
+from msaserve.platform.gateway_tenancy import session_of
 from msaserve.platform.generation import (
     SSE_DONE,
     Generation,
@@ -26,6 +27,7 @@ from msaserve.platform.openai_types import (
     CompletionRequest,
     ErrorResponse,
 )
+from msaserve.platform.text_checks import reject_lone_surrogates
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
@@ -39,6 +41,7 @@ def build_router(ctx: Any) -> APIRouter:
     @router.post(_ROUTE, response_model=Completion, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Any:
         key = ctx.authorize(request)
+        reject_lone_surrogates(body.model_dump(exclude_none=True))
         ctx.check_model(body.model)
         info = await ctx.require_ready()
         ctx.auth.limits.acquire(key)
@@ -91,12 +94,13 @@ async def _start(ctx: Any, body: CompletionRequest, request: Request, info: Any)
         body, body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=top, extra_stop=[]
     )
     token_ids = _prompt_ids(body, info.tokenizer)
-    fit_max_tokens(params, given, len(token_ids), info)
+    fit_max_tokens(params, given, len(token_ids), info, "prompt", "max_tokens")
     greq = GenerateRequest(
         request_id=request.state.request_id,
         prompt_token_ids=token_ids,
         sampling=params,
-        session_id=request.headers.get("x-session-id") or None,
+        session_id=session_of(request),
+        cache_salt=request.state.tenant.cache_salt,
     )
     return await start_generation(ctx, greq)
 

@@ -61,11 +61,16 @@ class KeyLimits:
 class Authenticator:
     def __init__(self, config: AuthConfig) -> None:
         self.keys = [k.encode() for k in config.resolve_keys()]
+        self.admin_keys = [k.encode() for k in config.admin_api_keys]
         self.limits = KeyLimits(config.requests_per_minute, config.max_concurrent_requests)
 
     @property
     def enabled(self) -> bool:
         return bool(self.keys)
+
+    def is_admin(self, key: str) -> bool:
+        presented = key.encode("utf-8", "surrogatepass")
+        return any([hmac.compare_digest(presented, admin) for admin in self.admin_keys])
 
     def authenticate(self, authorization: str | None) -> str:
         """The caller's key (or "anonymous" when auth is off); 401 when missing or wrong."""

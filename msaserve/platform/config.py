@@ -112,12 +112,24 @@ class AuthConfig(StrictModel):
     max_concurrent_requests: int | None = Field(
         None, ge=1, le=1_000_000, description="Per-key in-flight request limit; unset = unlimited."
     )
+    admin_api_keys: list[str] = Field(
+        default_factory=list,
+        description="Keys that may also list every tenant's sessions (GET /v1/sessions); they are "
+        "accepted as API keys too. A tenant is an API key: its sessions, KV pages and prefix-cache "
+        "hits are private to it.",
+    )
+    share_prefix_cache: bool = Field(
+        False,
+        description="Let all API keys share prefix-cache pages (more hits for common system prompts) at "
+        "the price of a timing side channel: a key can tell from a fast first token that another "
+        "key sent the same prefix. Off by default: each key's page-hash chain starts at its own root.",
+    )
 
     def resolve_keys(self) -> list[str]:
         """Every configured key from the list, the environment variable and the file."""
         import os
 
-        keys = list(self.api_keys)
+        keys = list(self.api_keys) + list(self.admin_api_keys)
         if self.api_keys_env:
             keys += [k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip()]
         if self.api_keys_file:
@@ -137,6 +149,37 @@ class HttpConfig(StrictModel):
     )
     request_timeout_s: float = Field(
         600.0, gt=0.0, le=86_400.0, description="Serve's end-to-end request timeout."
+    )
+    keep_alive_timeout_s: int = Field(
+        5, ge=1, le=3600,
+        description="An idle keep-alive connection is closed after this long (Serve's default is 90 s).",
+    )
+    header_timeout_s: float = Field(
+        10.0, gt=0.0, le=600.0,
+        description="A connection must complete a request's headers within this long of opening (or of "
+        "its previous response), else 408 and closed (slowloris). Enforced in `msaserve serve`'s proxy.",
+    )
+    body_read_timeout_s: float = Field(
+        30.0, gt=0.0, le=3600.0,
+        description="The whole request body must arrive within this long of the headers, else 408.",
+    )
+    max_requests: int = Field(
+        1024, ge=1, le=1_000_000,
+        description="Requests in flight (streams included) per proxy / gateway process; beyond it 503.",
+    )
+    max_requests_per_client: int = Field(
+        64, ge=1, le=1_000_000,
+        description="Requests in flight from one client address; beyond it 429.",
+    )
+    ready_probe_timeout_s: float = Field(
+        10.0, gt=0.0, le=600.0,
+        description="GET /ready is 200 only if a model replica answered a 1-token probe within this long.",
+    )
+    ready_cache_s: float = Field(
+        2.0, ge=0.0, le=600.0, description="A successful /ready probe is reused for this long."
+    )
+    metrics_open: bool = Field(
+        False, description="Serve GET /metrics (Prometheus text) without an API key; by default it needs one."
     )
 
 

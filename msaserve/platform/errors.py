@@ -4,9 +4,11 @@
 every body's message ends with the request id so a user's report can be found in the logs.
 """
 
+import json
 import logging
 import math
 from dataclasses import dataclass
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -23,6 +25,7 @@ _TYPES = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    408: "timeout_error",
     409: "conflict_error",
     413: "invalid_request_error",
     429: "rate_limit_error",
@@ -66,26 +69,77 @@ def from_engine_error(e: EngineError) -> APIError:
     return APIError(e.status, str(e))
 
 
+class ErrorJSONResponse(JSONResponse):
+    """ASCII JSON: an error may quote what the client sent (a field name, a value), and a lone
+    surrogate in it would make Starlette's UTF-8 rendering fail, turning a 4xx into a 500."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, ensure_ascii=True, separators=(",", ":")).encode("ascii")
+
+
+MAX_RETRY_AFTER_S = 3600
+
+
 def error_response(error: APIError, request_id: str | None) -> JSONResponse:
     """The error body; the X-Request-ID header itself is added by Serve's proxy to every response."""
     message = error.message if not request_id else f"{error.message} (request id {request_id})"
     body = {"error": {"message": message, "type": error.type, "param": error.param, "code": error.code}}
     headers = {}
     if error.retry_after_s is not None:
-        headers["Retry-After"] = str(max(1, math.ceil(error.retry_after_s)))
-    return JSONResponse(body, status_code=error.status, headers=headers)
+        headers["Retry-After"] = str(min(MAX_RETRY_AFTER_S, max(1, math.ceil(error.retry_after_s))))
+    return ErrorJSONResponse(body, status_code=error.status, headers=headers)
 
 
 def _request_id(request: Request) -> str | None:
     return getattr(request.state, "request_id", None)
 
 
+_UNION_TAGS = {"str", "int", "float", "bool", "dict", "list", "none", "json-or-python"}
+
+
+def _is_union_tag(part: object) -> bool:
+    """pydantic names the member of a union an error came from in the location ('str',
+    'list[ContentPart]', 'NamedToolChoice'): a type, not a parameter, so not part of the name."""
+    return isinstance(part, str) and ("[" in part or part[:1].isupper() or part in _UNION_TAGS)
+
+
+def param_path(loc: tuple | list) -> str:
+    """`messages[0].content[1].type` from pydantic's ('body', 'messages', 0, 'content', ...)."""
+    out = ""
+    for part in loc:
+        if (part == "body" and not out) or _is_union_tag(part):
+            continue
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
+    return out or "body"
+
+
+def _most_specific(errors: list[dict]) -> dict:
+    """Of a union's alternatives, the error of the member the input came closest to matching (the
+    deepest location; a wrong literal before a wrong type): for a content part of unknown type that
+    is 'type is not one of ...', not 'content should be a string'."""
+    def field_of(error: dict) -> object:
+        return next((part for part in error.get("loc", ()) if part != "body"), None)
+
+    same_field = [e for e in errors if field_of(e) == field_of(errors[0])]
+    return max(same_field, key=lambda e: (len(e.get("loc", ())), e.get("type") == "literal_error"))
+
+
+def _shown(value: object, limit: int = 100) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _validation_to_api_error(exc: RequestValidationError) -> APIError:
-    """pydantic's first error, named by the parameter's dotted path (body. prefix dropped)."""
-    err = exc.errors()[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
-    param = ".".join(loc) or "body"
+    """pydantic's most specific error, named by the parameter's path (OpenAI's `messages[0].role`)."""
+    err = _most_specific(list(exc.errors()))
+    param = param_path(err.get("loc", ()))
     msg = err.get("msg", "invalid")
+    if err.get("type") == "literal_error":
+        expected = (err.get("ctx") or {}).get("expected", "one of the documented values")
+        return APIError(
+            400, f"{param}={_shown(err.get('input'))} is not supported: allowed {expected}", param=param,
+            code="invalid_value",
+        )
     if err.get("type") == "extra_forbidden":
         return APIError(
             400, f"{param} is not a supported parameter", param=param, code="unsupported_parameter"
@@ -93,13 +147,14 @@ def _validation_to_api_error(exc: RequestValidationError) -> APIError:
     if err.get("type") == "json_invalid":
         return APIError(400, f"the request body is not valid JSON: {msg}", param=None, code="invalid_json")
     value = err.get("input")
-    shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
+    shown = "" if isinstance(value, dict | list) or value is None else f" (got {_shown(value)})"
     return APIError(400, f"{param}: {msg}{shown}", param=param, code="invalid_value")
 
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        request.state.error_code = exc.code or exc.type  # the cause the request metrics record
         return error_response(exc, _request_id(request))
 
     @app.exception_handler(RequestValidationError)

@@ -17,12 +17,16 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from msaserve.platform import api_chat, api_completions, api_models, api_sessions
+from msaserve.platform import api_chat, api_completions, api_health, api_models, api_sessions
 from msaserve.platform.auth import Authenticator
 from msaserve.platform.config import ServeConfig
 from msaserve.platform.errors import APIError, error_response, install_error_handlers
+from msaserve.platform.http_limits import ConnectionGuard, HttpLimits
 from msaserve.platform.metrics import PlatformMetrics, get_metrics
 from msaserve.platform.model_messages import ModelInfo
+from msaserve.platform.ray_defaults import bind_replica_grpc_to_loopback
+from msaserve.platform.request_metrics import RequestMetricsMiddleware
+from msaserve.platform.tenants import make_tenant
 
 # A child of Serve's logger, so every line lands in the replica log with Serve's request id.
 logger = logging.getLogger("ray.serve.msaserve.gateway")
@@ -85,8 +89,12 @@ class GatewayContext:
             )
 
     def authorize(self, request: Request) -> str:
+        """The caller's key (401 if wrong, 429 over its rate); its tenant goes to request.state."""
         key = self.auth.authenticate(request.headers.get("authorization"))
         self.auth.limits.check_rate(key)
+        request.state.tenant = make_tenant(
+            key, self.auth.is_admin(key), self.config.auth.share_prefix_cache
+        )
         return key
 
 
@@ -161,10 +169,6 @@ def create_api(ctx: GatewayContext) -> FastAPI:
         elapsed = time.perf_counter() - start
         route = request.url.path
         logger.info("[%s] %s %s → %d in %.3fs", rid, request.method, route, response.status_code, elapsed)
-        if route.startswith("/v1/"):
-            ctx.metrics.inc(
-                "requests", model=ctx.model_name, route=_route_label(route), status=str(response.status_code)
-            )
         return response
 
     if ctx.config.http.cors_origins:
@@ -175,13 +179,11 @@ def create_api(ctx: GatewayContext) -> FastAPI:
             allow_headers=["*"],
         )
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.http.max_body_bytes)
-    for module in (api_models, api_chat, api_completions, api_sessions):
+    app.add_middleware(ConnectionGuard, limits=HttpLimits.from_config(ctx.config.http, in_proxy=False))
+    app.add_middleware(RequestMetricsMiddleware, metrics=ctx.metrics, model=ctx.model_name)  # outermost
+    for module in (api_health, api_models, api_chat, api_completions, api_sessions):
         app.include_router(module.build_router(ctx))
     return app
-
-
-def _route_label(path: str) -> str:
-    return "/v1/sessions" if path.startswith("/v1/sessions/") else path
 
 
 class Gateway:
@@ -191,6 +193,7 @@ class Gateway:
         self, config: dict, model: DeploymentHandle, preprocess: DeploymentHandle | None = None
     ) -> None:
         logging.getLogger("ray.serve.msaserve").setLevel(logging.INFO)
+        bind_replica_grpc_to_loopback()
         self.ctx = GatewayContext(ServeConfig.from_dict(config), model, preprocess)
 
     def __serve_build_asgi_app__(self) -> FastAPI:

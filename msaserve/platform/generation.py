@@ -60,16 +60,31 @@ def sampling_from(
     return params, max_tokens is not None
 
 
-def fit_max_tokens(params: SamplingParams, given: bool, num_prompt_tokens: int, info: ModelInfo) -> None:
-    """No max_tokens → as many as fit; too many → 400 with the token counts (OpenAI's behaviour)."""
+def fit_max_tokens(
+    params: SamplingParams,
+    given: bool,
+    num_prompt_tokens: int,
+    info: ModelInfo,
+    prompt_param: str = "messages",
+    max_tokens_param: str = "max_tokens",
+) -> None:
+    """No max_tokens → as many as fit; too many → 400 with the token counts (OpenAI's behaviour).
+    The error names what to change: the prompt when it alone fills the context, else the
+    `max_tokens_param` the client set (`max_tokens` or `max_completion_tokens`)."""
     limit = info.max_model_len or 0
     room = limit - num_prompt_tokens
-    if not given:
-        if room < 1:
-            raise from_engine_error(ContextTooLong(num_prompt_tokens, 1, limit))
-        params.max_tokens = room
-    elif params.max_tokens > room:
-        raise from_engine_error(ContextTooLong(num_prompt_tokens, params.max_tokens, limit))
+    asked = params.max_tokens if given else 1
+    if room >= 1 and asked <= room:
+        if not given:
+            params.max_tokens = room
+        return
+    error = from_engine_error(ContextTooLong(num_prompt_tokens, asked, limit))
+    if room >= 1:  # the prompt fits: the output budget is what is too large
+        error.param = max_tokens_param
+        error.message += f"; allowed {max_tokens_param} ≤ {room} for this prompt"
+    else:
+        error.param = prompt_param
+    raise error
 
 
 @dataclass

@@ -6,6 +6,7 @@ process that records them (a Serve replica), via `get_metrics()`; other parts (r
 KV cache) record through the same object so that names stay in one place.
 """
 
+from collections import Counter
 from functools import cache
 
 from ray.util import metrics as ray_metrics
@@ -39,6 +40,12 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
         "counter",
         "HTTP requests finished, by route and status code.",
         ("model", "route", "status"),
+    ),
+    "server_errors": (
+        "counter",
+        "5xx answers by route, status and cause (an error code such as replica_unavailable, or the "
+        "exception's type for an internal error).",
+        ("model", "route", "status", "cause"),
     ),
     "stream_errors": (
         "counter",
@@ -77,6 +84,8 @@ class PlatformMetrics:
 
     def __init__(self) -> None:
         self._metrics: dict[str, object] = {}
+        self._counts: Counter[tuple[str, tuple[tuple[str, str], ...]]] = Counter()
+        """This process's counter totals (Ray exports them; `count` reads them back here)."""
         for name, (kind, description, tags) in METRICS.items():
             full = PREFIX + name
             if kind == "counter":
@@ -93,6 +102,12 @@ class PlatformMetrics:
     def inc(self, name: str, value: float = 1.0, **tags: str) -> None:
         if value > 0:
             self._metrics[name].inc(value, tags=tags)  # type: ignore[attr-defined]
+            self._counts[(name, tuple(sorted(tags.items())))] += value
+
+    def count(self, name: str, **tags: str) -> float:
+        """This process's total of counter `name` over the series whose tags include `tags`."""
+        wanted = set(tags.items())
+        return sum(v for (n, series), v in self._counts.items() if n == name and wanted <= set(series))
 
     def set(self, name: str, value: float, **tags: str) -> None:
         self._metrics[name].set(value, tags=tags)  # type: ignore[attr-defined]

@@ -16,13 +16,19 @@ from collections.abc import AsyncIterator
 from ray import serve
 
 from msaserve.engine.config import EngineConfig
-from msaserve.engine.types import EngineError, EngineStats, GenerateOutput, GenerateRequest
+from msaserve.engine.types import EngineError, EngineStats, GenerateOutput, GenerateRequest, QueueFull
 from msaserve.platform.config import ServeConfig
+from msaserve.platform.drain_rate import DrainRate
 from msaserve.platform.engine_factory import build_engine
 from msaserve.platform.errors import from_engine_error
 from msaserve.platform.metrics import get_metrics
 from msaserve.platform.model_messages import ModelError, ModelInfo, SessionInfo
+<<<<<<< HEAD
 from msaserve.platform.session_table import SessionTable
+=======
+from msaserve.platform.ray_defaults import bind_replica_grpc_to_loopback
+from msaserve.platform.sessions import SessionTable
+>>>>>>> hardening
 from msaserve.router.stats import RoutingStatsRecorder, routing_stats_payload
 
 logger = logging.getLogger("ray.serve.msaserve.model")
@@ -51,12 +57,14 @@ def _replica_id() -> str:
 class ModelDeployment:
     async def __init__(self, config: dict) -> None:
         logging.getLogger("ray.serve.msaserve").setLevel(logging.INFO)
+        bind_replica_grpc_to_loopback()
         self.config = ServeConfig.from_dict(config)
         self.name = self.config.model.resolved_name()
         self.replica_id = _replica_id()
         self.engine = None
         self.error: str | None = None
         self.sessions = SessionTable()
+        self.drain = DrainRate()
         self.routing = RoutingStatsRecorder()
         self.metrics = get_metrics()
         self._output_tokens = 0
@@ -118,6 +126,8 @@ class ModelDeployment:
                 first = await stream.__anext__()
             except EngineError as e:
                 api = from_engine_error(e)
+                if isinstance(e, QueueFull):  # when the queue ahead will have drained
+                    api.retry_after_s = self.drain.retry_after_s(self.engine.stats().num_waiting)
                 yield ModelError(api.status, api.message, api.param, api.code, api.retry_after_s)
                 return
             last = first
@@ -133,6 +143,8 @@ class ModelDeployment:
             # engine's iterator aborts an unfinished request and frees its pages.
             await stream.aclose()
             self.sessions.end(request.session_id, last.stats if last else None)
+            if last is not None:
+                self.drain.note_finished()
 
     def record_routing_stats(self) -> dict:
         if self.engine is None:
@@ -151,6 +163,10 @@ class ModelDeployment:
         if self.engine is None or not self.engine.has_sessions:
             return []
         return await self.engine.call(lambda engine: engine.sessions.release(session_id))
+
+    async def list_sessions(self) -> list[str]:
+        """Ids of the sessions this replica has a record of (scoped to their tenants)."""
+        return self.sessions.ids()
 
     async def session_info(self, session_id: str) -> SessionInfo | None:
         return self.sessions.get(session_id)

@@ -8,11 +8,13 @@ import asyncio
 import time
 
 from msaserve.platform.model_messages import ModelError
+from msaserve.platform.ray_defaults import bind_replica_grpc_to_loopback
 from msaserve.preprocess.limits import PreprocessLimits
 
 
 class PreprocessDeployment:
     def __init__(self, limits: dict) -> None:
+        bind_replica_grpc_to_loopback()
         from msaserve.preprocess.config import PreprocessConfig
         from msaserve.preprocess.pipeline import Preprocessor
 

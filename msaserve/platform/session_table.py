@@ -55,5 +55,8 @@ class SessionTable:
             info.active = bool(self._active.get(session_id))
         return info
 
+    def ids(self) -> list[str]:
+        return list(self._sessions)
+
     def delete(self, session_id: str) -> bool:
         return self._sessions.pop(session_id, None) is not None

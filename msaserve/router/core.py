@@ -44,13 +44,21 @@ def read_prompt(args: Sequence[Any], kwargs: Mapping[str, Any],
     return token_ids, session_id if isinstance(session_id, str) else None, int(max_tokens or 0)
 
 
+def cache_salt(args: Sequence[Any], kwargs: Mapping[str, Any]) -> int:
+    """The call's page-hash chain root (`GenerateRequest.cache_salt`, the tenant's): the replica
+    hashes its pages from it, so the router must too for prefix matches to mean anything."""
+    arg = args[0] if args else kwargs.get("request")
+    salt = arg.get("cache_salt") if isinstance(arg, Mapping) else getattr(arg, "cache_salt", None)
+    return salt if isinstance(salt, int) else ROOT_HASH
+
+
 def request_view(args: Sequence[Any], kwargs: Mapping[str, Any], page_size: int, request_id: str,
                  default_max_tokens: int = DEFAULT_MAX_TOKENS) -> RequestView:
     """What the router sees of a call (see the module docstring for the accepted shapes)."""
     token_ids, session_id, max_tokens = read_prompt(args, kwargs, default_max_tokens)
     if token_ids is None:
         return RequestView(request_id, (), 1, session_id)
-    hashes = page_hashes(token_ids, page_size)
+    hashes = page_hashes(token_ids, page_size, parent=cache_salt(args, kwargs))
     num_pages = max(1, math.ceil((len(token_ids) + max_tokens) / page_size))
     return RequestView(request_id, hashes, num_pages, session_id)
 
@@ -139,7 +147,8 @@ class RouterCore:
     def _probe(self, args: Sequence[Any], kwargs: Mapping[str, Any]) -> None:
         token_ids, _, _ = read_prompt(args, kwargs)
         if token_ids:
-            self._probes.append({hash_page(ROOT_HASH, token_ids[:size]): size
+            root = cache_salt(args, kwargs)
+            self._probes.append({hash_page(root, token_ids[:size]): size
                                  for size in CANDIDATE_PAGE_SIZES if len(token_ids) >= size})
 
     def rank(self, args: Sequence[Any], kwargs: Mapping[str, Any], request_key: str,

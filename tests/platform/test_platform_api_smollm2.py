@@ -21,8 +21,8 @@ def client(live_app) -> openai.OpenAI:
 
 def test_warming_up_is_503_with_retry_after(live_app) -> None:
     # serve.run returns as soon as the replicas are constructed; SmolLM2 then loads in the background
-    # (seconds), so the /health call made right after it must have been answered 503.
-    first = live_app.first_health
+    # (seconds), so the /ready call made right after it must have been answered 503.
+    first = live_app.first_ready
     assert first.status_code == 503, first.text
     assert first.headers["retry-after"] == "5"
     error = first.json()["error"]

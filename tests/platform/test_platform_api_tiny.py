@@ -56,8 +56,9 @@ def assert_error(response: httpx.Response, status: int, error_type: str, *fragme
 
 def test_models_and_health(live_app, client) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
-    health = httpx.get(live_app.base_url + "/health")
-    assert health.status_code == 200 and health.json()["model"] == MODEL
+    assert httpx.get(live_app.base_url + "/health").json() == {"status": "ok"}
+    ready = httpx.get(live_app.base_url + "/ready", timeout=30)
+    assert ready.status_code == 200 and ready.json()["model"] == MODEL
     assert "/v1/chat/completions" in httpx.get(live_app.base_url + "/openapi.json").json()["paths"]
 
 

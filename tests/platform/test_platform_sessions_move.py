@@ -18,6 +18,7 @@ from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.platform.app import APP_NAME
 from msaserve.platform.model_deployment import engine_config_from
+from msaserve.platform.tenants import make_tenant
 
 SERVE_CONFIG = {
     "model": {"spec": "tiny"},
@@ -27,6 +28,7 @@ SERVE_CONFIG = {
     "router": {"stats_period_s": 0.5},
 }
 MAX_TOKENS, SESSION = 4, "conversation-1"
+SCOPED = make_tenant(None).scope(SESSION)  # how the gateway stores it (no auth: the anonymous tenant)
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +80,7 @@ def test_moved_and_failed_over_sessions_continue_with_identical_tokens(live_app,
 
     assert complete(live_app, prompts[0]).status_code == 200
     first = home_of(live_app)["replica_id"]
-    assert service.get_session(SESSION).token_ids == expected[0]  # persisted at the end of the turn
+    assert service.get_session(SCOPED).token_ids == expected[0]  # persisted at the end of the turn
 
     unknown = httpx.post(f"{live_app.base_url}/v1/sessions/nobody/move", timeout=30)
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "session_not_found"
@@ -94,7 +96,7 @@ def test_moved_and_failed_over_sessions_continue_with_identical_tokens(live_app,
     second = home_of(live_app)
     assert second["replica_id"] == moved.json()["to_replica"]
     assert second["num_cached_tokens"] >= 100  # adopted from the service, not prefilled
-    assert service.get_session(SESSION).token_ids == expected[1]
+    assert service.get_session(SCOPED).token_ids == expected[1]
 
     # The new home dies: the next turn resumes on the other replica from the service.
     ray.kill(ray.get_actor(f"SERVE_REPLICA::{APP_NAME}#Model#{second['replica_id']}", namespace="serve"),
@@ -103,7 +105,7 @@ def test_moved_and_failed_over_sessions_continue_with_identical_tokens(live_app,
     while (response := complete(live_app, prompts[2])).status_code != 200 and time.monotonic() < deadline:
         time.sleep(0.5)  # the router learns of the death from the failed call or the controller
     assert response.status_code == 200, response.text
-    assert service.get_session(SESSION).token_ids == expected[2]
+    assert service.get_session(SCOPED).token_ids == expected[2]
     assert home_of(live_app)["replica_id"] != second["replica_id"]
 
     # Adoptions are measured: index-load latency reaches the replicas' metrics export.
@@ -115,6 +117,6 @@ def test_moved_and_failed_over_sessions_continue_with_identical_tokens(live_app,
     # DELETE forgets the session everywhere: the replica's table and the service's record.
     deleted = httpx.delete(f"{live_app.base_url}/v1/sessions/{SESSION}", timeout=30)
     assert deleted.status_code == 200 and deleted.json()["deleted"] is True, deleted.text
-    assert SESSION not in service.list_sessions()
+    assert SCOPED not in service.list_sessions()
     again = httpx.delete(f"{live_app.base_url}/v1/sessions/{SESSION}", timeout=30)
     assert again.status_code == 404

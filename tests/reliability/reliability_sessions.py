@@ -80,22 +80,26 @@ def make_scripts(
     return scripts
 
 
-def record_reader(config: ServeConfig, engine: LLMEngine):
+def record_reader(config: ServeConfig, engine: LLMEngine, api_key: str | None = None):
     """session id → the token ids of its record in the platform's KV cache service (None if none).
-    Call after the app has started the service."""
+    The gateway stores a session under its tenant (`api_key`'s; default: the first configured key,
+    or the anonymous tenant without auth). Call after the app has started the service."""
     from msaserve.engine.kv.pages import identity_for
     from msaserve.engine.memory import cache_dtypes
     from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
     from msaserve.kvcache.config import ServiceConfig
     from msaserve.kvcache.session_records import SessionNotFound
+    from msaserve.platform.tenants import make_tenant
 
     kv_dtype, index_dtype = cache_dtypes(engine.config)
     identity = identity_for(engine.model.config, config.model.resolved_name(), kv_dtype, index_dtype)
     client = KVCacheClient.connect(ServiceConfig.from_settings(config.kvcache), identity)
 
+    tenant = make_tenant(api_key or next(iter(config.auth.resolve_keys()), None))
+
     def read(session_id: str) -> list[int] | None:
         try:
-            return list(client.get_session(session_id).token_ids)
+            return list(client.get_session(tenant.scope(session_id)).token_ids)
         except (SessionNotFound, ServiceUnavailable):
             return None
 

@@ -25,8 +25,11 @@ def tail_hash(session_id: str, num_tokens: int) -> int:
 
 
 class SessionWriter:
-    def __init__(self, client: KVCacheClient, session_id: str, pinned: bool = True) -> None:
+    def __init__(
+        self, client: KVCacheClient, session_id: str, pinned: bool = True, root: int = ROOT_HASH
+    ) -> None:
         self.client = client
+        self.root = root  # the chain's root: the session's tenant salt (GenerateRequest.cache_salt)
         self.codec = PageCodec(client.model)
         self.session_id = session_id
         self.pinned = pinned
@@ -58,7 +61,7 @@ class SessionWriter:
         tail=True the partial page after them. block_table: logical → physical page."""
         page_size = self.client.model.page_size
         num_full = num_computed_tokens // page_size
-        parent = self.hashes[-1] if self.hashes else ROOT_HASH
+        parent = self.hashes[-1] if self.hashes else self.root
         start = len(self.hashes)
         new_tokens = token_ids[start * page_size : num_full * page_size]
         new_hashes = page_hashes(new_tokens, page_size, parent=parent)

@@ -47,8 +47,8 @@ class ServicePrefixCache:
                 or len(scheduler.running) >= scheduler.max_num_seqs):
             return False
         max_pages = (seq.num_tokens - 1) // page_size  # the last prompt token is always computed
-        hashes = page_hashes(seq.token_ids[: max_pages * page_size], page_size)
-        local = manager.lookup(hashes, seq.token_ids)
+        hashes = page_hashes(seq.token_ids[: max_pages * page_size], page_size, parent=seq.root_hash)
+        local = manager.lookup(hashes, seq.token_ids, seq.root_hash)
         try:
             held = self.io.held_prefix(hashes[len(local) :])
         except ServiceUnavailable:

@@ -97,7 +97,7 @@ class EngineSessions:
             self._call(lambda: self.client.delete_session(session_id))
             record = None
         adopted = record is not None and self._adopt(seq, record)
-        writer = self._call(lambda: SessionWriter(self.client, session_id))
+        writer = self._call(lambda: SessionWriter(self.client, session_id, root=seq.root_hash))
         if writer is not None:
             self.writers[seq.request_id] = writer
             self.session_of[seq.request_id] = session_id
@@ -123,7 +123,7 @@ class EngineSessions:
         manager, page_size = self.block_manager, self.page_size
         local = 0
         if manager.enable_prefix_caching and seq.enable_prefix_caching:
-            local = len(manager.lookup(usable.page_hashes, seq.token_ids)) * page_size
+            local = len(manager.lookup(usable.page_hashes, seq.token_ids, seq.root_hash)) * page_size
         num_pages = len(usable.page_hashes) + (usable.tail_hash is not None)
         scheduler = self.scheduler
         full_batch = len(scheduler.running) >= scheduler.max_num_seqs

@@ -120,14 +120,14 @@ class Swapper:
         return True
 
     def pages_to_swap_in(self, seq: Sequence) -> int:
-        cached = self.block_manager.lookup(seq.page_hashes[: seq.swapped_pages], seq.token_ids)
+        cached = self.block_manager.lookup(seq.page_hashes[: seq.swapped_pages], seq.token_ids, seq.root_hash)
         return seq.swapped_pages - len(cached)
 
     def swap_in(self, seq: Sequence) -> bool:
         """Bring seq's pages back (reusing prefix-cache pages that still hold the same tokens).
         False (nothing changed) if the pool lacks pages."""
         manager = self.block_manager
-        cached = manager.lookup(seq.page_hashes[: seq.swapped_pages], seq.token_ids)
+        cached = manager.lookup(seq.page_hashes[: seq.swapped_pages], seq.token_ids, seq.root_hash)
         if seq.swapped_pages - len(cached) > manager.num_free_pages:
             return False
         manager.acquire(cached)

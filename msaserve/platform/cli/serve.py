@@ -62,7 +62,7 @@ def wait_until_ready(base_url: str, timeout_s: float = 600.0) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
         try:
-            response = httpx.get(base_url + "/health", timeout=10)
+            response = httpx.get(base_url + "/ready", timeout=30)
             if response.status_code == 200:
                 return time.monotonic() - start
             error = response.json().get("error", {})
@@ -71,7 +71,7 @@ def wait_until_ready(base_url: str, timeout_s: float = 600.0) -> float:
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
-    raise TimeoutError(f"{base_url}/health did not answer 200 within {timeout_s:.0f}s")
+    raise TimeoutError(f"{base_url}/ready did not answer 200 within {timeout_s:.0f}s")
 
 
 def banner(config: ServeConfig, base_url: str, dashboard_url: str, metrics_url: str) -> str:
@@ -106,10 +106,13 @@ def run(args: argparse.Namespace) -> int:
     from ray import serve
 
     from msaserve.platform.app import APP_NAME, build_app
-    from msaserve.platform.ray_defaults import apply_ray_defaults
+    from msaserve.platform.http_limits import apply_proxy_limits, proxy_http_options
+    from msaserve.platform.ray_defaults import apply_local_loopback, apply_ray_defaults
 
     metrics_port = args.metrics_port or _free_port()
     apply_ray_defaults()  # before ray.init: the GCS reads them at start
+    apply_local_loopback()  # every Ray port on 127.0.0.1, not only the API and the dashboard
+    apply_proxy_limits(config.http)  # header/body deadlines and request caps inside Serve's proxy
     context = ray.init(
         address="local",
         _node_ip_address="127.0.0.1",  # Ray's own services on loopback too, not only HTTP
@@ -126,8 +129,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         host = config.http.host
-        serve.start(http_options={"host": host, "port": config.http.port,
-                                  "request_timeout_s": config.http.request_timeout_s})  # fmt: skip
+        serve.start(http_options=proxy_http_options(config.http))
         serve.run(build_app(config), name=APP_NAME, route_prefix="/")
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         base_url = f"http://{shown_host}:{config.http.port}"

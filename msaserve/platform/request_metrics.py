@@ -1,0 +1,54 @@
+"""Request counters at the gateway, for every answer including the ones no route handler produced.
+
+A FastAPI `@app.middleware("http")` never sees an unhandled exception's 500 (Starlette's outermost
+ServerErrorMiddleware renders it after the exception passed through), so internal errors went
+uncounted. This pure ASGI middleware watches the status the app sends and the exception that
+escapes: every request on /v1/ counts in `msaserve_requests`, every 5xx on any route in
+`msaserve_server_errors` with its cause (the APIError code the handler left in the request state,
+or the exception's type name).
+"""
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from msaserve.platform.metrics import PlatformMetrics
+
+KNOWN_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")
+
+
+def route_label(path: str) -> str:
+    """A bounded label: the route, with /v1/sessions/{id}[/move] as /v1/sessions; other paths 'other'."""
+    if path == "/v1/sessions" or path.startswith("/v1/sessions/"):
+        return "/v1/sessions"
+    return path if path in KNOWN_ROUTES else "other"
+
+
+class RequestMetricsMiddleware:
+    def __init__(self, app: ASGIApp, metrics: PlatformMetrics, model: str) -> None:
+        self.app, self.metrics, self.model = app, metrics, model
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+
+        async def watched_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watched_send)
+        except Exception as e:
+            self._record(scope, status if status >= 500 else 500, type(e).__name__)
+            raise
+        state = scope.get("state") or {}
+        self._record(scope, status, state.get("error_code") or "unknown")
+
+    def _record(self, scope: Scope, status: int, cause: str) -> None:
+        path, route = scope.get("path", ""), route_label(scope.get("path", ""))
+        if path.startswith("/v1/"):
+            self.metrics.inc("requests", model=self.model, route=route, status=str(status))
+        if status >= 500:
+            self.metrics.inc("server_errors", model=self.model, route=route, status=str(status), cause=cause)

@@ -1,0 +1,161 @@
+"""Issue 26, items 1, 6 and 8: careless and hostile inputs get a 4xx that names the field, never a
+500; and every 5xx is counted. In process (the gateway app in front of a real tiny engine, no Ray)."""
+
+import json
+from collections.abc import Iterator
+
+import pytest
+from inprocess_app import InProcessGateway, inprocess_gateway
+
+MODEL = "msaserve/tiny"
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[InProcessGateway]:
+    with inprocess_gateway() as g:
+        yield g
+
+
+def post_raw(gateway: InProcessGateway, path: str, raw: str):
+    return gateway.request("POST", path, content=raw.encode(), headers={"content-type": "application/json"})
+
+
+def chat(**fields) -> dict:
+    return {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, **fields}
+
+
+def error_of(response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    return response.json()["error"]
+
+
+# ----------------------------------------------------------------------------- item 1: lone surrogates
+
+LONE_SURROGATE_BODIES = {
+    # (path, raw JSON: `\ud800` stays a JSON escape, which Python decodes to a lone surrogate)
+    "message": ("/v1/chat/completions",
+                '{"model":"msaserve/tiny","messages":[{"role":"user","content":"\\ud800"}],"max_tokens":2}',
+                "messages[0].content"),
+    "tool description": ("/v1/chat/completions",
+                         '{"model":"msaserve/tiny","messages":[{"role":"user","content":"x"}],"max_tokens":2,'
+                         '"tools":[{"type":"function","function":{"name":"f","description":"\\udfff x"}}]}',
+                         "tools[0].function.description"),
+    "text part": ("/v1/chat/completions",
+                  '{"model":"msaserve/tiny","max_tokens":2,'
+                  '"messages":[{"role":"user","content":[{"type":"text","text":"a\\ud83d"}]}]}',
+                  "messages[0].content[0].text"),
+    "stop": ("/v1/chat/completions",
+             '{"model":"msaserve/tiny","messages":[{"role":"user","content":"x"}],"stop":["\\ud800"]}',
+             "stop[0]"),
+    "prompt": ("/v1/completions", '{"model":"msaserve/tiny","prompt":"\\udc00","max_tokens":2}', "prompt"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LONE_SURROGATE_BODIES))
+def test_lone_surrogate_is_a_400_naming_the_field(gateway, case: str) -> None:
+    path, raw, param = LONE_SURROGATE_BODIES[case]
+    error = error_of(post_raw(gateway, path, raw), 400)
+    assert error["param"] == param and error["code"] == "invalid_unicode", error
+    assert "surrogate" in error["message"]
+
+
+def test_a_surrogate_pair_is_valid_text(gateway) -> None:
+    raw = '{"model":"msaserve/tiny","messages":[{"role":"user","content":"\\ud83d\\ude00"}],"max_tokens":2}'
+    assert post_raw(gateway, "/v1/chat/completions", raw).status_code == 200
+
+
+def test_an_unknown_field_named_with_a_lone_surrogate_is_a_400(gateway) -> None:
+    raw = '{"model":"msaserve/tiny","messages":[{"role":"user","content":"x"}],"\\ud800":1}'
+    assert post_raw(gateway, "/v1/chat/completions", raw).status_code == 400
+
+
+def test_an_internal_error_is_counted_by_route_and_cause(gateway) -> None:
+    """A 500 of any kind lands in the request metrics (it did not: the middleware never saw it)."""
+
+    async def go(client, ctx):
+        def boom(*_args, **_kwargs):
+            raise RuntimeError("injected fault")
+
+        ctx.model_info = boom  # a fault inside the gateway, below every handler
+        response = await client.post("/v1/chat/completions", json=chat())
+        return response, ctx.metrics
+
+    response, metrics = gateway.run(go)
+    assert response.status_code == 500
+    route = "/v1/chat/completions"
+    assert metrics.count("requests", route=route, status="500") == 1
+    assert metrics.count("server_errors", route=route, status="500", cause="RuntimeError") == 1
+
+
+def test_a_503_is_counted_with_its_error_code(gateway) -> None:
+    async def go(client, ctx):
+        async def not_ready():
+            from msaserve.platform.model_messages import ModelInfo
+
+            return ModelInfo(name=MODEL, ready=False)
+
+        ctx.model_info = not_ready
+        response = await client.post("/v1/chat/completions", json=chat())
+        return response, ctx.metrics
+
+    response, metrics = gateway.run(go)
+    assert response.status_code == 503
+    assert metrics.count("server_errors", route="/v1/chat/completions", cause="warming_up") == 1
+
+
+# ----------------------------------------------------------------------------- item 6: the right param
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/chat/completions", chat(max_tokens=100_000), "max_tokens"),
+        ("/v1/chat/completions", chat(max_tokens=None, max_completion_tokens=100_000),
+         "max_completion_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100_000}, "max_tokens"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi " * 600, "max_tokens": 2}, "prompt"),
+        ("/v1/chat/completions", chat(messages=[{"role": "user", "content": "hi " * 600}]), "messages"),
+    ],
+)
+def test_context_overflow_names_what_to_change(gateway, path: str, body: dict, param: str) -> None:
+    body = {k: v for k, v in body.items() if v is not None}
+    error = error_of(gateway.request("POST", path, json=body), 400)
+    assert (error["param"], error["code"]) == (param, "context_length_exceeded"), error
+    if param.startswith("max_"):
+        assert f"allowed {param} ≤" in error["message"]
+
+
+def test_unknown_content_part_type_names_the_part_and_the_allowed_types(gateway) -> None:
+    body = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "audio"}]}])
+    error = error_of(gateway.request("POST", "/v1/chat/completions", json=body), 400)
+    assert error["param"] == "messages[0].content[1].type", error
+    assert "'audio'" in error["message"] and "'text', 'image_url' or 'video_url'" in error["message"]
+
+
+def test_validation_errors_use_openai_paths(gateway) -> None:
+    body = chat(messages=[{"role": "bot", "content": "x"}])
+    error = error_of(gateway.request("POST", "/v1/chat/completions", json=body), 400)
+    assert error["param"] == "messages[0].role" and "'bot'" in error["message"]
+    error = error_of(gateway.request("POST", "/v1/chat/completions", json=chat(tool_choice="maybe")), 400)
+    assert error["param"] == "tool_choice" and "'none', 'auto' or 'required'" in error["message"]
+
+
+# ----------------------------------------------------------------------------- item 8: no vision tower
+
+
+@pytest.mark.parametrize("kind", ["image_url", "video_url"])
+def test_media_to_a_text_only_deployment_says_which_models_see(gateway, kind: str) -> None:
+    part = {"type": kind, kind: {"url": "data:image/png;base64,iVBORw0KGgo="}}
+    body = chat(messages=[{"role": "user", "content": [part, {"type": "text", "text": "what is it?"}]}])
+    error = error_of(gateway.request("POST", "/v1/chat/completions", json=body), 400)
+    assert error["code"] == "unsupported_content"
+    assert "has no vision tower" in error["message"] and MODEL in error["message"]
+    assert "Models with a vision tower: the 'tiny' preset" in error["message"]
+
+
+def test_error_bodies_are_ascii_json(gateway) -> None:
+    raw = '{"model":"\\ud800","messages":[{"role":"user","content":"x"}]}'
+    response = post_raw(gateway, "/v1/chat/completions", raw)
+    assert response.status_code == 400
+    response.content.decode("ascii")
+    json.loads(response.content)
