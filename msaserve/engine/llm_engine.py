@@ -21,6 +21,7 @@ from msaserve.engine.output import RequestOutputTracker, now
 from msaserve.engine.sampler import Sampler
 from msaserve.engine.scheduler import ScheduledBatch, Scheduler
 from msaserve.engine.sequence import Sequence
+from msaserve.engine.structured.step import GrammarRuntime
 from msaserve.engine.types import (
     ContextTooLong,
     EngineStats,
@@ -94,6 +95,7 @@ class LLMEngine:
         self.record_selections = False
         """Tests set this to keep each step's MSA selections in runner.last_selections."""
         self.sessions: EngineSessions | None = None
+        self._grammar_runtime: GrammarRuntime | None = None
         if kv_client is not None:
             self.attach_kv_client(kv_client)
 
@@ -104,10 +106,19 @@ class LLMEngine:
         eos = self.model.config.eos_token_id
         return set() if eos is None else {eos}
 
+    @property
+    def grammars(self) -> GrammarRuntime:
+        """Built on the first constrained request (it reads the whole vocabulary)."""
+        if self._grammar_runtime is None:
+            self._grammar_runtime = GrammarRuntime(
+                self.tokenizer, self.model.config.vocab_size, self.eos_token_ids
+            )
+        return self._grammar_runtime
+
     # ---- requests ---------------------------------------------------------------------------
     def validate(self, request: GenerateRequest) -> None:
         """Raise InvalidParameter or ContextTooLong for a request the engine cannot serve."""
-        request.sampling.validate()
+        sampling = request.sampling.validate()
         prompt = request.prompt_token_ids
         if not prompt:
             raise InvalidParameter("prompt_token_ids", prompt, "at least one token id")
@@ -115,6 +126,11 @@ class LLMEngine:
         bad = next((t for t in prompt if not 0 <= t < vocab), None)
         if bad is not None:
             raise InvalidParameter("prompt_token_ids", bad, f"token ids from 0 to {vocab - 1}")
+        bad = next((t for t in sampling.logit_bias if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidParameter("logit_bias", bad, f"token ids from 0 to {vocab - 1}")
+        if sampling.grammar is not None:
+            self.grammars.check(sampling.grammar)  # compiled once per spec; later checks hit the cache
         self._expand_media(request)  # placeholder/media and length checks (add_request redoes it: cheap)
 
     def _expand_media(self, request: GenerateRequest) -> tuple[list[int], MediaPrompt | None]:
@@ -149,6 +165,8 @@ class LLMEngine:
             generator=generator,
             root_hash=request.cache_salt,
         )
+        if sampling.grammar is not None:
+            self.grammars.start(seq, sampling.grammar)
         self.trackers[seq.request_id] = RequestOutputTracker(
             seq, self.tokenizer, self.eos_token_ids, self.max_model_len
         )
@@ -196,6 +214,7 @@ class LLMEngine:
         steps = self._round_steps(batch, wrap is not None)
         if steps > 1:
             return self._decode_round(batch, steps)
+        pending = self._grammar_runtime.begin(batch.seqs) if self._grammar_runtime else None
         try:
             # Adopted sequences fetch the pages they select: the step runs wrapped ops.
             inputs, logits = self.runner.execute(batch, self.record_selections, ops_wrapper=wrap)
@@ -208,7 +227,11 @@ class LLMEngine:
         sampled: list[Sequence] = [batch.seqs[row] for row in inputs.sample_rows]
         if not sampled:
             return []
-        result = self.sampler(logits, [s.sampling for s in sampled], [s.generator for s in sampled])
+        result = self.sampler(
+            logits, [s.sampling for s in sampled], [s.generator for s in sampled],
+            histories=[(s.token_ids, s.num_prompt_tokens) for s in sampled],
+            mask=GrammarRuntime.mask(pending, inputs.sample_rows),
+        )
         timestamp = now()
         return [self._emit(seq, token, logprob, timestamp)
                 for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True)]
@@ -218,6 +241,7 @@ class LLMEngine:
         """Append a sampled token to seq and build its output; a finished seq is retired (its
         pages freed at once)."""
         seq.token_ids.append(token)
+        GrammarRuntime.advance(seq, token)
         output = self.trackers[seq.request_id].on_token(token, logprob, timestamp)
         if self.sessions is not None:
             self.sessions.after_token(seq, output.finished)  # before finish() frees its pages
@@ -230,13 +254,16 @@ class LLMEngine:
         """Decode steps to run for this batch before scheduling again (`EngineConfig.decode_steps`):
         more than 1 only for a decode-only batch of greedy requests without logprobs, none of
         which would end on length within the round, when the pool holds their pages for all of
-        it (then allocated here); 1 while adopted sessions fetch pages or selections are recorded."""
+        it (then allocated here); 1 while adopted sessions fetch pages or selections are recorded,
+        and 1 for a batch with a constrained or penalized request (its next logits depend on the
+        token just sampled, on the host)."""
         steps = self.config.decode_steps
         if steps == 1 or fetching or self.record_selections:
             return 1
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens, strict=True):
             params = seq.sampling
-            if num_new != 1 or seq.num_uncomputed_tokens != 1 or not params.greedy or params.logprobs:
+            if (num_new != 1 or seq.num_uncomputed_tokens != 1 or not params.greedy or params.logprobs
+                    or params.processes_logits):
                 return 1
             left = min(params.max_tokens - seq.num_output_tokens, self.max_model_len - seq.num_tokens)
             steps = min(steps, left)  # the tokens it can still produce

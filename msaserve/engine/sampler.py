@@ -1,4 +1,6 @@
-"""Token choice from logits: greedy, or temperature → top-k → top-p, with per-request generators.
+"""Token choice from logits: penalties, logit_bias and the grammar mask first
+(`logits_processing`, `structured.bitmask`), then greedy, or temperature → min-p → top-k → top-p,
+with per-request generators.
 
 Each sampled request draws from its own `torch.Generator`, seeded from its `seed`, so the same
 seed gives the same tokens whatever else shares the batch. Logprobs are of the model's own
@@ -9,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from msaserve.engine.logits_processing import filter_min_p, penalize_row
+from msaserve.engine.structured.bitmask import apply_bitmask
 from msaserve.engine.types import SamplingParams, TokenLogprob
 
 
@@ -38,7 +42,8 @@ def sample_row(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     """logits [V] fp32 → one token id."""
     if params.greedy:
         return int(torch.argmax(logits))
-    filtered = filter_top_k_top_p(logits / params.temperature, params.top_k, params.top_p)
+    scaled = filter_min_p(logits / params.temperature, params.min_p)
+    filtered = filter_top_k_top_p(scaled, params.top_k, params.top_p)
     probs = torch.softmax(filtered, dim=-1)
     return int(torch.multinomial(probs, 1, generator=generator))
 
@@ -59,14 +64,49 @@ def token_logprobs(logprobs: torch.Tensor, token_ids: list[int], num_top: list[i
     return out
 
 
+@dataclass
+class GrammarMask:
+    """The step's token bitmask (`structured.bitmask`): int32 [len(rows), W] for the listed rows."""
+
+    bitmask: torch.Tensor
+    rows: list[int]
+
+
+def process_logits(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    histories: list[tuple[list[int], int]] | None,
+    mask: GrammarMask | None,
+) -> torch.Tensor:
+    """logits [N, V] → the logits sampling sees: penalties and bias per row, then the grammar mask.
+    histories[i] is row i's (prompt + output token ids, prompt length). Unchanged rows are shared."""
+    rows = [i for i, p in enumerate(params) if p.penalized]
+    if not rows and (mask is None or not mask.rows):
+        return logits
+    logits = logits.clone()
+    for i in rows:
+        if histories is None:
+            raise ValueError("penalties and logit_bias need each row's token history")
+        token_ids, num_prompt = histories[i]
+        logits[i] = penalize_row(logits[i], params[i], token_ids, num_prompt)
+    if mask is not None:
+        apply_bitmask(logits, mask.bitmask, mask.rows)
+    return logits
+
+
 class Sampler:
     def __call__(
         self,
         logits: torch.Tensor,
         params: list[SamplingParams],
         generators: list[torch.Generator | None],
+        histories: list[tuple[list[int], int]] | None = None,
+        mask: GrammarMask | None = None,
     ) -> SamplerOutput:
-        """logits [N, V] fp32, one row per sequence → N token ids (and logprobs where asked)."""
+        """logits [N, V] fp32, one row per sequence → N token ids (and logprobs where asked).
+        Logprobs are of the raw logits (the model's distribution), as OpenAI reports them."""
+        raw = logits
+        logits = process_logits(logits, params, histories, mask)
         greedy = [i for i, p in enumerate(params) if p.greedy]
         token_ids = [0] * len(params)
         if len(greedy) == len(params) and not any(p.logprobs for p in params):
@@ -82,7 +122,7 @@ class Sampler:
         wanted = [i for i, p in enumerate(params) if p.logprobs]
         if wanted:
             index = torch.tensor(wanted, device=logits.device)
-            rows = torch.log_softmax(logits[index], dim=-1)
+            rows = torch.log_softmax(raw[index], dim=-1)
             computed = token_logprobs(
                 rows, [token_ids[i] for i in wanted], [params[i].top_logprobs for i in wanted]
             )

@@ -53,6 +53,8 @@ class Sequence:
     """Images/videos whose (expanded) placeholders are in the prompt; None for text."""
     root_hash: int = 0
     """Parent hash of the first page (`GenerateRequest.cache_salt`): the tenant's chain root."""
+    matcher: object | None = None
+    """llguidance matcher of the request's grammar (`msaserve.engine.structured`), at the output so far."""
 
     @property
     def num_tokens(self) -> int:

@@ -53,6 +53,19 @@ class QueueFull(EngineError):
         self.retry_after_s = retry_after_s
 
 
+@dataclass(frozen=True)
+class GrammarSpec:
+    """A constraint on the output (`msaserve.engine.structured`): `source` is the JSON schema text
+    (json_schema), a regex or a Lark grammar; empty for json_object (any JSON object)."""
+
+    kind: Literal["json_object", "json_schema", "regex", "lark"]
+    source: str = ""
+    strict: bool = True
+    """json_schema only: False ignores keywords the library does not enforce instead of refusing."""
+    param: str = "response_format"
+    """The request field an uncompilable grammar is reported against."""
+
+
 @dataclass
 class SamplingParams:
     """How to pick tokens and when to stop. `validate()` names any parameter out of range."""
@@ -69,6 +82,18 @@ class SamplingParams:
     logprobs: bool = False
     top_logprobs: int = 0
     """Alternatives per position, 0–20; needs logprobs=True."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token already in the output (OpenAI), -2 to 2."""
+    frequency_penalty: float = 0.0
+    """Subtracted per occurrence in the output (OpenAI), -2 to 2."""
+    repetition_penalty: float = 1.0
+    """Prompt and output tokens' logits divided (positive) or multiplied (negative) by it; 1 = off."""
+    min_p: float = 0.0
+    """Drop tokens whose probability is below min_p × the top token's; 0 = off."""
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    """Token id → added to its logit, -100 to 100 (OpenAI)."""
+    grammar: GrammarSpec | None = None
+    """Constrain the output to this grammar (structured outputs, enforced tool calls)."""
 
     def validate(self) -> "SamplingParams":
         checks: list[tuple[str, object, bool, str]] = [
@@ -83,6 +108,17 @@ class SamplingParams:
             ("stop", self.stop, len(self.stop) <= 16 and all(0 < len(s) <= 256 for s in self.stop),
              "at most 16 non-empty strings of at most 256 characters"),
             ("top_logprobs", self.top_logprobs, 0 <= self.top_logprobs <= 20, "0 to 20"),
+            ("presence_penalty", self.presence_penalty, _within(self.presence_penalty, -2.0, 2.0),
+             "-2.0 to 2.0"),
+            ("frequency_penalty", self.frequency_penalty, _within(self.frequency_penalty, -2.0, 2.0),
+             "-2.0 to 2.0"),
+            ("repetition_penalty", self.repetition_penalty,
+             _within(self.repetition_penalty, 0.0, 2.0) and self.repetition_penalty > 0.0,
+             "greater than 0.0 and at most 2.0 (1.0 = off)"),
+            ("min_p", self.min_p, _within(self.min_p, 0.0, 1.0), "0.0 to 1.0"),
+            ("logit_bias", self.logit_bias,
+             len(self.logit_bias) <= 300 and all(_within(v, -100.0, 100.0) for v in self.logit_bias.values()),
+             "at most 300 token ids, each with a bias from -100 to 100"),
         ]
         for name, value, ok, allowed in checks:
             if not ok:
@@ -94,6 +130,25 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Penalties or logit_bias change this request's logits."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+            or self.logit_bias
+        )
+
+    @property
+    def processes_logits(self) -> bool:
+        """True when the logits change before sampling (penalties, bias, grammar): such requests
+        need the host's view of the previous token before the next step's logits are final, so
+        they never run multi-step decode rounds."""
+        return self.penalized or self.grammar is not None
+
+
+def _within(value: float, low: float, high: float) -> bool:
+    return math.isfinite(value) and low <= value <= high
 
 
 @dataclass
