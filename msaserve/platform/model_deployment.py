@@ -23,12 +23,8 @@ from msaserve.platform.engine_factory import build_engine
 from msaserve.platform.errors import from_engine_error
 from msaserve.platform.metrics import get_metrics
 from msaserve.platform.model_messages import ModelError, ModelInfo, SessionInfo
-<<<<<<< HEAD
-from msaserve.platform.session_table import SessionTable
-=======
 from msaserve.platform.ray_defaults import bind_replica_grpc_to_loopback
-from msaserve.platform.sessions import SessionTable
->>>>>>> hardening
+from msaserve.platform.session_table import SessionTable
 from msaserve.router.stats import RoutingStatsRecorder, routing_stats_payload
 
 logger = logging.getLogger("ray.serve.msaserve.model")
