@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions (streaming and not, logprobs, tools)."""
+"""POST /v1/chat/completions (streaming and not, logprobs, tools, n choices, structured outputs)."""
 
 from collections.abc import AsyncIterator
 from typing import Any
@@ -9,6 +9,7 @@ from fastapi.responses import StreamingResponse
 from msaserve.engine.types import GenerateRequest
 from msaserve.platform import media
 from msaserve.platform.chat_prompt import render_prompt
+from msaserve.platform.choices import merged, start_choices, total_usage
 from msaserve.platform.errors import APIError
 from msaserve.platform.gateway_tenancy import session_of
 from msaserve.platform.generation import (
@@ -19,8 +20,6 @@ from msaserve.platform.generation import (
     record_metrics,
     sampling_from,
     sse,
-    start_generation,
-    usage_of,
 )
 from msaserve.platform.openai_types import (
     AssistantMessage,
@@ -36,8 +35,9 @@ from msaserve.platform.openai_types import (
     ResponseFunctionCall,
     ResponseToolCall,
 )
+from msaserve.platform.structured_request import chat_grammar
 from msaserve.platform.text_checks import reject_lone_surrogates
-from msaserve.platform.tools import CLOSE, StreamingToolParser, forced_name, parse_reply
+from msaserve.platform.tools import StreamingToolParser, forced_name, parse_reply
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
@@ -55,16 +55,16 @@ def build_router(ctx: Any) -> APIRouter:
         info = await ctx.require_ready()
         ctx.auth.limits.acquire(key)
         try:
-            gen, prefix, known_tools = await _start(ctx, body, request, info)
+            gens, prefix, known_tools = await _start(ctx, body, request, info)
         except BaseException:
             ctx.auth.limits.release(key)
             raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            events = _stream(ctx, gen, body, prefix, known_tools, include_usage, info.tokenizer)
+            events = _stream(ctx, gens, body, prefix, known_tools, include_usage, info.tokenizer)
             return StreamingResponse(_released(events, ctx, key), media_type="text/event-stream")
         try:
-            return await _complete(ctx, gen, body, prefix, known_tools, info.tokenizer)
+            return await _complete(ctx, gens, body, prefix, known_tools, info.tokenizer)
         finally:
             ctx.auth.limits.release(key)
 
@@ -80,16 +80,15 @@ async def _released(events: AsyncIterator[str], ctx: Any, key: str) -> AsyncIter
 
 
 async def _start(ctx: Any, body: ChatCompletionRequest, request: Request, info: Any) -> tuple:
+    """(generations, one per choice; the assistant prefix in the prompt; the callable tool names)."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    prefix_forces_call = body.tools and body.tool_choice not in (None, "none", "auto")
+    grammar = chat_grammar(body)  # a required or named tool call is enforced by the grammar
     params, given = sampling_from(
-        body,
-        max_tokens,
-        logprobs=body.logprobs,
-        top_logprobs=body.top_logprobs or 0,
-        extra_stop=[CLOSE] if prefix_forces_call else [],
+        body, max_tokens, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, extra_stop=[],
+        grammar=grammar,
     )
-    prompt, prefix, parts = render_prompt(info.tokenizer, body)
+    # No forced prefix: the grammar makes the reply a call (several when parallel_tool_calls allows).
+    prompt, prefix, parts = render_prompt(info.tokenizer, body, use_prefix=False)
     items = await media.preprocess(ctx, parts, info)
     token_ids, expanded = media.encode_prompt(info.tokenizer, prompt, items, info)
     chosen = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -103,90 +102,95 @@ async def _start(ctx: Any, body: ChatCompletionRequest, request: Request, info: 
         cache_salt=request.state.tenant.cache_salt,
     )
     known = {t.function.name for t in body.tools or []} if body.tool_choice != "none" else set()
-    return await start_generation(ctx, greq), prefix, known
+    return await start_choices(ctx, greq, body.n), prefix, known
+
+
+def _message(text: str, body: ChatCompletionRequest, known: set[str], finish_reason: str | None
+             ) -> tuple[AssistantMessage, str | None]:
+    content, calls = parse_reply(text, known, forced_name(body)) if known else (text, [])
+    if not calls:
+        return AssistantMessage(content=content), finish_reason
+    tool_calls = [
+        ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
+        for c in calls
+    ]
+    return AssistantMessage(content=content, tool_calls=tool_calls), "tool_calls"
 
 
 async def _complete(
-    ctx: Any, gen: Generation, body: ChatCompletionRequest, prefix: str, known: set[str], tokenizer: Any
+    ctx: Any, gens: list[Generation], body: ChatCompletionRequest, prefix: str, known: set[str],
+    tokenizer: Any,
 ) -> ChatCompletion:
-    texts: list[str] = []
-    logprobs = []
-    finish_reason = None
-    async for out in gen.outputs():
-        texts.append(out.text)
+    texts: list[list[str]] = [[] for _ in gens]
+    logprobs: list[list] = [[] for _ in gens]
+    finish: list[str | None] = [None] * len(gens)
+    async for index, out in merged(gens):
+        texts[index].append(out.text)
         if body.logprobs:
-            logprobs += logprob_entries(tokenizer, out.logprobs)
-        finish_reason = out.finish_reason
-    record_metrics(ctx, gen, "/v1/chat/completions")
-    text = prefix + "".join(texts)
-    content, calls = parse_reply(text, known, forced_name(body)) if known else (text, [])
-    tool_calls = None
-    if calls:
-        finish_reason = "tool_calls"
-        tool_calls = [
-            ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
-            for c in calls
-        ]
-    message = AssistantMessage(content=content, tool_calls=tool_calls)
+            logprobs[index] += logprob_entries(tokenizer, out.logprobs)
+        finish[index] = out.finish_reason
+    choices = []
+    for index, gen in enumerate(gens):
+        record_metrics(ctx, gen, "/v1/chat/completions")
+        message, reason = _message(prefix + "".join(texts[index]), body, known, finish[index])
+        lp = ChoiceLogprobs(content=logprobs[index]) if body.logprobs else None
+        choices.append(ChatChoice(index=index, message=message, finish_reason=reason, logprobs=lp))
     return ChatCompletion(
-        id="chatcmpl-" + gen.request.request_id,
+        id="chatcmpl-" + gens[0].request.request_id,
         model=ctx.model_name,
-        choices=[
-            ChatChoice(
-                message=message,
-                finish_reason=finish_reason,
-                logprobs=ChoiceLogprobs(content=logprobs) if body.logprobs else None,
-            )
-        ],
-        usage=usage_of(gen.final_stats, len(gen.request.prompt_token_ids), gen.num_output_tokens),
+        choices=choices,
+        usage=total_usage(gens),
     )
+
+
+def _tool_call_deltas(calls: list) -> ChatDelta:
+    return ChatDelta(tool_calls=[
+        DeltaToolCall(index=i, id=c.id, type="function",
+                      function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
+        for i, c in enumerate(calls)
+    ])
 
 
 async def _stream(
     ctx: Any,
-    gen: Generation,
+    gens: list[Generation],
     body: ChatCompletionRequest,
     prefix: str,
     known: set[str],
     include_usage: bool,
     tokenizer: Any,
 ) -> AsyncIterator[str]:
-    chunk_id = "chatcmpl-" + gen.request.request_id
+    chunk_id = "chatcmpl-" + gens[0].request.request_id
 
-    def chunk(delta: ChatDelta, finish: str | None = None, logprobs: Any = None) -> str:
-        choice = ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
+    def chunk(index: int, delta: ChatDelta, finish: str | None = None, logprobs: Any = None) -> str:
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
         return sse(ChatCompletionChunk(id=chunk_id, model=ctx.model_name, choices=[choice]))
 
-    parser = StreamingToolParser(known, prefix, forced_name(body)) if known else None
-    yield chunk(ChatDelta(role="assistant", content=""))
-    finish_reason = None
+    parsers = [StreamingToolParser(known, prefix, forced_name(body)) if known else None for _ in gens]
+    for index in range(len(gens)):
+        yield chunk(index, ChatDelta(role="assistant", content=""))
     try:
-        async for out in gen.outputs():
+        async for index, out in merged(gens):
+            parser = parsers[index]
             text = parser.feed(out.text) if parser else out.text
             lp = ChoiceLogprobs(content=logprob_entries(tokenizer, out.logprobs)) if body.logprobs else None
             if text or lp:
-                yield chunk(ChatDelta(content=text), logprobs=lp)
+                yield chunk(index, ChatDelta(content=text), logprobs=lp)
+            if not out.finished:
+                continue
             finish_reason = out.finish_reason
-        if parser:
-            rest, calls = parser.finish()
-            if rest:
-                yield chunk(ChatDelta(content=rest))
-            if calls:
-                finish_reason = "tool_calls"
-                deltas = [
-                    DeltaToolCall(
-                        index=i,
-                        id=c.id,
-                        type="function",
-                        function=ResponseFunctionCall(name=c.name, arguments=c.arguments),
-                    )
-                    for i, c in enumerate(calls)
-                ]
-                yield chunk(ChatDelta(tool_calls=deltas))
-        yield chunk(ChatDelta(), finish=finish_reason)
-        record_metrics(ctx, gen, "/v1/chat/completions")
+            if parser:
+                rest, calls = parser.finish()
+                if rest:
+                    yield chunk(index, ChatDelta(content=rest))
+                if calls:
+                    finish_reason = "tool_calls"
+                    yield chunk(index, _tool_call_deltas(calls))
+            yield chunk(index, ChatDelta(), finish=finish_reason)
+        for gen in gens:
+            record_metrics(ctx, gen, "/v1/chat/completions")
         if include_usage:
-            usage = usage_of(gen.final_stats, len(gen.request.prompt_token_ids), gen.num_output_tokens)
+            usage = total_usage(gens)
             yield sse(ChatCompletionChunk(id=chunk_id, model=ctx.model_name, choices=[], usage=usage))
         yield SSE_DONE
     except APIError as e:
@@ -195,4 +199,5 @@ async def _stream(
         ctx.metrics.inc("stream_errors", model=ctx.model_name, route="/v1/chat/completions", code=code)
         yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
     finally:
-        gen.close()
+        for gen in gens:
+            gen.close()

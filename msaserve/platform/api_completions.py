@@ -89,6 +89,8 @@ async def _start(ctx: Any, body: CompletionRequest, request: Request, info: Any)
         raise bad_parameter("echo", body.echo, "false (echo is not supported)")
     if body.suffix is not None:
         raise bad_parameter("suffix", body.suffix, "unset (suffix is not supported)")
+    if body.n != 1:
+        raise bad_parameter("n", body.n, "1 on /v1/completions (n > 1 is served by /v1/chat/completions)")
     top = body.logprobs or 0
     params, given = sampling_from(
         body, body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=top, extra_stop=[]

@@ -58,9 +58,12 @@ def template_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, An
     return out, media
 
 
-def render_prompt(tokenizer: Any, request: ChatCompletionRequest) -> tuple[str, str, list[ContentPart]]:
-    """(prompt text, assistant prefix already in it, media parts)."""
+def render_prompt(
+    tokenizer: Any, request: ChatCompletionRequest, use_prefix: bool = True
+) -> tuple[str, str, list[ContentPart]]:
+    """(prompt text, assistant prefix already in it, media parts). use_prefix=False: a forced tool
+    call is enforced otherwise (the grammar, `structured_request.py`), the reply starts free."""
     messages, media = template_messages(request)
-    prefix = forced_prefix(request)
+    prefix = forced_prefix(request) if use_prefix else ""
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
     return text + prefix, prefix, media

@@ -20,6 +20,7 @@ from msaserve.engine.types import (
     ContextTooLong,
     GenerateOutput,
     GenerateRequest,
+    GrammarSpec,
     InvalidParameter,
     RequestStats,
     SamplingParams,
@@ -32,15 +33,26 @@ from msaserve.platform.openai_types import TokenLogprobEntry, TopLogprob, Usage,
 logger = logging.getLogger("ray.serve.msaserve.gateway")
 
 
+MAX_N = 16
+
+
+def _logit_bias(body: _SamplingFields) -> dict[int, float]:
+    bias: dict[int, float] = {}
+    for key, value in (body.logit_bias or {}).items():
+        try:
+            bias[int(key)] = value
+        except ValueError:
+            raise bad_parameter("logit_bias", key, "token ids written as decimal strings") from None
+    return bias
+
+
 def sampling_from(
-    body: _SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int, extra_stop: list[str]
+    body: _SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int, extra_stop: list[str],
+    grammar: GrammarSpec | None = None,
 ) -> tuple[SamplingParams, bool]:
     """SamplingParams from an OpenAI body; the bool says whether the client chose max_tokens."""
-    if body.n != 1:
-        raise bad_parameter("n", body.n, "1 (one choice per request)")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name) != 0.0:
-            raise bad_parameter(name, getattr(body, name), "0 (penalties are not supported)")
+    if not 1 <= body.n <= MAX_N:
+        raise bad_parameter("n", body.n, f"1 to {MAX_N} choices")
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else 1,
@@ -52,6 +64,12 @@ def sampling_from(
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        min_p=body.min_p,
+        logit_bias=_logit_bias(body),
+        grammar=grammar,
     )
     try:
         params.validate()

@@ -81,8 +81,28 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JSONSchemaFormat(_Request):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] = Field(
+        default_factory=dict, alias="schema", description="JSON Schema the output must satisfy."
+    )
+    strict: bool | None = Field(
+        None, description="true: a keyword the grammar library cannot enforce is a 400; otherwise ignored."
+    )
+
+
 class ResponseFormat(_Request):
-    type: Literal["text"] = Field("text", description="Only plain text output is supported.")
+    type: Literal["text", "json_object", "json_schema", "regex", "grammar"] = Field(
+        "text",
+        description="text, json_object, json_schema (with json_schema); msaserve extensions: regex "
+        "(with regex) and grammar (a Lark grammar in grammar, llguidance's dialect).",
+    )
+    json_schema: JSONSchemaFormat | None = None
+    regex: str | None = Field(None, max_length=10_000, description="type=regex: the whole output matches it.")
+    grammar: str | None = Field(None, max_length=100_000, description="type=grammar: Lark grammar text.")
 
 
 class _SamplingFields(_Request):
@@ -98,9 +118,16 @@ class _SamplingFields(_Request):
     max_tokens: int | None = Field(None, description="Output tokens; default: up to the context length.")
     stop: str | list[str] | None = Field(None, description="Up to 16 strings that end the output.")
     seed: int | None = Field(None, description="Same seed and request → same output.")
-    n: int = Field(1, description="Only 1 is supported.")
-    presence_penalty: float = Field(0.0, description="Only 0 is supported.")
-    frequency_penalty: float = Field(0.0, description="Only 0 is supported.")
+    n: int = Field(1, description="Choices to generate, 1 to 16; they share the prompt's cached pages.")
+    presence_penalty: float = Field(0.0, description="-2.0 to 2.0, once per token already in the output.")
+    frequency_penalty: float = Field(0.0, description="-2.0 to 2.0, per occurrence in the output.")
+    repetition_penalty: float = Field(
+        1.0, description="msaserve extension: greater than 0 and at most 2 (1 = off), over prompt and output."
+    )
+    min_p: float = Field(0.0, description="msaserve extension: 0.0 to 1.0, relative to the top token.")
+    logit_bias: dict[str, float] | None = Field(
+        None, description="Token id (as a string) → bias from -100 to 100 added to its logit."
+    )
     ignore_eos: bool = Field(False, description="msaserve extension: keep going past end-of-sequence.")
     user: str | None = None
 

@@ -1,0 +1,95 @@
+"""What an OpenAI request asks the output to follow → the engine's `GrammarSpec`.
+
+`response_format` json_object / json_schema (strict or not) / regex / grammar, and tool calls that
+`tool_choice` requires (`required` or a named function): those are a Lark grammar over the Hermes
+`<tool_call>` blocks the chat template describes (`tools.py`), whose JSON is the call's schema —
+`{"name": <the tool>, "arguments": <its parameters schema>}` — so a small model cannot write an
+unknown name or arguments that break the tool's schema. `parallel_tool_calls: false` allows exactly
+one call. Compiling (and the 400 for a construct the library cannot compile) happens in the engine.
+"""
+
+import json
+from typing import Any
+
+from msaserve.engine.types import GrammarSpec
+from msaserve.platform.errors import APIError
+from msaserve.platform.openai_types import ChatCompletionRequest, NamedToolChoice, ResponseFormat, Tool
+from msaserve.platform.tools import CLOSE, OPEN
+
+JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""`json.dumps`' separators, as the Hermes examples write them; no free whitespace (small models
+otherwise pad with newlines until max_tokens)."""
+
+
+def _bad(param: str, message: str) -> APIError:
+    return APIError(400, message, param=param, code="invalid_value")
+
+
+def response_format_grammar(fmt: ResponseFormat | None) -> GrammarSpec | None:
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return GrammarSpec("json_object")
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise _bad("response_format.json_schema", "response_format type json_schema needs json_schema")
+        schema = {**fmt.json_schema.schema_, "x-guidance": JSON_STYLE}
+        return GrammarSpec("json_schema", json.dumps(schema), strict=bool(fmt.json_schema.strict))
+    field = "regex" if fmt.type == "regex" else "grammar"
+    source = getattr(fmt, field)
+    if not source:
+        raise _bad(f"response_format.{field}", f"response_format type {fmt.type} needs a non-empty {field}")
+    return GrammarSpec("regex" if fmt.type == "regex" else "lark", source)
+
+
+def required_tools(request: ChatCompletionRequest) -> list[Tool]:
+    """The tools one of which the reply must call: [] unless tool_choice is required or named."""
+    choice, tools = request.tool_choice, request.tools or []
+    if not tools or choice in (None, "none", "auto"):
+        return []
+    if isinstance(choice, NamedToolChoice):
+        named = [t for t in tools if t.function.name == choice.function.name]
+        if not named:
+            raise _bad("tool_choice", f"tool_choice names function {choice.function.name!r}, which is not "
+                       f"among tools: {sorted(t.function.name for t in tools)}")
+        return named
+    return tools
+
+
+def _call_schema(tools: list[Tool]) -> dict[str, Any]:
+    options = [
+        {
+            "type": "object",
+            "properties": {
+                "name": {"const": t.function.name},
+                "arguments": t.function.parameters or {"type": "object"},
+            },
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
+        for t in tools
+    ]
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    strict = all(t.function.strict for t in tools)
+    return {**schema, "x-guidance": {**JSON_STYLE, "lenient": not strict}}
+
+
+def tool_call_grammar(request: ChatCompletionRequest) -> GrammarSpec | None:
+    """Lark: one `<tool_call>` block (or several when parallel_tool_calls is not false)."""
+    tools = required_tools(request)
+    if not tools:
+        return None
+    opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
+    call = f"{opening} %json {json.dumps(_call_schema(tools))} {closing}"
+    repeat = "" if request.parallel_tool_calls is False else ' ("\\n" call)*'
+    return GrammarSpec("lark", f"start: call{repeat}\ncall: {call}\n", param="tool_choice")
+
+
+def chat_grammar(request: ChatCompletionRequest) -> GrammarSpec | None:
+    """The constraint of a chat request; a required tool call and a response_format cannot both hold."""
+    tools = tool_call_grammar(request)
+    fmt = response_format_grammar(request.response_format)
+    if tools is not None and fmt is not None:
+        raise _bad("response_format", "response_format cannot constrain a reply that tool_choice forces "
+                   "to be a tool call: use one of them")
+    return tools or fmt
