@@ -185,7 +185,8 @@ def main() -> None:
     print(header)
     for lib, r in results.items():
         print(f"{lib:<11} {r['tokenizer_setup_s']:>11.2f} {r['compile_ms_max']:>17.1f} "
-              f"{r['mask_step_ms_median']:>17.3f} {r['mask_step_ms_p90']:>7.3f} {r['mask_us_per_row_median']:>7.1f}")
+              f"{r['mask_step_ms_median']:>17.3f} {r['mask_step_ms_p90']:>7.3f} "
+              f"{r['mask_us_per_row_median']:>7.1f}")
 
 
 def _xgrammar_version() -> str:

@@ -114,7 +114,10 @@ def _message(text: str, body: ChatCompletionRequest, known: set[str], finish_rea
         ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
         for c in calls
     ]
-    return AssistantMessage(content=content, tool_calls=tool_calls), "tool_calls"
+    # Cut off by max_tokens after some whole calls: they are returned, the reason stays "length".
+    return AssistantMessage(content=content, tool_calls=tool_calls), (
+        "length" if finish_reason == "length" else "tool_calls"
+    )
 
 
 async def _complete(
@@ -184,7 +187,7 @@ async def _stream(
                 if rest:
                     yield chunk(index, ChatDelta(content=rest))
                 if calls:
-                    finish_reason = "tool_calls"
+                    finish_reason = "length" if finish_reason == "length" else "tool_calls"
                     yield chunk(index, _tool_call_deltas(calls))
             yield chunk(index, ChatDelta(), finish=finish_reason)
         for gen in gens:

@@ -33,15 +33,14 @@ async def start_choices(ctx: Any, request: GenerateRequest, n: int) -> list[Gene
     first = await start_generation(ctx, request)
     if n == 1:
         return [first]
-    results = await asyncio.gather(
-        *(start_generation(ctx, choice_request(request, i)) for i in range(1, n)), return_exceptions=True
-    )
-    started = [first] + [r for r in results if isinstance(r, Generation)]
-    failure = next((r for r in results if isinstance(r, BaseException)), None)
-    if failure is not None:
+    started = [first]
+    try:
+        for i in range(1, n):
+            started.append(await start_generation(ctx, choice_request(request, i)))
+    except BaseException:
         for gen in started:
             gen.close()
-        raise failure
+        raise
     return started
 
 
