@@ -125,12 +125,12 @@ def parse_tool_calls(text: str, known: set[str]) -> tuple[str | None, list[Parse
     rest = text[start:]
     while rest.startswith(OPEN):
         end = rest.find(CLOSE)
-        if end < 0 and calls:  # cut off by max_tokens inside a later call: keep the whole ones
-            break
         block, rest = (
             (rest[len(OPEN) : end], rest[end + len(CLOSE) :]) if end >= 0 else (rest[len(OPEN) :], "")
         )
         call = _parse_one(block, known)
+        if call is None and end < 0 and calls:  # cut off (max_tokens) in a later call: keep whole ones
+            break
         if call is None:
             return text, []
         calls.append(call)

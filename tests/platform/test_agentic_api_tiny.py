@@ -188,3 +188,11 @@ def test_logit_bias_and_penalties(client) -> None:
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(**kwargs, presence_penalty=2.5)
     assert error.value.body["param"] == "presence_penalty"
+
+
+def test_calls_before_a_cut_off_call_are_kept() -> None:
+    from msaserve.platform.tools import parse_tool_calls
+
+    whole = '<tool_call>\n{"name": "get_time", "arguments": {"utc": true}}\n</tool_call>'
+    content, calls = parse_tool_calls(whole + '\n<tool_call>\n{"name": "get_wea', {"get_time", "get_weather"})
+    assert [c.name for c in calls] == ["get_time"] and content is None
