@@ -1,0 +1,1 @@
+"""MiniMax-M3 (model_type minimax_m3_vl): text model, vision tower, checkpoint names."""
