@@ -1,0 +1,133 @@
+"""M3's image and video processors against transformers' (the oracle): the same pixel values (bit
+for bit), grids, video chunks, placeholder counts, and the same prompt token ids after the markers
+are expanded; settings read from a checkpoint's processor_config.json."""
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from msaserve.preprocess.config import PreprocessConfig
+from msaserve.preprocess.minimax_m3.config import M3ProcessorConfig, is_m3_processor
+from msaserve.preprocess.minimax_m3.processor import M3Preprocessor
+from msaserve.preprocess.minimax_m3.text import IMAGE_TOKEN, VIDEO_TOKEN
+from tests.preprocess.m3_oracle import m3_tokenizer, processors
+from tests.preprocess.preprocess_media import encode_image, make_video, photo_array
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    return processors()
+
+
+def _reference_image(oracle, data: bytes, **kwargs):
+    image_cls = oracle[0]
+    out = image_cls(**kwargs)(images=[Image.open(io.BytesIO(data))], return_tensors="np")
+    return out["pixel_values"], [tuple(g) for g in out["image_grid_thw"].tolist()]
+
+
+@pytest.mark.parametrize(
+    "width,height,fmt",
+    [(120, 90, "PNG"), (451, 300, "JPEG"), (700, 1000, "PNG"), (30, 500, "PNG"), (57, 57, "JPEG"),
+     (1600, 900, "JPEG")],
+)  # fmt: skip
+def test_image_pixels_and_grid_equal_transformers(oracle, width, height, fmt):
+    data = encode_image(Image.fromarray(photo_array(width, height, seed=width)), fmt)
+    item = M3Preprocessor().process_media(data, "image")
+    pixels, grids = _reference_image(oracle, data)
+    assert [item.grid_thw] == item.grids == grids
+    assert item.patches.dtype == np.float32
+    np.testing.assert_array_equal(item.patches, pixels)
+    assert item.num_placeholder_tokens == item.patches.shape[0] // 4
+
+
+def test_image_limits_from_the_checkpoint_config(oracle, tmp_path):
+    """A processor saved with other pixel limits: the config read back gives the same result."""
+    image_cls, video_cls, processor_cls, _ = oracle
+    _, hf_tokenizer = m3_tokenizer()
+    size = {"shortest_edge": 56 * 56, "longest_edge": 200 * 28 * 28}
+    processor_cls(image_cls(size=size), hf_tokenizer, video_cls(max_pixels=64 * 28 * 28)).save_pretrained(
+        tmp_path
+    )
+    assert is_m3_processor(tmp_path)
+    config = M3ProcessorConfig.from_directory(tmp_path)
+    assert (config.image_min_pixels, config.image_max_pixels, config.video_max_pixels) == (
+        56 * 56, 200 * 28 * 28, 64 * 28 * 28,
+    )  # fmt: skip
+    data = encode_image(Image.fromarray(photo_array(900, 640)), "PNG")
+    item = M3Preprocessor(config).process_media(data, "image")
+    pixels, grids = _reference_image(oracle, data, size=size)
+    assert [item.grid_thw] == grids
+    np.testing.assert_array_equal(item.patches, pixels)
+
+
+def _reference_video(oracle, data: bytes, tmp_path, **kwargs):
+    _, video_cls, _, video_utils = oracle
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(data)
+    frames, metadata = video_utils.load_video(str(path), backend="pyav")
+    out = video_cls(**kwargs)(
+        videos=[frames], video_metadata=[metadata], return_tensors="np", return_metadata=True
+    )
+    return out, frames, metadata
+
+
+VIDEOS = {
+    # (width, height, seconds, fps, video processor settings)
+    "all-frames-one-chunk": (112, 84, 0.6, 10, {}),
+    "odd-size-sampled-2fps": (100, 70, 2.0, 15, {"do_sample_frames": True, "fps": 2.0}),
+    "odd-frame-count-chunks": (64, 64, 1.8, 5, {}),  # 9 frames → 5 temporal patches → chunks 4 + 1
+    "thirty-frames": (96, 60, 2.0, 15, {}),  # 15 temporal patches → 4 + 4 + 4 + 3
+}
+
+
+@pytest.mark.parametrize("case", VIDEOS, ids=list(VIDEOS))
+def test_video_pixels_grids_and_chunks_equal_transformers(oracle, tmp_path, case):
+    width, height, seconds, fps, settings = VIDEOS[case]
+    data = make_video(width=width, height=height, seconds=seconds, fps=fps)
+    reference, _, _ = _reference_video(oracle, data, tmp_path, **settings)
+    config = M3ProcessorConfig(do_sample_frames=settings.get("do_sample_frames", False),
+                               video_fps=settings.get("fps", 1.0))  # fmt: skip
+    item = M3Preprocessor(config).process_media(data, "video")
+    assert item.grids == [tuple(g) for g in reference["video_grid_thw"].tolist()]
+    assert reference["num_chunks_per_video"] == [len(item.grids)]
+    np.testing.assert_array_equal(item.patches, reference["pixel_values_videos"])
+    assert item.num_frames == len(reference["video_metadata"][0].frames_indices)
+
+
+def test_prompt_ids_equal_transformers_processor(oracle, tmp_path):
+    """An image and a video in one prompt: the ids of the prompt with each marker replaced by the
+    item's placeholder_text equal the processor's input_ids (timestamps, brackets, counts)."""
+    image_cls, video_cls, processor_cls, video_utils = oracle
+    ours, hf_tokenizer = m3_tokenizer()
+    processor = processor_cls(image_cls(), hf_tokenizer, video_cls())
+    image_data = encode_image(Image.fromarray(photo_array(200, 150)), "PNG")
+    video_data = make_video(width=100, height=70, seconds=2.0, fps=15)
+    path = tmp_path / "clip.mp4"
+    path.write_bytes(video_data)
+    frames, metadata = video_utils.load_video(str(path), backend="pyav")
+    prompt = f"Look: {IMAGE_TOKEN} and then{VIDEO_TOKEN}\nWhat changed?"
+    reference = processor(
+        text=[prompt], images=[Image.open(io.BytesIO(image_data))], videos=[frames],
+        video_metadata=[metadata], do_resize=True, do_sample_frames=True, fps=3.0, return_tensors="np",
+    )  # fmt: skip
+    preprocessor = M3Preprocessor(M3ProcessorConfig(do_sample_frames=True, video_fps=3.0))
+    image = preprocessor.process_media(image_data, "image")
+    video = preprocessor.process_media(video_data, "video", index=1)
+    text = prompt.replace(IMAGE_TOKEN, image.placeholder_text).replace(VIDEO_TOKEN, video.placeholder_text)
+    assert ours.encode(text) == reference["input_ids"][0].tolist()
+    assert "]<]0.0 seconds[>[" in video.placeholder_text and video.placeholder_text.count("seconds") == 3
+    image_id = hf_tokenizer.convert_tokens_to_ids(IMAGE_TOKEN)
+    video_id = hf_tokenizer.convert_tokens_to_ids(VIDEO_TOKEN)
+    ids = reference["input_ids"][0]
+    assert (ids == image_id).sum() == image.num_placeholder_tokens
+    assert (ids == video_id).sum() == video.num_placeholder_tokens
+
+
+def test_video_frames_capped_by_the_server_limit():
+    """More sampled frames than video_max_frames: msaserve keeps max_frames, spread evenly."""
+    data = make_video(width=64, height=64, seconds=2.0, fps=15)
+    limits = PreprocessConfig(video_max_frames=8)
+    item = M3Preprocessor(M3ProcessorConfig(), limits).process_media(data, "video")
+    assert item.num_frames == 8 and item.grid_thw[0] == 4
