@@ -6,7 +6,8 @@ on registering fake kernels for `torchvision::nms` / `qnms`. `make setup` instal
 (--no-deps) into `.oracle-site/` in the repository, outside the venv so that nothing else imports
 it; here that directory goes on sys.path and the two op schemas are declared first (the ops are
 never called: the processors use torchvision's pure-PyTorch transforms only). Tests skip when the
-directory is absent.
+directory is absent. tests/conftest.py enables it before any test module imports transformers:
+transformers' image modules check for torchvision once, on import.
 """
 
 import sys
@@ -19,11 +20,13 @@ ORACLE_SITE = Path(__file__).resolve().parents[2] / ".oracle-site"
 _DETECTION_OPS = ("nms", "qnms")
 
 
-def _import_torchvision() -> None:
+def enable_torchvision() -> bool:
+    """Make the oracle's torchvision importable (tests/conftest.py calls this first thing, since
+    transformers' image modules look for torchvision once, when imported). False if absent."""
     if "torchvision" in sys.modules:
-        return
+        return True
     if not (ORACLE_SITE / "torchvision").is_dir():
-        pytest.skip(f"the torchvision oracle wheel is not installed in {ORACLE_SITE} (make setup)")
+        return False
     sys.path.insert(0, str(ORACLE_SITE))
     try:
         import torchvision
@@ -35,11 +38,13 @@ def _import_torchvision() -> None:
                 f"torchvision::{op}", "(Tensor dets, Tensor scores, float iou_threshold) -> Tensor"
             )
         import torchvision  # noqa: F401
+    return True
 
 
 def processors():
     """(image processor class, video processor class, processor class, video_utils module)."""
-    _import_torchvision()
+    if not enable_torchvision():
+        pytest.skip(f"the torchvision oracle wheel is not installed in {ORACLE_SITE} (make setup)")
     from transformers import video_utils
     from transformers.models.minimax_m3_vl.image_processing_minimax_m3_vl import MiniMaxM3VLImageProcessor
     from transformers.models.minimax_m3_vl.processing_minimax_m3_vl import MiniMaxM3VLProcessor

@@ -1,10 +1,10 @@
 """Resize, normalisation and patch layout, bit for bit as transformers' torchvision backend does.
 
-Resize: torch's antialiased bicubic on uint8 NCHW (what `torchvision.transforms.v2.functional.resize`
+Resize: torch's antialiased bicubic on uint8 (what `torchvision.transforms.v2.functional.resize`
 runs for uint8 on the CPU). Pillow's BICUBIC is one level off on ~0.5 % of pixels, so it is not
-used. Normalisation: the reference fuses rescale into normalise, `(x - mean/r) / (std/r)` in
-float32 with `r` the rescale factor; a [C, 256] table holds that value for every uint8 level and
-normalising is a lookup on the rearranged uint8 patches (4× less memory traffic than floats).
+used. Normalisation: the reference fuses rescale into normalise; the same float32 operations run
+here on the patches after they are rearranged as uint8 (4× less memory to move than floats). The
+target size rule (`smart_resize`) and the patch layout are Qwen2-VL's (msaserve.preprocess.patchify).
 """
 
 import warnings
@@ -17,19 +17,48 @@ from msaserve.preprocess.minimax_m3.config import M3ProcessorConfig
 
 
 def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """frames [T, H, W, 3] uint8 → [T, height, width, 3] uint8 (antialiased bicubic)."""
+    """frames [T, H, W, 3] uint8 → [T, height, width, 3] uint8 (antialiased bicubic).
+
+    The NHWC array goes to torch as a channels-last NCHW view: the same result, bit for bit, as the
+    reference's contiguous NCHW copy (tested), without the copy and on torch's fast uint8 path."""
     if frames.shape[1:3] == (height, width):
         return frames
     with warnings.catch_warnings():  # a read-only array (np.asarray of a PIL image) is only read here
         warnings.simplefilter("ignore", UserWarning)
-        nchw = torch.from_numpy(frames).permute(0, 3, 1, 2).contiguous()
+        nchw = torch.from_numpy(frames).permute(0, 3, 1, 2)  # channels-last strides
     out = F.interpolate(nchw, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
     return out.permute(0, 2, 3, 1).numpy()
 
 
-def normalise_table(config: M3ProcessorConfig) -> np.ndarray:
-    """[C, 256] float32: the reference's fused normalised value of each uint8 level per channel."""
-    mean = torch.tensor(config.image_mean) * (1.0 / config.rescale_factor)
-    std = torch.tensor(config.image_std) * (1.0 / config.rescale_factor)
-    levels = torch.arange(256, dtype=torch.float32)[None, :].expand(3, 256)
-    return levels.sub(mean[:, None]).div(std[:, None]).numpy()
+class Normaliser:
+    """The reference's fused rescale + normalise, `(x - mean/r) / (std/r)` in float32, with the
+    same float32 constants it builds (`torch.tensor(mean) * (1 / r)`), so values match bit for bit."""
+
+    def __init__(self, config: M3ProcessorConfig) -> None:
+        self.config = config
+        self.mean = (torch.tensor(config.image_mean) * (1.0 / config.rescale_factor))[
+            None, :, None
+        ]  # [1, C, 1]
+        self.std = (torch.tensor(config.image_std) * (1.0 / config.rescale_factor))[None, :, None]
+
+    def patchify(self, frames: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int], np.ndarray]:
+        """frames [T, H, W, C] uint8, T = 1 (an image, repeated over the temporal patch) or a
+        multiple of it; H, W multiples of patch × merge. Returns (patches [grid_t·grid_h·grid_w,
+        C·tp·p·p] float32 in the order (t, h/m, w/m, m, m), rows laid out (C, tp, p, p); the grid;
+        the same patches as contiguous uint8 before normalising, for the content hash)."""
+        t, h, w, c = frames.shape
+        p, m, tp = self.config.patch_size, self.config.merge_size, self.config.temporal_patch_size
+        repeat = tp if t == 1 else 1
+        if (t * repeat) % tp or h % (p * m) or w % (p * m):
+            raise ValueError(
+                f"patchify: frames {frames.shape} do not fit temporal {tp}, patch {p}, merge {m}"
+            )
+        source_tp = tp // repeat
+        grid = (t * repeat // tp, h // p, w // p)
+        n = grid[0] * grid[1] * grid[2]
+        x = frames.reshape(grid[0], source_tp, grid[1] // m, m, p, grid[2] // m, m, p, c)
+        # -> [grid_t, h/m, w/m, m, m, C, source_tp, p, p], rearranged on uint8 (4× less to move than fp32)
+        raw = np.ascontiguousarray(x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)).reshape(n, c, source_tp * p * p)
+        values = torch.from_numpy(raw).float().sub_(self.mean).div_(self.std)  # [n, C, source_tp·p·p]
+        out = values[:, :, None].expand(n, c, repeat, source_tp * p * p).contiguous()
+        return out.reshape(n, c * tp * p * p).numpy(), grid, raw

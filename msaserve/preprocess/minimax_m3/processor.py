@@ -14,10 +14,10 @@ from msaserve.preprocess.errors import MediaError
 from msaserve.preprocess.fetch import Fetcher
 from msaserve.preprocess.minimax_m3.config import M3ProcessorConfig
 from msaserve.preprocess.minimax_m3.image import decode_rgb, resize_image
-from msaserve.preprocess.minimax_m3.pixels import normalise_table
+from msaserve.preprocess.minimax_m3.pixels import Normaliser
 from msaserve.preprocess.minimax_m3.text import image_placeholder_text, video_chunks, video_placeholder_text
 from msaserve.preprocess.minimax_m3.video import decode_video
-from msaserve.preprocess.patchify import num_placeholder_tokens, patchify
+from msaserve.preprocess.patchify import num_placeholder_tokens
 from msaserve.preprocess.pipeline import MediaItem, Preprocessor, content_hash
 from msaserve.preprocess.sniff import expect_kind
 
@@ -29,7 +29,7 @@ class M3Preprocessor(Preprocessor):
     ) -> None:  # fmt: skip
         super().__init__(config, fetcher)
         self.m3 = m3 or M3ProcessorConfig()
-        self.m3_table = normalise_table(self.m3)  # [C, 256] float32
+        self.normaliser = Normaliser(self.m3)
 
     def process_media(
         self, data: bytes, kind: str, index: int = 0, timings: dict[str, float] | None = None
@@ -54,7 +54,7 @@ class M3Preprocessor(Preprocessor):
             error.param = error.param or param
             raise
         t1 = time.perf_counter()
-        patches, grid_thw = patchify(frames, self.m3, self.m3_table)
+        patches, grid_thw, raw = self.normaliser.patchify(frames)
         m3 = self.m3
         if kind == "image":
             grids = [grid_thw]
@@ -67,7 +67,7 @@ class M3Preprocessor(Preprocessor):
             patches=patches,
             grid_thw=grid_thw,
             num_placeholder_tokens=num_placeholder_tokens(grid_thw, m3.merge_size),
-            content_hash=content_hash(kind, grid_thw, frames),
+            content_hash=content_hash(kind, grid_thw, raw),  # the resized pixels, rearranged
             part_index=index,
             source_size=source_size,
             num_frames=len(frame_indices),
