@@ -20,7 +20,7 @@ from msaserve.preprocess.patchify import smart_resize
 
 @dataclass
 class M3Image:
-    pixels: np.ndarray  # [H, W, 3] uint8 after resize; H, W multiples of patch × merge
+    pixels: np.ndarray  # [1, 3, H, W] uint8 after resize; H, W multiples of patch × merge
     source_size: tuple[int, int]  # (width, height) as displayed, before resize
 
 
@@ -42,4 +42,4 @@ def resize_image(rgb: np.ndarray, config: M3ProcessorConfig) -> M3Image:
     """[H, W, 3] uint8 → the image at M3's target size for images."""
     height, width = rgb.shape[:2]
     target = smart_resize(height, width, config.factor, config.image_min_pixels, config.image_max_pixels)
-    return M3Image(resize_frames(rgb[None], *target)[0], (width, height))
+    return M3Image(resize_frames(rgb[None], *target), (width, height))

@@ -17,17 +17,20 @@ from msaserve.preprocess.minimax_m3.config import M3ProcessorConfig
 
 
 def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """frames [T, H, W, 3] uint8 → [T, height, width, 3] uint8 (antialiased bicubic).
+    """frames [T, H, W, 3] uint8 → [T, 3, height, width] uint8 (antialiased bicubic; a strided
+    view of the input when it already has that size).
 
     The NHWC array goes to torch as a channels-last NCHW view: the same result, bit for bit, as the
     reference's contiguous NCHW copy (tested), without the copy and on torch's fast uint8 path."""
+    nchw = frames.transpose(0, 3, 1, 2)
     if frames.shape[1:3] == (height, width):
-        return frames
+        return nchw
     with warnings.catch_warnings():  # a read-only array (np.asarray of a PIL image) is only read here
         warnings.simplefilter("ignore", UserWarning)
-        nchw = torch.from_numpy(frames).permute(0, 3, 1, 2)  # channels-last strides
-    out = F.interpolate(nchw, size=[height, width], mode="bicubic", align_corners=False, antialias=True)
-    return out.permute(0, 2, 3, 1).numpy()
+        tensor = torch.from_numpy(frames).permute(0, 3, 1, 2)  # channels-last strides
+    return F.interpolate(
+        tensor, size=[height, width], mode="bicubic", align_corners=False, antialias=True
+    ).numpy()
 
 
 class Normaliser:
@@ -42,11 +45,11 @@ class Normaliser:
         self.std = (torch.tensor(config.image_std) * (1.0 / config.rescale_factor))[None, :, None]
 
     def patchify(self, frames: np.ndarray) -> tuple[np.ndarray, tuple[int, int, int], np.ndarray]:
-        """frames [T, H, W, C] uint8, T = 1 (an image, repeated over the temporal patch) or a
+        """frames [T, C, H, W] uint8 (any strides), T = 1 (an image, repeated over the temporal patch) or a
         multiple of it; H, W multiples of patch × merge. Returns (patches [grid_t·grid_h·grid_w,
         C·tp·p·p] float32 in the order (t, h/m, w/m, m, m), rows laid out (C, tp, p, p); the grid;
         the same patches as contiguous uint8 before normalising, for the content hash)."""
-        t, h, w, c = frames.shape
+        t, c, h, w = frames.shape
         p, m, tp = self.config.patch_size, self.config.merge_size, self.config.temporal_patch_size
         repeat = tp if t == 1 else 1
         if (t * repeat) % tp or h % (p * m) or w % (p * m):
@@ -56,9 +59,9 @@ class Normaliser:
         source_tp = tp // repeat
         grid = (t * repeat // tp, h // p, w // p)
         n = grid[0] * grid[1] * grid[2]
-        x = frames.reshape(grid[0], source_tp, grid[1] // m, m, p, grid[2] // m, m, p, c)
+        x = frames.reshape(grid[0], source_tp, c, grid[1] // m, m, p, grid[2] // m, m, p)
         # -> [grid_t, h/m, w/m, m, m, C, source_tp, p, p], rearranged on uint8 (4× less to move than fp32)
-        raw = np.ascontiguousarray(x.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)).reshape(n, c, source_tp * p * p)
+        raw = np.ascontiguousarray(x.transpose(0, 3, 6, 4, 7, 2, 1, 5, 8)).reshape(n, c, source_tp * p * p)
         values = torch.from_numpy(raw).float().sub_(self.mean).div_(self.std)  # [n, C, source_tp·p·p]
         out = values[:, :, None].expand(n, c, repeat, source_tp * p * p).contiguous()
         return out.reshape(n, c * tp * p * p).numpy(), grid, raw

@@ -41,7 +41,7 @@ class M3Preprocessor(Preprocessor):
             fmt = expect_kind(data, kind, param)
             if kind == "image":
                 image = resize_image(decode_rgb(data, self.config, param), self.m3)
-                frames, source_size, frame_indices, fps = image.pixels[None], image.source_size, [0], None
+                frames, source_size, frame_indices, fps = image.pixels, image.source_size, [0], None
             else:
                 video = decode_video(data, fmt, self.m3, self.config, param)
                 frames, source_size, frame_indices, fps = (

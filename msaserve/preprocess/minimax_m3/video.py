@@ -25,7 +25,7 @@ from msaserve.preprocess.video import _check_codec, _start_and_duration
 
 @dataclass
 class M3Video:
-    frames: np.ndarray  # [T, H, W, 3] uint8 resized; T a multiple of the temporal patch
+    frames: np.ndarray  # [T, 3, H, W] uint8 resized; T a multiple of the temporal patch
     frame_indices: list[int]  # decode-order index of each kept frame (before padding)
     fps: float | None  # the stream's average frame rate (timestamps = index / fps)
     source_size: tuple[int, int]  # (width, height) of the stream
