@@ -164,7 +164,9 @@ def _check_scale(name: str, info: TensorInfo, infos: dict[str, TensorInfo],
         return [] if scale is None else [f"unexpected tensor {scale.name} {list(scale.shape)}: "
                                          f"{name} is {info.dtype}, not fp8"]
     if scale is None or fp8_block is None:
-        missing = "its scale " + name + SCALE_SUFFIX if scale is None else "quantization_config.weight_block_size"
+        missing = "quantization_config.weight_block_size"
+        if scale is None:
+            missing = f"its scale {name}{SCALE_SUFFIX}"
         return [f"fp8 tensor {name} {list(info.shape)} has no {missing}"]
     rows, cols = info.shape[-2:]
     expected = (*info.shape[:-2], -(-rows // fp8_block[0]), -(-cols // fp8_block[1]))
