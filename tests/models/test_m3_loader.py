@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 import torch
-from m3_checkpoint import EOS, quantize_checkpoint, write_m3_checkpoint
+from m3_checkpoint import EOS, one_cpu_thread, quantize_checkpoint, write_m3_checkpoint
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -18,6 +18,7 @@ from msaserve.models.metadata import AttentionMetadata
 from msaserve.models.registry import UnsupportedModelType, supported_model_types
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures(one_cpu_thread.__name__)
 
 LOGIT_RTOL = 1e-4
 FP8_MEDIAN_RTOL = 0.25
