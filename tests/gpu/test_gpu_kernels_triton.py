@@ -41,9 +41,10 @@ BF16 = torch.bfloat16
 LENS = (300, 2048, 5000, 20011)
 
 
-def _m3(page_size: int = 128, index_heads: int = 1, group: int = 16, lens: tuple = LENS, n_init: int = 1):
+def _m3(page_size: int = 128, index_heads: int = 1, group: int = 16, lens: tuple = LENS, n_init: int = 1,
+        n_local: int = 1):
     return Shape(lens, page_size=page_size, num_kv_heads=4, group=group, head_dim=128,
-                 index_heads=index_heads, top_k=16, n_init=n_init)
+                 index_heads=index_heads, top_k=16, n_init=n_init, n_local=n_local)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -86,6 +87,26 @@ def test_indexer_decode_key_loads(page_size: int, index_heads: int, num_q: int, 
 def test_indexer_prefill(page_size: int, index_heads: int, n_init: int, fp8: bool) -> None:
     shape = _m3(page_size, index_heads, lens=(300, 2048, 5000, 9001), n_init=n_init)
     check_indexer_prefill(TRITON, NAIVE, shape, BF16, "cuda", fp8=fp8, seed=page_size + n_init)
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("n_local", [1, 2])
+def test_indexers_m3_form(n_local: int, fp8: bool) -> None:
+    """MiniMax-M3's selection: no init block, n_local forced blocks ending at the query's block, one
+    index-K head, bf16 or fp8 keys, prefill and decode (1 and 16 queries per sequence)."""
+    shape = _m3(lens=(300, 2048, 5000, 9001), n_init=0, n_local=n_local)
+    check_indexer_prefill(TRITON, NAIVE, shape, BF16, "cuda", fp8=fp8, seed=10 + n_local)
+    for num_q in (1, 16):
+        check_indexer_decode(TRITON, NAIVE, shape, num_q, BF16, "cuda", fp8=fp8, seed=num_q + n_local)
+
+
+@pytest.mark.parametrize("key_load", indexer_decode_triton.KEY_LOADS)
+@pytest.mark.parametrize("fp8_scan", indexer_decode_triton.FP8_SCANS)
+def test_indexer_decode_m3_form_scans_and_key_loads(fp8_scan: str, key_load: str) -> None:
+    """The M3 form (n_init 0, two local blocks) through both fp8 scans and both key loads."""
+    scan = functools.partial(indexer_decode_triton.indexer_decode, fp8_scan=fp8_scan, key_load=key_load)
+    ops = dataclasses.replace(TRITON, indexer_decode=scan)
+    check_indexer_decode(ops, NAIVE, _m3(n_init=0, n_local=2), 4, BF16, "cuda", fp8=True, seed=21)
 
 
 @pytest.mark.parametrize("num_q", [1, 16])

@@ -146,3 +146,62 @@ def test_forced_local_blocks_beat_higher_scores():
 def test_forced_blocks_that_do_not_fit_are_rejected(top_k, n_init, n_local, match):
     with pytest.raises(ValueError, match=match):
         select_blocks(torch.zeros(1, 1, 8), torch.tensor([40]), 4, top_k, n_init, n_local)
+
+
+def test_index_branch_matches_transformers_module():
+    """transformers' own `MiniMaxM3VLIndexer` (tiny random weights, 2 local blocks of 8, top-4) against
+    our index branch: its normed q and k (captured from its norms) rotated by the layer-ops spec with
+    partial rotary, the keys written to a scattered paged cache, and the reference indexer in two
+    chunks."""
+    m3 = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
+    from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
+
+    from msaserve.kernels.layer_ops import naive as layer_ops
+    from msaserve.models.rotary import rotary_cos_sin
+
+    torch.manual_seed(0)
+    page_size, top_k, n_local, rotary_dim, length = 8, 4, 2, 16, 8 * 12 + 3
+    config = MiniMaxM3VLTextConfig(
+        hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=32, rotary_dim=rotary_dim,
+        index_n_heads=2, index_head_dim=32, index_block_size=page_size, index_topk_blocks=top_k,
+        index_local_blocks=n_local, num_hidden_layers=1, vocab_size=256, bos_token_id=1, eos_token_id=2,
+    )
+    indexer = m3.MiniMaxM3VLIndexer(config, layer_idx=0).eval()
+    with torch.no_grad():
+        indexer.q_norm.weight.normal_(0, 0.2)
+        indexer.k_norm.weight.normal_(0, 0.2)
+    captured = {}
+    indexer.q_norm.register_forward_hook(lambda _m, _i, out: captured.__setitem__("q", out))
+    indexer.k_norm.register_forward_hook(lambda _m, _i, out: captured.__setitem__("k", out))
+    hidden = torch.randn(1, length, 64)
+    positions = torch.arange(length)
+    cos, sin = rotary_cos_sin(positions, rotary_dim, 5e6, torch.float32)  # [T, 1, R]
+    with torch.no_grad():
+        want = indexer(hidden, (cos[None, :, 0], sin[None, :, 0]), None, positions[None])
+
+    q_index = layer_ops.rotary_and_write(captured["q"][0].clone(), cos, sin, True, rotary_dim=rotary_dim)
+    cache, table = paged_index_cache(torch.zeros(length, 32), page_size, seed=1)
+    slots = table[0].long()[positions // page_size] * page_size + positions % page_size
+    keys = layer_ops.rotary_and_write(captured["k"][0].clone(), cos, sin, True, slots, (cache,),
+                                      rotary_dim=rotary_dim)  # [T, 1, DI], written to the cache
+    got = []
+    for start, end in ((0, 40), (40, length)):
+        cu = torch.tensor([0, end - start], dtype=torch.int32)
+        got.append(indexer_prefill(q_index[start:end], cache, table, torch.tensor([end]), cu, top_k, 0, None,
+                                   n_local))
+    scores = block_scores(q_index, keys, positions, page_size)
+    ok, message = selections_match(torch.cat(got), _as_ours(want, top_k), scores, SCORE_TOLERANCE)
+    assert ok, message
+    assert (torch.cat(got)[page_size * top_k :] >= 0).all(), "past top_k · P every slot is used"
+
+
+def test_every_backend_takes_n_local():
+    """The agreed signatures: a trailing n_local=1 on both indexers of every implementation."""
+    import inspect
+
+    for impl in ("naive", "triton"):
+        for op in ("indexer_prefill", "indexer_decode"):
+            module = __import__(f"msaserve.kernels.{op}.{impl}", fromlist=[op])
+            params = inspect.signature(getattr(module, op)).parameters
+            assert params["n_local"].default == 1 and params["n_init"].default == 1, f"{impl}.{op}"
+            assert list(params).index("n_local") > list(params).index("index_scale"), f"{impl}.{op}"
