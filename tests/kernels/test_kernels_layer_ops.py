@@ -16,7 +16,7 @@ from test_kernels_layer_ops_cases import (
 )
 
 from msaserve.kernels.layer_ops import get_layer_ops
-from msaserve.models.rotary import rotary_cos_sin
+from msaserve.kernels.rotary import rotary_cos_sin
 
 TRITON = interpreted_triton_ops()
 NAIVE = get_layer_ops("cpu")

@@ -11,10 +11,10 @@ ties to the lower block id, `torch.topk` in no promised order.
 
 import pytest
 import torch
+from kernel_testing import scattered_block_tables, selections_match
 
 from msaserve.kernels.indexer_decode.naive import indexer_decode
 from msaserve.kernels.indexer_prefill.naive import block_scores, indexer_prefill, select_blocks
-from msaserve.kernels.testing import scattered_block_tables, selections_match
 
 # fp32 on both sides, summed in different orders: real differences are far above this.
 SCORE_TOLERANCE = 1e-4
@@ -157,7 +157,7 @@ def test_index_branch_matches_transformers_module():
     from transformers.models.minimax_m3_vl.configuration_minimax_m3_vl import MiniMaxM3VLTextConfig
 
     from msaserve.kernels.layer_ops import naive as layer_ops
-    from msaserve.models.rotary import rotary_cos_sin
+    from msaserve.kernels.rotary import rotary_cos_sin
 
     torch.manual_seed(0)
     page_size, top_k, n_local, rotary_dim, length = 8, 4, 2, 16, 8 * 12 + 3
