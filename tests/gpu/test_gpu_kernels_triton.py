@@ -132,7 +132,8 @@ def test_sparse_prefill_tile_dense(group: int) -> None:
     check_sparse_prefill(ops, NAIVE, shape, BF16, "cuda", seed=group + 4, empty_slots=True)
 
 
-def test_decode_step_replays_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize(("n_init", "n_local"), [(1, 1), (0, 2)])
+def test_decode_step_replays_in_a_cuda_graph(n_init: int, n_local: int) -> None:
     """Constant grids: a captured indexer + sparse decode step gives the eager result on new data."""
     inputs = make_paged_inputs(list(LENS), 128, 4, 128, 1, 128, BF16, "cuda")
     batch = len(LENS)
@@ -141,7 +142,7 @@ def test_decode_step_replays_in_a_cuda_graph() -> None:
 
     def step() -> torch.Tensor:
         selected = TRITON.indexer_decode(q_index, inputs.index_cache, inputs.block_tables,
-                                         inputs.seq_lens, 16, 1)
+                                         inputs.seq_lens, 16, n_init, n_local=n_local)
         return TRITON.sparse_decode(q, inputs.k_cache, inputs.v_cache, inputs.block_tables,
                                     inputs.seq_lens, selected)
 
