@@ -315,3 +315,20 @@ def media_grids(item: Any) -> list[tuple[int, int, int]]:
     them, else its single `grid_thw`."""
     grids = getattr(item, "grids", None)
     return [tuple(g) for g in grids] if grids else [tuple(item.grid_thw)]
+
+
+def build_vision_tower(
+    raw_config: Mapping[str, Any],
+    tensors: Mapping[str, torch.Tensor],
+    device: torch.device | str,
+    dtype: torch.dtype,
+) -> M3VisionTower:
+    """The tower of a VL checkpoint (config.json as a dict, its vision tensors by checkpoint name)
+    on `device` in `dtype`, without initialising weights that are about to be overwritten."""
+    config = M3VisionConfig.from_hf(raw_config)
+    with torch.device("meta"):
+        tower = M3VisionTower(config)
+    tower = tower.to_empty(device=device).to(dtype)
+    tower.vision_model.rotary = AxialRotary(config).to(device)  # its buffer is computed, not loaded
+    tower.load_hf_state_dict(tensors)
+    return tower.eval()
