@@ -9,6 +9,7 @@ import pytest
 from PIL import Image
 
 from msaserve.preprocess.config import PreprocessConfig
+from msaserve.preprocess.errors import MediaError
 from msaserve.preprocess.minimax_m3.config import M3ProcessorConfig, is_m3_processor
 from msaserve.preprocess.minimax_m3.processor import M3Preprocessor
 from msaserve.preprocess.minimax_m3.text import IMAGE_TOKEN, VIDEO_TOKEN
@@ -131,3 +132,26 @@ def test_video_frames_capped_by_the_server_limit():
     limits = PreprocessConfig(video_max_frames=8)
     item = M3Preprocessor(M3ProcessorConfig(), limits).process_media(data, "video")
     assert item.num_frames == 8 and item.grid_thw[0] == 4
+
+
+def test_webm_without_a_frame_count_is_counted_from_its_duration():
+    """WebM streams declare no frame count (the reference's reader would sample nothing): msaserve
+    counts duration × frame rate, so the clip gives the same grid as its MP4 twin."""
+    webm = make_video(codec="libvpx-vp9", fmt="webm", width=64, height=48, seconds=1.0, fps=10)
+    mp4 = make_video(width=64, height=48, seconds=1.0, fps=10)
+    a, b = (M3Preprocessor().process_media(d, "video") for d in (webm, mp4))
+    assert (
+        (a.grid_thw, a.grids, a.num_frames)
+        == (b.grid_thw, b.grids, b.num_frames)
+        == ((5, 4, 4), [(4, 4, 4), (1, 4, 4)], 10)
+    )
+
+
+def test_bad_media_are_4xx():
+    pre = M3Preprocessor()
+    with pytest.raises(MediaError) as error:
+        pre.process_media(encode_image(Image.fromarray(photo_array(1000, 4)), "PNG"), "image")
+    assert (error.value.status, error.value.code) == (400, "aspect_ratio_limit")
+    with pytest.raises(MediaError) as error:
+        pre.process_media(make_video()[:2000], "video", index=2)
+    assert error.value.status == 400 and error.value.param == "content[2].video_url"
