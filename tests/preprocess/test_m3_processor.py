@@ -30,8 +30,8 @@ def _reference_image(oracle, data: bytes, **kwargs):
 
 @pytest.mark.parametrize(
     "width,height,fmt",
-    [(120, 90, "PNG"), (451, 300, "JPEG"), (700, 1000, "PNG"), (30, 500, "PNG"), (57, 57, "JPEG"),
-     (1600, 900, "JPEG")],
+    [(120, 90, "PNG"), (112, 84, "PNG"), (451, 300, "JPEG"), (700, 1000, "PNG"), (30, 500, "PNG"),
+     (57, 57, "JPEG"), (1600, 900, "JPEG")],
 )  # fmt: skip
 def test_image_pixels_and_grid_equal_transformers(oracle, width, height, fmt):
     data = encode_image(Image.fromarray(photo_array(width, height, seed=width)), fmt)
@@ -155,3 +155,17 @@ def test_bad_media_are_4xx():
     with pytest.raises(MediaError) as error:
         pre.process_media(make_video()[:2000], "video", index=2)
     assert error.value.status == 400 and error.value.param == "content[2].video_url"
+
+
+def test_pillow_memory_view_equals_asarray():
+    """The zero-copy RGBX view of a decoded image holds the same RGB bytes as np.asarray; modes
+    Pillow cannot export that way give None (the caller copies instead)."""
+    from msaserve.preprocess.minimax_m3.pil_memory import rgbx_view, use_single_block_images
+
+    use_single_block_images()
+    image = Image.open(io.BytesIO(encode_image(Image.fromarray(photo_array(640, 480)), "JPEG")))
+    image.load()
+    view = rgbx_view(image)
+    assert view is not None
+    np.testing.assert_array_equal(view[0][..., :3], np.asarray(image))
+    assert rgbx_view(image.convert("L")) is None

@@ -14,6 +14,7 @@ from msaserve.preprocess.config import PreprocessConfig
 from msaserve.preprocess.errors import MediaError
 from msaserve.preprocess.image import _orientation, _to_rgb, open_image
 from msaserve.preprocess.minimax_m3.config import M3ProcessorConfig
+from msaserve.preprocess.minimax_m3.pil_memory import rgbx_view, use_single_block_images
 from msaserve.preprocess.minimax_m3.pixels import resize_frames
 from msaserve.preprocess.patchify import smart_resize
 
@@ -24,8 +25,16 @@ class M3Image:
     source_size: tuple[int, int]  # (width, height) as displayed, before resize
 
 
-def decode_rgb(data: bytes, limits: PreprocessConfig, param: str | None = None) -> np.ndarray:
-    """Bytes of a PNG/JPEG/WebP/GIF/BMP → [H, W, 3] uint8 at full size, upright."""
+@dataclass
+class DecodedRGB:
+    pixels: np.ndarray  # [H, W, C] uint8 at full size, upright; C = 3, or 4 (RGBX: the 4th is padding)
+    keepalive: object = None  # what keeps `pixels` valid when it is a view of Pillow's memory
+
+
+def decode_rgb(data: bytes, limits: PreprocessConfig, param: str | None = None) -> DecodedRGB:
+    """Bytes of a PNG/JPEG/WebP/GIF/BMP → RGB pixels at full size, upright (a zero-copy view of
+    Pillow's memory where it can export it)."""
+    use_single_block_images()
     image = open_image(data, limits, param)
     try:
         image.seek(0)  # GIF/WebP: the first frame
@@ -33,13 +42,22 @@ def decode_rgb(data: bytes, limits: PreprocessConfig, param: str | None = None) 
         orientation = _orientation(image)
         if orientation not in (None, 1):
             image = ImageOps.exif_transpose(image)
-        return np.asarray(_to_rgb(image))
+        image = _to_rgb(image)
+        view = rgbx_view(image)
+        if view is not None:
+            return DecodedRGB(view[0], (image, view[1]))
+        return DecodedRGB(np.asarray(image))
     except (OSError, SyntaxError, ValueError, EOFError) as e:
         raise MediaError(400, "corrupt_media", f"the image is corrupt or truncated: {e}", param) from None
 
 
-def resize_image(rgb: np.ndarray, config: M3ProcessorConfig) -> M3Image:
-    """[H, W, 3] uint8 → the image at M3's target size for images."""
-    height, width = rgb.shape[:2]
+def resize_image(decoded: DecodedRGB, config: M3ProcessorConfig) -> M3Image:
+    """Decoded pixels → the image at M3's target size for images (its own memory: a view of
+    Pillow's is not kept past this call)."""
+    height, width = decoded.pixels.shape[:2]
     target = smart_resize(height, width, config.factor, config.image_min_pixels, config.image_max_pixels)
-    return M3Image(resize_frames(rgb[None], *target), (width, height))
+    # Channels are resized independently: RGBX through torch's kernel gives RGB's bytes (tested).
+    resized = resize_frames(decoded.pixels[None], *target)[:, :3]
+    if decoded.keepalive is not None and (height, width) == target:
+        resized = resized.copy()
+    return M3Image(resized, (width, height))

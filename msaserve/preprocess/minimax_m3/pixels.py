@@ -17,7 +17,7 @@ from msaserve.preprocess.minimax_m3.config import M3ProcessorConfig
 
 
 def resize_frames(frames: np.ndarray, height: int, width: int) -> np.ndarray:
-    """frames [T, H, W, 3] uint8 → [T, 3, height, width] uint8 (antialiased bicubic; a strided
+    """frames [T, H, W, C] uint8 → [T, C, height, width] uint8 (antialiased bicubic; a strided
     view of the input when it already has that size).
 
     The NHWC array goes to torch as a channels-last NCHW view: the same result, bit for bit, as the
