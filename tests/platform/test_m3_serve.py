@@ -16,6 +16,8 @@ from local_serve_app import free_port
 sys.path.insert(0, str(Path(__file__).parents[1] / "models"))
 from m3_checkpoint import write_m3_checkpoint
 
+from msaserve.platform.tools_minimax import MINIMAX
+
 openai = pytest.importorskip("openai")
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # a local Ray cluster
@@ -77,6 +79,33 @@ def test_chat_reply_is_transformers_greedy_text(server) -> None:
     expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert expected and reply.choices[0].message.content == expected
     assert reply.usage.prompt_tokens == ids.shape[1]
+
+
+def test_named_tool_choice_returns_a_call_in_the_templates_format(server) -> None:
+    """The checkpoint's template defines MiniMax's <minimax:tool_call> format: the reply is forced
+    to start the named invoke, and what the model writes after it is parsed as in transformers'
+    greedy continuation of the same prompt."""
+    client, directory, oracle = server
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    reply = client.chat.completions.create(
+        model=directory.name, messages=messages, tools=tools, max_tokens=MAX_TOKENS, temperature=0.0,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.tool_calls[0].function.name == "get_weather"
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    prefix = MINIMAX.call_prefix("get_weather")
+    prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(prompt + prefix, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        out = oracle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=MAX_TOKENS,
+                              do_sample=False)
+    continuation = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    expected = MINIMAX.forced_call(prefix + continuation, "get_weather")
+    assert choice.message.tool_calls[0].function.arguments == expected.arguments
 
 
 def test_image_to_text_only_model_says_how_to_serve_one_with_vision(server) -> None:
