@@ -9,8 +9,9 @@ from msaserve.engine.config import EngineConfig
 from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.types import GenerateRequest, SamplingParams
 from msaserve.models.loader import load_model
+from msaserve.platform.cli import main
 
-pytest.importorskip("transformers")
+transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures(one_cpu_thread.__name__)
 
 NEW_TOKENS = 64
@@ -48,3 +49,25 @@ def test_engine_greedy_tokens_match_transformers_generate(checkpoint) -> None:
             expected = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
                                        max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
         assert tokens[f"r{i}"] == expected[0, len(ids):].tolist(), f"prompt of {len(ids)} tokens"
+
+
+def test_generate_cli_prints_transformers_greedy_text(checkpoint, capsys) -> None:
+    directory, oracle = checkpoint
+    assert main(["generate", "--model", str(directory), "--prompt", "Hello", "--max-tokens", "12"]) == 0
+    out, err = capsys.readouterr()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], tokenize=False,
+                                           add_generation_prompt=True)
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        expected = oracle.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12,
+                                   do_sample=False)
+    assert out == tokenizer.decode(expected[0, ids.shape[1]:], skip_special_tokens=True) + "\n"
+    assert out.strip() and "loading shards" in err  # some text; the progress bar
+
+
+def test_generate_cli_names_an_unsupported_model_type(tmp_path, capsys) -> None:
+    (tmp_path / "config.json").write_text('{"model_type": "mixtral"}')
+    assert main(["generate", "--model", str(tmp_path), "--prompt", "x"]) == 1
+    err = capsys.readouterr().err
+    assert "model_type='mixtral' is not supported: allowed" in err and "minimax_m3_vl_text" in err
