@@ -8,12 +8,15 @@ import torch
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.llm_engine import LLMEngine
+from msaserve.engine.model_loading import (
+    CheckpointMismatch,
+    LoadedModel,
+    ModelFileMissing,
+    Tokenizer,
+    UnsupportedModelType,
+    load_model,
+)
 from msaserve.engine.types import GenerateRequest, SamplingParams
-from msaserve.models.checkpoint_plan import CheckpointMismatch
-from msaserve.models.gguf_loader import ModelFileMissing
-from msaserve.models.loader import LoadedModel, load_model
-from msaserve.models.registry import UnsupportedModelType
-from msaserve.models.tokenizer import Tokenizer
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
