@@ -23,8 +23,16 @@ def checkpoint(tmp_path_factory):
     return write_m3_checkpoint(tmp_path_factory.mktemp("m3") / "text", vl=False, seed=1)
 
 
-def test_engine_greedy_tokens_match_transformers_generate(checkpoint) -> None:
-    directory, oracle = checkpoint
+@pytest.fixture(scope="module")
+def checkpoint_local2(tmp_path_factory):
+    """Two forced local blocks: the decode indexer's n_local path through the engine."""
+    return write_m3_checkpoint(tmp_path_factory.mktemp("m3") / "local2", vl=False, seed=3,
+                               text={"index_local_blocks": 2})
+
+
+@pytest.mark.parametrize("which", ["checkpoint", "checkpoint_local2"])
+def test_engine_greedy_tokens_match_transformers_generate(which, request) -> None:
+    directory, oracle = request.getfixturevalue(which)
     loaded = load_model(str(directory), attention_backend="msa", progress=False)
     config = EngineConfig(model=str(directory), num_pages=64, max_num_seqs=4, max_num_batched_tokens=24)
     engine = LLMEngine(config, model=loaded.model, tokenizer=loaded.tokenizer)
@@ -46,8 +54,10 @@ def test_engine_greedy_tokens_match_transformers_generate(checkpoint) -> None:
     for i, ids in enumerate(prompts):
         with torch.inference_mode():
             # An explicit mask: generate() would otherwise mask prompt tokens equal to pad_token_id.
+            # No end token (eos_token_id=[]): like ignore_eos, an end token is generated and decoding goes on
+            # (min_new_tokens would instead forbid it and pick another token).
             expected = oracle.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)),
-                                       max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
+                                       max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[])
         assert tokens[f"r{i}"] == expected[0, len(ids):].tolist(), f"prompt of {len(ids)} tokens"
 
 
