@@ -18,6 +18,10 @@ from msaserve.platform.errors import APIError
 from msaserve.platform.model_messages import ModelError
 from msaserve.platform.openai_types import ContentPart
 
+SERVE_A_VISION_MODEL = (
+    "To send images or video, serve a checkpoint with one: a directory whose config.json has a "
+    "vision_config (e.g. model_type minimax_m3_vl: `msaserve serve --model <dir>`), or the 'tiny' preset."
+)
 MEDIA_MARKER = "<|msaserve_media|>"
 """Stands for one medium in the rendered prompt text; never sent to the model as text."""
 
@@ -28,7 +32,8 @@ async def preprocess(ctx: Any, parts: list[ContentPart], info: Any) -> list[obje
     if ctx.preprocess is None or info.image_token_id is None:
         raise APIError(
             400,
-            f"{parts[0].type} content parts need a vision model; {ctx.model_name!r} accepts text only",
+            f"{parts[0].type} content parts need a vision model; {ctx.model_name!r} accepts text only: "
+            f"it has no vision tower. {SERVE_A_VISION_MODEL}",
             param="messages",
             code="unsupported_content",
         )

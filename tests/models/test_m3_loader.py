@@ -2,6 +2,7 @@
 weight is read, block-fp8 weights dequantized on load, bf16, the tokenizer and its chat template."""
 
 import json
+import re
 import shutil
 
 import pytest
@@ -176,3 +177,20 @@ def test_tokenizer_and_chat_template_match_transformers(checkpoint) -> None:
     assert '<invoke name="get_weather">\n<parameter name="city">Paris</parameter>' in text
     assert tokenizer.encode(text) == theirs(text, add_special_tokens=False)["input_ids"]
     assert EOS in tokenizer.eos_token_ids
+
+
+def test_single_file_checkpoint_loads_and_a_missing_shard_is_named(tmp_path) -> None:
+    directory, oracle = write_m3_checkpoint(tmp_path / "single", vl=False, max_shard_size="50MB")
+    assert (directory / "model.safetensors").is_file()
+    assert not (directory / "model.safetensors.index.json").exists()
+    ids = torch.randint(0, 256, (30,), generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        expected = oracle(input_ids=ids[None]).logits[0]
+    logits = logits_of(load_model(str(directory), progress=False).model, ids)
+    assert float((logits - expected).abs().max() / expected.abs().max()) <= LOGIT_RTOL
+    sharded = tmp_path / "sharded"
+    write_m3_checkpoint(sharded, vl=False)
+    (sharded / "model-00002-of-00019.safetensors").unlink()
+    with pytest.raises(CheckpointMismatch, match=re.escape(
+            "shard model-00002-of-00019.safetensors listed in model.safetensors.index.json is missing")):
+        load_model(str(sharded), progress=False)

@@ -1,5 +1,5 @@
 """MiniMax-M3 attention on msaserve's paged caches: per-head RMSNorm on q and k, partial rotary,
-and on `minimax_m3_sparse` layers the MSA index branch in M3 form (docs: DESIGN §2).
+and on `minimax_m3_sparse` layers the MSA index branch in M3 form (docs/design.md §2).
 
 Index branch: one index query per KV group (index_n_heads = Hkv) and ONE shared index-K head,
 both RMS-normed and rotated with the first index_head_dim channels of the attention's cos/sin

@@ -10,11 +10,14 @@ unchanged: page_size = index_block_size, top_k = index_topk_blocks, n_init = 0,
 n_local = index_local_blocks, one shared index-K head of index_head_dim.
 """
 
+import logging
 from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
 from msaserve.models.config import MSAConfig
+
+logger = logging.getLogger(__name__)
 
 TEXT_MODEL_TYPE = "minimax_m3_vl_text"
 VL_MODEL_TYPE = "minimax_m3_vl"
@@ -91,8 +94,9 @@ def text_config_dict(raw: dict[str, Any]) -> dict[str, Any]:
     return dict(raw)
 
 
-def m3_config_from_hf(raw: dict[str, Any]) -> M3Config:
-    """Build from a config.json dict of model_type minimax_m3_vl or minimax_m3_vl_text."""
+def _text_fields(raw: dict[str, Any]) -> dict[str, Any]:
+    """The text model's keys with transformers' defaults and its reading of legacy names applied
+    (`layer_types` / `mlp_layer_types` None when neither form gives them)."""
     given = text_config_dict(raw)
     if "num_experts" in given and "num_local_experts" not in given:  # transformers' attribute_map
         given["num_local_experts"] = given["num_experts"]
@@ -101,14 +105,19 @@ def m3_config_from_hf(raw: dict[str, Any]) -> M3Config:
     for flat, legacy in _LEGACY_SPARSE.items():
         if legacy in sparse:
             text[flat] = sparse[legacy]
-    num_layers = text["num_hidden_layers"]
-    layer_types = text.get("layer_types")
-    if layer_types is None and "sparse_attention_freq" in sparse:
+    if text.get("layer_types") is None and "sparse_attention_freq" in sparse:
         freq = sparse["sparse_attention_freq"]
-        layer_types = ["minimax_m3_sparse" if f else "full_attention" for f in freq]
-    mlp_types = text.get("mlp_layer_types")
-    if mlp_types is None and text.get("moe_layer_freq") is not None:
-        mlp_types = ["sparse" if f else "dense" for f in text["moe_layer_freq"]]
+        text["layer_types"] = ["minimax_m3_sparse" if f else "full_attention" for f in freq]
+    if text.get("mlp_layer_types") is None and text.get("moe_layer_freq") is not None:
+        text["mlp_layer_types"] = ["sparse" if f else "dense" for f in text["moe_layer_freq"]]
+    return text
+
+
+def m3_config_from_hf(raw: dict[str, Any]) -> M3Config:
+    """Build from a config.json dict of model_type minimax_m3_vl or minimax_m3_vl_text."""
+    text = _text_fields(raw)
+    num_layers = text["num_hidden_layers"]
+    layer_types, mlp_types = text.get("layer_types"), text.get("mlp_layer_types")
     rope = dict(text.get("rope_parameters") or {})
     rope_type = rope.get("rope_type", "default")
     if rope_type != "default":
@@ -116,6 +125,12 @@ def m3_config_from_hf(raw: dict[str, Any]) -> M3Config:
     theta = rope.get("rope_theta", text.get("rope_theta", _DEFAULT_THETA))
     partial = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 1.0))
     head_dim = text.get("head_dim") or text["hidden_size"] // text["num_attention_heads"]
+    rotary_dim = int(head_dim * partial)
+    if "rotary_dim" in text and text["rotary_dim"] != rotary_dim:
+        # transformers rotates head_dim · partial_rotary_factor channels and never reads rotary_dim;
+        # msaserve follows the reference code.
+        logger.warning("config.json has rotary_dim=%s but head_dim · partial_rotary_factor = %s: rotating %s "
+                       "channels, as transformers does", text["rotary_dim"], rotary_dim, rotary_dim)
     eos = text.get("eos_token_id")
     eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
     if text["index_n_heads"] != text["num_key_value_heads"]:
@@ -133,7 +148,7 @@ def m3_config_from_hf(raw: dict[str, Any]) -> M3Config:
         top_k=text["index_topk_blocks"], n_init=0, n_local=text["index_local_blocks"],
         bos_token_id=text["bos_token_id"], eos_token_id=eos_ids[0] if eos_ids else None,
         pad_token_id=text["pad_token_id"], image_token_id=image_id, video_token_id=video_id,
-        rotary_dim=int(head_dim * partial),
+        rotary_dim=rotary_dim,
         layer_types=tuple(layer_types or ["full_attention"] * num_layers),
         mlp_layer_types=tuple(mlp_types or ["sparse"] * num_layers),
         dense_intermediate_size=text["dense_intermediate_size"],

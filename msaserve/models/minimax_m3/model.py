@@ -86,6 +86,11 @@ class M3ForCausalLM(nn.Module):
             x = layer(x, meta, cache, rotary, ops)
         return self.norm(x)
 
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """Layers that attend densely whatever the backend (full_attention): they read every page."""
+        return tuple(i for i, kind in enumerate(self.config.layer_types) if kind == "full_attention")
+
     def fuse_projections(self) -> None:
         """The runner calls this after loading; M3's projections run unfused (nothing to do)."""
 
