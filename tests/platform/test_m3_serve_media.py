@@ -39,10 +39,16 @@ def server(tmp_path_factory):
     port, dashboard = free_port(), free_port()
     log_path = directory.parent / "serve.log"
     log = open(log_path, "w")  # noqa: SIM115 (closed below; the process writes to it)
+    repo = str(Path(__file__).parents[2])
+    env = {
+        **os.environ,
+        "PYTHONUNBUFFERED": "1",
+        "PYTHONPATH": os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p),
+    }
     process = subprocess.Popen(
         [MSASERVE, "serve", "--model", str(directory), "--port", str(port),
          "--dashboard-port", str(dashboard)],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        stdout=log, stderr=subprocess.STDOUT, env=env,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 240
@@ -53,7 +59,10 @@ def server(tmp_path_factory):
         yield client, directory, oracle
     finally:
         process.send_signal(signal.SIGINT)
-        process.wait(timeout=90)
+        try:
+            process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            process.kill()
         log.close()
 
 
