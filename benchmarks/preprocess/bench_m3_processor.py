@@ -24,6 +24,7 @@ import json
 import platform
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from datetime import UTC, datetime
@@ -36,9 +37,11 @@ from PIL import Image
 
 from msaserve.preprocess.minimax_m3.config import M3ProcessorConfig
 from msaserve.preprocess.minimax_m3.processor import M3Preprocessor
-from tests.preprocess.m3_oracle import processors  # first: enables torchvision for transformers
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+from m3_oracle import processors  # noqa: E402  (before transformers: it enables torchvision)
+
 RESULTS = ROOT / "benchmarks" / "results" / "preprocess_m3.json"
 COMMAND = "OMP_NUM_THREADS=1 PYTHONPATH=. .venv/bin/python benchmarks/preprocess/bench_m3_processor.py"
 IMAGE_CLASSES = {

@@ -4,17 +4,22 @@ decode) gives transformers' greedy tokens: 64 new tokens, compared with `generat
 MiniMaxM3SparseForConditionalGeneration on the same pixel values (which the processor tests show
 equal transformers' processors' own)."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from m3_checkpoint import one_cpu_thread, write_m3_checkpoint
 from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "preprocess"))
+from preprocess_media import encode_image, make_video, photo_array
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.types import GenerateRequest, SamplingParams
 from msaserve.models.loader import load_model
 from msaserve.preprocess.minimax_m3.processor import M3Preprocessor
-from tests.preprocess.preprocess_media import encode_image, make_video, photo_array
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures(one_cpu_thread.__name__)

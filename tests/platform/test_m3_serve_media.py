@@ -21,8 +21,11 @@ from PIL import Image
 
 from msaserve.platform.media import MEDIA_MARKER
 from msaserve.preprocess.minimax_m3.processor import M3Preprocessor
-from tests.models.m3_checkpoint import write_m3_checkpoint
-from tests.preprocess.preprocess_media import encode_image, make_video, photo_array
+
+for _folder in ("models", "preprocess"):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / _folder))
+from m3_checkpoint import write_m3_checkpoint  # noqa: E402
+from preprocess_media import encode_image, make_video, photo_array  # noqa: E402
 
 pytestmark = pytest.mark.slow
 transformers = pytest.importorskip("transformers")

@@ -6,15 +6,15 @@ import io
 
 import numpy as np
 import pytest
+from m3_oracle import m3_tokenizer, processors
 from PIL import Image
+from preprocess_media import encode_image, make_video, photo_array
 
 from msaserve.preprocess.config import PreprocessConfig
 from msaserve.preprocess.errors import MediaError
 from msaserve.preprocess.minimax_m3.config import M3ProcessorConfig, is_m3_processor
 from msaserve.preprocess.minimax_m3.processor import M3Preprocessor
 from msaserve.preprocess.minimax_m3.text import IMAGE_TOKEN, VIDEO_TOKEN
-from tests.preprocess.m3_oracle import m3_tokenizer, processors
-from tests.preprocess.preprocess_media import encode_image, make_video, photo_array
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ORACLE_SITE = Path(__file__).resolve().parents[2] / ".oracle-site"
+ORACLE_SITE = Path(__file__).resolve().parents[1] / ".oracle-site"
 _DETECTION_OPS = ("nms", "qnms")
 
 
