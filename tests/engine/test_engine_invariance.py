@@ -3,12 +3,12 @@ batch composition, prefix-cache hit or miss, preemption by swap or by recompute.
 longer than K·P = 64 tokens of the tiny preset, so the MSA selection is really sparse."""
 
 import pytest
+import reference_decode
 import torch
 from engine_helpers import collect, greedy, make_engine, random_prompt, run_to_completion
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.types import GenerateRequest, SamplingParams
-from msaserve.models import reference_decode
 
 LENGTHS = [150, 71, 97, 20, 130, 66]
 MAX_TOKENS = 12

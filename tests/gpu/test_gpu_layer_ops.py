@@ -13,11 +13,11 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
+from reference_decode import SequenceState, step_metadata
 from test_kernels_layer_ops_cases import check_add_rms_norm, check_rotary_and_write, check_silu_mul
 
 from msaserve.kernels.layer_ops import get_layer_ops
 from msaserve.models.loader import load_model
-from msaserve.models.reference_decode import SequenceState, step_metadata
 
 TRITON, NAIVE = get_layer_ops("cuda"), get_layer_ops("cpu")  # the spec runs on any device
 BF16 = torch.bfloat16

@@ -91,7 +91,7 @@ def record_reader(config: ServeConfig, engine: LLMEngine):
 
     kv_dtype, index_dtype = cache_dtypes(engine.config)
     identity = identity_for(engine.model.config, config.model.resolved_name(), kv_dtype, index_dtype)
-    client = KVCacheClient.connect(ServiceConfig.from_platform(config.kvcache), identity)
+    client = KVCacheClient.connect(ServiceConfig.from_settings(config.kvcache), identity)
 
     def read(session_id: str) -> list[int] | None:
         try:
