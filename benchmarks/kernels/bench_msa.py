@@ -449,8 +449,8 @@ def main() -> None:
     parser.add_argument("--git-revision", default="unknown")
     parser.add_argument("--skip-1m-prefill", action="store_true")
     parser.add_argument("--only", default="ceil,decode,prefill,production")
-    parser.add_argument("--cases", type=Path,
-                        default=Path(__file__).resolve().parents[1] / "data" / "msa_prefill_benchmark_cases_v1.json")
+    cases = Path(__file__).resolve().parents[1] / "data" / "msa_prefill_benchmark_cases_v1.json"
+    parser.add_argument("--cases", type=Path, default=cases)
     args = parser.parse_args()
     torch.manual_seed(0)
     command = "python benchmarks/kernels/bench_msa.py --out benchmarks/results"
