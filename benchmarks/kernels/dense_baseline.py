@@ -1,0 +1,71 @@
+"""The best dense attention at one shape, for the kernel benchmarks: every candidate of
+msaserve/kernels/dense (SDPA cuDNN / flash / efficient / SDPA's own choice, FlexAttention,
+flash-attn-4 when installed) timed on the same inputs, plus, for decode, the paged flash-decoding
+kernel reading the same K/V from a paged cache. Outputs are checked against the first candidate
+(relative L2 error, msaserve/kernels/dense/select.py); the fastest that agrees is the baseline.
+"""
+
+import math
+
+import torch
+
+from msaserve.kernels.dense import paged_decode
+from msaserve.kernels.dense.select import Choice, DenseSelector, cuda_event_timer, key_for
+
+PAGED = "paged_triton"
+
+
+def contiguous_inputs(batch: int, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int,
+                      dtype: torch.dtype = torch.bfloat16, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random q [B, Hq, Tq, D], k/v [B, Hkv, T, D] on CUDA (never zeros: see METHOD.md)."""
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    shape_kv = (batch, kv_heads, kv_len, head_dim)
+    return {"q": torch.randn(batch, q_heads, q_len, head_dim, device="cuda", dtype=dtype, generator=gen),
+            "k": torch.randn(shape_kv, device="cuda", dtype=dtype, generator=gen),
+            "v": torch.randn(shape_kv, device="cuda", dtype=dtype, generator=gen)}
+
+
+def paged_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, page_size: int = 128):
+    """The paged decode kernel over the same K/V laid out as pages ([B·T/P, P, Hkv, D], one block
+    table row per sequence) → a call returning o in SDPA's layout [B, Hq, Tq, D]. The page copies
+    are made once here, outside the timed call."""
+    batch, kv_heads, kv_len, head_dim = k.shape
+    pages = kv_len // page_size
+
+    def to_pages(t: torch.Tensor) -> torch.Tensor:
+        return t.view(batch, kv_heads, pages, page_size, head_dim).permute(0, 2, 3, 1, 4).reshape(
+            batch * pages, page_size, kv_heads, head_dim)
+
+    k_cache, v_cache = to_pages(k), to_pages(v)
+    tables = torch.arange(batch * pages, device=k.device, dtype=torch.int32).view(batch, pages)
+    seq_lens = torch.full((batch,), kv_len, device=k.device, dtype=torch.int32)
+    q_paged = q.transpose(1, 2).contiguous()  # [B, Tq, Hq, D]
+    args = (q_paged, k_cache, v_cache, tables, seq_lens, scale)
+    return lambda: paged_decode.dense_decode(*args).transpose(1, 2)
+
+
+def best_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool = False,
+               only: set[str] | None = None, reps: int = 5) -> Choice:
+    """Time every applicable candidate (those named in `only`, if given) on these inputs; with
+    paged=True (decode shapes; T a multiple of 128) the paged kernel too. → the Choice (winner,
+    times_ms per candidate, errors for those that refused or disagreed)."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    selector = DenseSelector(timer=cuda_event_timer(reps))
+    runs = {name: fn for name, fn in selector.runs(q, k, v, scale).items() if only is None or name in only}
+    if paged and (only is None or PAGED in only):
+        runs[PAGED] = paged_run(q, k, v, scale)
+    choice = selector.choose_among(key_for(q, k), runs)
+    runs.clear()
+    torch.cuda.empty_cache()
+    return choice
+
+
+def attention_flops(batch: int, q_heads: int, q_len: int, kv_len: int, head_dim: int) -> float:
+    """QKᵀ and PV over the visible keys (lower-right causal): query i sees T - Tq + i + 1 keys."""
+    keys = q_len * (kv_len - q_len) + q_len * (q_len + 1) / 2
+    return 4.0 * batch * q_heads * head_dim * keys
+
+
+def kv_bytes(batch: int, kv_heads: int, kv_len: int, head_dim: int, elem: int = 2) -> float:
+    """K and V read once."""
+    return 2.0 * batch * kv_heads * kv_len * head_dim * elem
