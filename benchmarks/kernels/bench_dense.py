@@ -6,9 +6,11 @@ bf16), and which one won: the baseline that bench_msa.py's ratios divide by.
 Cases: full causal 16K / 128K / 256K, a 16K chunk at the end of a 128K and of a 1M KV (lower-right
 causal), decode over 1M tokens at batch 1 and 8 (contiguous K/V for the SDPA-style candidates, a
 paged cache for the paged flash-decoding kernel). Each candidate: one warm-up call, then the median
-of 5 event-timed calls (one call when a call takes over a second). A candidate that refuses the
-shape or whose output differs from the first candidate's (relative L2 > 2e-2) is listed with its
-reason. Cases past --budget-s are skipped and listed as such. Writes DIR/dense_baselines.json.
+of 5 event-timed calls (one call when a call takes over a second); decode shapes replay a CUDA
+graph of the call instead (flex and fa4 stay event-timed: dense_baseline.GRAPH_CAPTURED). A
+candidate that refuses the shape or whose output differs from the first candidate's (relative
+L2 > 2e-2) is listed with its reason. Cases past --budget-s are skipped and listed as such.
+Writes DIR/dense_baselines.json.
 """
 
 import argparse
@@ -22,7 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dense_baseline import attention_flops, best_dense, contiguous_inputs, kv_bytes
+from dense_baseline import attention_flops, best_dense, contiguous_inputs, graph_timer, kv_bytes
 
 from msaserve.kernels.dense.candidates import CANDIDATES, fa4_available
 
@@ -43,7 +45,8 @@ CASES = {
 def run_case(name: str, batch: int, q_len: int, kv_len: int, only: set[str] | None) -> dict:
     t = contiguous_inputs(batch, HQ, HKV, q_len, kv_len, D)
     started = time.time()
-    choice = best_dense(t["q"], t["k"], t["v"], paged=q_len == 1, only=only)
+    timer = graph_timer() if q_len <= 16 else None  # decode: graph replays, as the MSA step is timed
+    choice = best_dense(t["q"], t["k"], t["v"], paged=q_len == 1, only=only, timer=timer)
     t.clear()
     torch.cuda.empty_cache()
     best = choice.times_ms[choice.winner]

@@ -10,9 +10,30 @@ import math
 import torch
 
 from msaserve.kernels.dense import paged_decode
-from msaserve.kernels.dense.select import Choice, DenseSelector, cuda_event_timer, key_for
+from msaserve.kernels.dense.candidates import CANDIDATES
+from msaserve.kernels.dense.select import Choice, DenseSelector, Timer, cuda_event_timer, key_for
 
 PAGED = "paged_triton"
+ALL_NAMES = [*CANDIDATES, PAGED]
+# Candidates whose calls are captured in a CUDA graph for timing small (decode) shapes, as the MSA
+# decode step is: their time then holds no host launch gaps. flex and fa4 are timed eagerly
+# (events around the call): a compiled or DSL-launched call is not known to be capturable.
+GRAPH_CAPTURED = {"sdpa_default", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", PAGED}
+
+
+def graph_timer(reps: int = 20) -> Timer:
+    """Graph-replay timing for GRAPH_CAPTURED candidates, event timing for the others."""
+    from msa_baselines import time_graph_ms
+
+    events = cuda_event_timer(5)
+    return lambda name, fn: time_graph_ms(fn, reps=reps) if name in GRAPH_CAPTURED else events(name, fn)
+
+
+def candidate_row(case: str, choice: Choice, **extra: object) -> dict:
+    """One row of the benchmark's `dense_candidates` table: every candidate's ms (nan: did not run)."""
+    row = {"case": case, "winner": choice.winner, "best_ms": choice.times_ms[choice.winner], **extra}
+    row.update({f"{name}_ms": choice.times_ms.get(name, float("nan")) for name in ALL_NAMES})
+    return row
 
 
 def contiguous_inputs(batch: int, q_heads: int, kv_heads: int, q_len: int, kv_len: int, head_dim: int,
@@ -45,12 +66,12 @@ def paged_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, p
 
 
 def best_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool = False,
-               only: set[str] | None = None, reps: int = 5) -> Choice:
+               only: set[str] | None = None, reps: int = 5, timer: Timer | None = None) -> Choice:
     """Time every applicable candidate (those named in `only`, if given) on these inputs; with
     paged=True (decode shapes; T a multiple of 128) the paged kernel too. → the Choice (winner,
     times_ms per candidate, errors for those that refused or disagreed)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
-    selector = DenseSelector(timer=cuda_event_timer(reps))
+    selector = DenseSelector(timer=timer or cuda_event_timer(reps))
     runs = {name: fn for name, fn in selector.runs(q, k, v, scale).items() if only is None or name in only}
     if paged and (only is None or PAGED in only):
         runs[PAGED] = paged_run(q, k, v, scale)
