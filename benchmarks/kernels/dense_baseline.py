@@ -6,6 +6,7 @@ kernel reading the same K/V from a paged cache. Outputs are checked against the 
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -46,35 +47,43 @@ def contiguous_inputs(batch: int, q_heads: int, kv_heads: int, q_len: int, kv_le
             "v": torch.randn(shape_kv, device="cuda", dtype=dtype, generator=gen)}
 
 
-def paged_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, page_size: int = 128):
-    """The paged decode kernel over the same K/V laid out as pages ([B·T/P, P, Hkv, D], one block
-    table row per sequence) → a call returning o in SDPA's layout [B, Hq, Tq, D]. The page copies
-    are made once here, outside the timed call."""
-    batch, kv_heads, kv_len, head_dim = k.shape
+def to_pages(t: torch.Tensor, page_size: int = 128) -> torch.Tensor:
+    """[B, Hkv, T, D] → [B·T/P, P, Hkv, D] (a copy): sequence b's pages are b·T/P .. (b+1)·T/P - 1."""
+    batch, kv_heads, kv_len, head_dim = t.shape
     pages = kv_len // page_size
+    return t.view(batch, kv_heads, pages, page_size, head_dim).permute(0, 2, 3, 1, 4).reshape(
+        batch * pages, page_size, kv_heads, head_dim)
 
-    def to_pages(t: torch.Tensor) -> torch.Tensor:
-        return t.view(batch, kv_heads, pages, page_size, head_dim).permute(0, 2, 3, 1, 4).reshape(
-            batch * pages, page_size, kv_heads, head_dim)
 
-    k_cache, v_cache = to_pages(k), to_pages(v)
-    tables = torch.arange(batch * pages, device=k.device, dtype=torch.int32).view(batch, pages)
-    seq_lens = torch.full((batch,), kv_len, device=k.device, dtype=torch.int32)
+def paged_call(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+               seq_lens: torch.Tensor, scale: float):
+    """The paged decode kernel as a zero-argument call: q [B, Hq, Tq, D] in SDPA's layout → o in
+    that layout, the K/V read from the paged cache."""
     q_paged = q.transpose(1, 2).contiguous()  # [B, Tq, Hq, D]
     args = (q_paged, k_cache, v_cache, tables, seq_lens, scale)
     return lambda: paged_decode.dense_decode(*args).transpose(1, 2)
 
 
-def best_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool = False,
+def paged_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, page_size: int = 128):
+    """paged_call over the same K/V laid out as pages (copied once here, outside the timed call)."""
+    batch, _, kv_len, _ = k.shape
+    pages = kv_len // page_size
+    tables = torch.arange(batch * pages, device=k.device, dtype=torch.int32).view(batch, pages)
+    seq_lens = torch.full((batch,), kv_len, device=k.device, dtype=torch.int32)
+    return paged_call(q, to_pages(k, page_size), to_pages(v, page_size), tables, seq_lens, scale)
+
+
+def best_dense(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paged: bool | Callable = False,
                only: set[str] | None = None, reps: int = 5, timer: Timer | None = None) -> Choice:
     """Time every applicable candidate (those named in `only`, if given) on these inputs; with
-    paged=True (decode shapes; T a multiple of 128) the paged kernel too. → the Choice (winner,
-    times_ms per candidate, errors for those that refused or disagreed)."""
+    paged=True (decode shapes; T a multiple of 128) the paged kernel too, over page copies of k/v
+    (or `paged` itself as that call, over caches the caller holds). → the Choice (winner, times_ms
+    per candidate, errors for those that refused or disagreed)."""
     scale = 1.0 / math.sqrt(q.shape[-1])
     selector = DenseSelector(timer=timer or cuda_event_timer(reps))
     runs = {name: fn for name, fn in selector.runs(q, k, v, scale).items() if only is None or name in only}
     if paged and (only is None or PAGED in only):
-        runs[PAGED] = paged_run(q, k, v, scale)
+        runs[PAGED] = paged if callable(paged) else paged_run(q, k, v, scale)
     choice = selector.choose_among(key_for(q, k), runs)
     runs.clear()
     torch.cuda.empty_cache()
