@@ -8,9 +8,10 @@ P 128, top-16, bf16 KV). One layer.
 Per case: the MSA step (decode indexer over the index cache, bf16 keys and fp8 keys, then sparse
 attention over the selected blocks), each a CUDA graph replayed (median); the best dense decode of
 the same queries over the same K/V: the paged flash-decoding kernel on the paged cache, and, where
-a contiguous copy of K and V fits (--contiguous-gb), SDPA's cuDNN / flash / efficient backends and
-SDPA's own choice on it (graph-replayed too; FlexAttention and flash-attn-4 are left out here: they
-compile per shape, and bench_dense.py times them at 1M). Bandwidth = bytes that must be read (index
+a contiguous copy of K and V fits (--contiguous-gb), SDPA's cuDNN / flash / efficient backends,
+SDPA's own choice, and the split (mask-free + causal square, LSE-merged) cuDNN / flash forms on it
+(graph-replayed too; FlexAttention and flash-attn-4 are left out here: they compile per shape, and
+bench_dense.py times them at 1M). Bandwidth = bytes that must be read (index
 keys, the distinct selected KV blocks; dense: all of K and V) over the time. Writes
 DIR/decode_suite.json (`kernels.decode_suite`: the table; value = median bf16-index ratio).
 """
@@ -27,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dense_baseline import PAGED, best_dense, graph_timer, paged_call, to_pages
+from dense_baseline import NOT_COMPILED, PAGED, best_dense, graph_timer, paged_call, to_pages
 from msa_baselines import index_keys, time_graph_ms
 
 from msaserve.kernels.dense.select import Choice
@@ -36,7 +37,6 @@ from msaserve.kernels.dispatch import get_ops
 HQ, HKV, D, HKI, DI, P, TOP_K, N_INIT = 64, 4, 128, 1, 128, 128, 16, 1
 BF16 = torch.bfloat16
 OPS = get_ops("triton", "cuda")
-SDPA_ONLY = {"sdpa_default", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", PAGED}
 
 
 def distinct_blocks(selected: torch.Tensor) -> int:
@@ -86,7 +86,7 @@ def run_case(batch: int, context: int, num_q: int, contiguous_gb: float) -> dict
     q_sdpa = q.transpose(1, 2).contiguous()  # [B, Hq, Q, D]
     paged = paged_call(q_sdpa, c["k_cache"], c["v_cache"], tables, seq_lens, scale)
     if "k" in c:
-        dense = best_dense(q_sdpa, c["k"], c["v"], paged=paged, only=SDPA_ONLY, timer=graph_timer())
+        dense = best_dense(q_sdpa, c["k"], c["v"], paged=paged, only=NOT_COMPILED, timer=graph_timer())
     else:
         dense = Choice(PAGED, {PAGED: time_graph_ms(paged)}, {"contiguous": f"skipped: K+V {kv_gb:.0f} GB"})
     t_dense = dense.times_ms[dense.winner]

@@ -25,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dense_baseline import best_dense, candidate_row, graph_timer
+from dense_baseline import NOT_COMPILED, best_dense, candidate_row, graph_timer
 from msa_baselines import (
     FlexMSA,
     copy_bandwidth_tbps,
@@ -139,7 +139,8 @@ def bench_decode(report: Report, ceil: dict, context: int, batch: int, naive: bo
     kv = {"k": torch.randn(batch, HKV, context, D, device="cuda", dtype=BF16)}
     kv["v"] = torch.randn_like(kv["k"])
     qd = q.view(batch, HQ, 1, D)
-    dense = best_dense(qd, kv["k"], kv["v"], paged=True, timer=graph_timer())
+    only = None if context == 1 << 20 else NOT_COMPILED  # flex / fa4 compile per shape: at 1M only
+    dense = best_dense(qd, kv["k"], kv["v"], paged=True, timer=graph_timer(), only=only)
     t_dense = dense.times_ms[dense.winner]
     report.row("dense_candidates", **candidate_row(f"decode {context} x {batch}", dense))
     kv.clear()
@@ -331,7 +332,10 @@ def dense_prefill_choice(report: Report, context: int) -> Choice:
     t = {"q": torch.randn(1, HQ, context, D, device="cuda", dtype=BF16),
          "k": torch.randn(1, HKV, context, D, device="cuda", dtype=BF16),
          "v": torch.randn(1, HKV, context, D, device="cuda", dtype=BF16)}
-    choice = best_dense(t["q"], t["k"], t["v"], reps=2)
+    # At 256K only the candidates that can win there (sdpa_efficient ran 3x slower than the winner
+    # at 128K and 256K, flex 1.6x at 16K, in bench_dense.py at dd9cf51): a minute of GPU time less.
+    only = {"sdpa_default", "sdpa_cudnn", "sdpa_flash", "fa4"} if context > 131072 else None
+    choice = best_dense(t["q"], t["k"], t["v"], reps=2, only=only)
     t.clear()
     torch.cuda.empty_cache()
     best = choice.times_ms[choice.winner]

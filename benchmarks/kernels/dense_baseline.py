@@ -19,7 +19,11 @@ ALL_NAMES = [*CANDIDATES, PAGED]
 # Candidates whose calls are captured in a CUDA graph for timing small (decode) shapes, as the MSA
 # decode step is: their time then holds no host launch gaps. flex and fa4 are timed eagerly
 # (events around the call): a compiled or DSL-launched call is not known to be capturable.
-GRAPH_CAPTURED = {"sdpa_default", "sdpa_cudnn", "sdpa_flash", "sdpa_efficient", PAGED}
+GRAPH_CAPTURED = {"sdpa_default", "sdpa_default_gqa", "sdpa_cudnn", "sdpa_cudnn_gqa", "sdpa_flash",
+                  "sdpa_efficient", "cudnn_split", "flash_split", PAGED}
+# Candidates compiled per shape (minutes over a grid of shapes): left out where many shapes are timed.
+COMPILED_PER_SHAPE = {"flex", "fa4"}
+NOT_COMPILED = set(ALL_NAMES) - COMPILED_PER_SHAPE
 
 
 def graph_timer(reps: int = 20) -> Timer:

@@ -20,7 +20,7 @@ from msaserve.kernels.random_inputs import make_paged_inputs
 
 BF16 = torch.bfloat16
 # Optional packages (flash-attn-4) and backends a GPU may lack: they must refuse, never be wrong.
-MAY_REFUSE = {"fa4", "sdpa_cudnn", "sdpa_efficient"}
+MAY_REFUSE = {"fa4", "sdpa_cudnn", "sdpa_cudnn_gqa", "sdpa_efficient", "cudnn_split"}
 
 
 def _reference(q, k, v, scale):

@@ -27,6 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from msaserve.kernels.dense.split import SplitUnsupported, split_lower_right
+
 MASK_KINDS = ("causal", "chunk", "decode")
 
 
@@ -171,7 +173,8 @@ def _flex_block_mask(batch: int, q_len: int, kv_len: int, device: str) -> object
     def lower_right(b, h, q_idx, kv_idx):
         return kv_idx <= q_idx + offset
 
-    return create_block_mask(lower_right, None, None, q_len, kv_len, device=device)
+    # _compile: without it the mask is evaluated on the whole [Tq, T] grid at once (128 GiB at 128K).
+    return create_block_mask(lower_right, None, None, q_len, kv_len, device=device, _compile=True)
 
 
 def _flex(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
@@ -211,15 +214,50 @@ def _fa4(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> tor
     return out.transpose(1, 2)
 
 
+def _sdpa_decode_gqa(backend: SDPBackend | None) -> Callable[..., torch.Tensor]:
+    """Decode (Tq == 1) with the KV heads as stored through SDPA's enable_gqa, not folded: the
+    layout a user of SDPA would write; some backends run it faster than the folded one."""
+
+    def run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        if q.shape[2] != 1:
+            raise Unsupported("decode only")
+        try:
+            if backend is None:
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+            with sdpa_kernel([backend]):
+                return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+        except RuntimeError as exc:
+            raise Unsupported(f"{backend}: {exc}") from exc
+
+    return run
+
+
+def _split(backend: str) -> Callable[..., torch.Tensor]:
+    """A chunk as a mask-free part and a square causal part merged by LSE (split.py)."""
+    run = split_lower_right(backend)
+
+    def call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+        try:
+            return run(q, k, v, scale)
+        except SplitUnsupported as exc:
+            raise Unsupported(str(exc)) from exc
+
+    return call
+
+
 _ALL = frozenset(MASK_KINDS)
 _NO_CHUNK = frozenset({"causal", "decode"})
 
 CANDIDATES: dict[str, Candidate] = {c.name: c for c in (
     Candidate("sdpa_default", _ALL, _sdpa_default, cuda_only=False),
+    Candidate("sdpa_default_gqa", frozenset({"decode"}), _sdpa_decode_gqa(None)),
+    Candidate("sdpa_cudnn_gqa", frozenset({"decode"}), _sdpa_decode_gqa(SDPBackend.CUDNN_ATTENTION)),
     Candidate("sdpa_cudnn", _NO_CHUNK, _sdpa_forced(SDPBackend.CUDNN_ATTENTION)),
     Candidate("sdpa_flash", _ALL, _flash_lower_right),
     Candidate("sdpa_efficient", _ALL, _efficient_lower_right),
     Candidate("flex", _ALL, _flex),
+    Candidate("cudnn_split", frozenset({"chunk"}), _split("cudnn")),
+    Candidate("flash_split", frozenset({"chunk"}), _split("flash")),
     Candidate("fa4", _ALL, _fa4),
 )}
 
