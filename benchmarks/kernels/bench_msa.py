@@ -490,6 +490,8 @@ def autotuned_configs() -> dict:
     return {name: {str(key): str(cfg) for key, cfg in getattr(k, "cache", {}).items()}
             for name, k in kernels.items()}
 
+CASES = Path(__file__).resolve().parents[1] / "data" / "msa_prefill_benchmark_cases_v1.json"
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -501,8 +503,7 @@ def main() -> None:
     parser.add_argument("--measure-1m-dense", action="store_true",
                         help="run the 256K dense winner once at 1M (~30 s) instead of extrapolating x16")
     parser.add_argument("--only", default="ceil,decode,prefill,production")
-    cases = Path(__file__).resolve().parents[1] / "data" / "msa_prefill_benchmark_cases_v1.json"
-    parser.add_argument("--cases", type=Path, default=cases)
+    parser.add_argument("--cases", type=Path, default=CASES)
     args = parser.parse_args()
     torch.manual_seed(0)
     global EXPLORE
