@@ -11,12 +11,13 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from kernel_inputs import make_paged_inputs
+
 from msaserve.kernels.dense import gpu
 from msaserve.kernels.dense.candidates import CANDIDATES, Unsupported, mask_kind
 from msaserve.kernels.dense.naive import dense_decode as naive_dense_decode
 from msaserve.kernels.dense.naive import dense_prefill as naive_dense_prefill
 from msaserve.kernels.dense.select import DenseSelector, key_for
-from msaserve.kernels.random_inputs import make_paged_inputs
 
 BF16 = torch.bfloat16
 # Optional packages (flash-attn-4) and backends a GPU may lack: they must refuse, never be wrong.
