@@ -24,9 +24,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dense_baseline import attention_flops, best_dense, contiguous_inputs, graph_timer, kv_bytes
+from dense_baseline import PAGED, attention_flops, best_dense, contiguous_inputs, graph_timer, kv_bytes
 
 from msaserve.kernels.dense.candidates import CANDIDATES, fa4_available
+from msaserve.kernels.dense.select import DenseSelector, key_for
 
 HQ, HKV, D = 64, 4, 128
 K16, K128, M1 = 16384, 131072, 1 << 20
@@ -42,11 +43,14 @@ CASES = {
 }
 
 
-def run_case(name: str, batch: int, q_len: int, kv_len: int, only: set[str] | None) -> dict:
+def run_case(name: str, batch: int, q_len: int, kv_len: int, only: set[str] | None,
+             cache: DenseSelector | None = None) -> dict:
     t = contiguous_inputs(batch, HQ, HKV, q_len, kv_len, D)
     started = time.time()
     timer = graph_timer() if q_len <= 16 else None  # decode: graph replays, as the MSA step is timed
     choice = best_dense(t["q"], t["k"], t["v"], paged=q_len == 1, only=only, timer=timer)
+    if cache is not None and PAGED not in choice.times_ms:  # the engine's contiguous keys only
+        cache.record(key_for(t["q"], t["k"]), choice)
     t.clear()
     torch.cuda.empty_cache()
     best = choice.times_ms[choice.winner]
@@ -81,17 +85,20 @@ def main() -> None:
     parser.add_argument("--git-revision", default="unknown")
     parser.add_argument("--cases", default=",".join(CASES))
     parser.add_argument("--candidates", default="", help="comma-separated subset (default: all)")
+    parser.add_argument("--selector-cache", type=Path, default=None,
+                        help="also write the prefill choices where MSASERVE_DENSE_CACHE can point the engine")
     parser.add_argument("--budget-s", type=float, default=1e9, help="skip cases past this many seconds")
     args = parser.parse_args()
     torch.manual_seed(0)
     only = set(args.candidates.split(",")) if args.candidates else None
+    cache = DenseSelector(cache_path=args.selector_cache) if args.selector_cache else None
     started, rows = time.time(), []
     for name in args.cases.split(","):
         if time.time() - started > args.budget_s:
             rows.append({"case": name, "skipped": f"past the {args.budget_s:.0f} s budget"})
             continue
         try:
-            rows.append(run_case(name, *CASES[name], only))
+            rows.append(run_case(name, *CASES[name], only, cache))
         except Exception as exc:  # a failed case is reported, the others still run
             rows.append({"case": name, "skipped": f"failed: {exc!r}"[:400]})
             torch.cuda.empty_cache()

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from msaserve.kernels.dense import candidates as cands
 from msaserve.kernels.dense.candidates import Candidate, Unsupported, mask_kind
-from msaserve.kernels.dense.select import DenseSelector, bucket, key_for
+from msaserve.kernels.dense.select import Choice, DenseSelector, bucket, key_for
 
 ALL = frozenset(cands.MASK_KINDS)
 
@@ -163,3 +163,17 @@ def test_only_sdpa_applies_on_cpu() -> None:
 
 def test_bucket() -> None:
     assert [bucket(n) for n in (1, 2, 3, 64, 65, 131072, 131073)] == [1, 2, 4, 64, 128, 131072, 262144]
+
+
+def test_recorded_choice_is_used_without_measuring(tmp_path) -> None:
+    """A benchmark records its measured choice into a cache file; a serving selector reading that file
+    runs the recorded winner and times nothing."""
+    path = tmp_path / "dense.json"
+    q, k, v = inputs(16, 64)
+    bench = DenseSelector({n: fake(n) for n in "ab"}, cache_path=path)
+    bench.record(key_for(q, k), Choice("a", {"a": 1.0, "b": 2.0}))
+    never = Timings({})
+    serving = DenseSelector({n: fake(n) for n in "ab"}, timer=never, cache_path=path)
+    torch.testing.assert_close(serving.attention(q, k, v, 0.25).double(), reference(q, k, v, 0.25),
+                               atol=1e-5, rtol=1e-4)
+    assert never.calls == [] and serving.measurements == 0

@@ -124,6 +124,12 @@ class DenseSelector:
         self._save()
         return choice
 
+    def record(self, key: ShapeKey, choice: Choice) -> None:
+        """Store a choice measured elsewhere (bench_dense.py --selector-cache writes a cache file the
+        engine then reads, so a serving process measures nothing)."""
+        self.choices[key.text()] = choice
+        self._save()
+
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
         """Lower-right causal GQA attention (see candidates.py) by the fastest candidate for its key."""
         choice = self.choose_among(key_for(q, k), self.runs(q, k, v, scale))
