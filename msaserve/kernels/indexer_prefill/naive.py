@@ -1,4 +1,4 @@
-"""Reference MSA indexer (DESIGN §2): block-max scores and top-K selection, plain PyTorch.
+"""Reference MSA indexer (docs/design.md §2): block-max scores and top-K selection, plain PyTorch.
 
 This file is the specification the Triton kernels are tested against. It favours clarity over
 speed but processes queries in bounded chunks so that it also serves CPU inference.
