@@ -2,7 +2,7 @@
 `<op>/triton.py` (the GPU kernel); `dispatch.get_ops` resolves a backend (a module in `backends/`)
 into one set.
 
-Shared conventions (DESIGN §2–3):
+Shared conventions (docs/design.md §2–3):
 - caches: `k_cache, v_cache [num_pages, P, Hkv, D]`, `index_cache [num_pages, P, HkI, DI]`;
 - `block_tables [B, max_pages] int32`: logical page → physical page (-1 = not resident);
 - `seq_lens [B] int32`: tokens of each sequence *including* this step's queries; the queries of a

@@ -46,6 +46,13 @@ def test_partial_rotary_and_write_matches_spec(heads: int, dim: int, rotary_dim:
                            rotary_dim=rotary_dim)
 
 
+def test_rotary_and_write_with_many_tokens() -> None:
+    """999 tokens of 128 dims, seed 2: the H200 test's draw, where the helper once gave tokens 0 and 256
+    one slot and the compiled kernel's write order decided the cache. The interpreter runs programs in
+    order, so here only the helper's distinct-slots assertion tells; it failed on that draw."""
+    check_rotary_and_write(TRITON, 999, 1, 128, True, 1, torch.float32, "cpu", seed=2, rotary_dim=64)
+
+
 def test_partial_rotary_spec_matches_transformers_m3() -> None:
     """The spec against transformers' MiniMax-M3 `apply_rotary_pos_emb` (cos/sin rotary_dim wide)."""
     m3 = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")

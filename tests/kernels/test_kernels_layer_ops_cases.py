@@ -50,9 +50,13 @@ def check_rotary_and_write(ops: LayerOps, tokens: int, heads: int, dim: int, rot
     wide = torch.randn(tokens, (heads + 3) * dim, generator=gen).to(device=device, dtype=dtype)
     positions = torch.randint(0, 5000, (tokens,), generator=gen).to(device)
     cos, sin = rotary_cos_sin(positions, rotary_dim or dim, 10000.0, dtype)
-    slots = torch.randperm(num_pages * page_size, generator=gen)[:tokens]
-    slots[0] = page_size - 1
-    slots = slots.to(device=device, dtype=torch.int64)
+    perm = torch.randperm(num_pages * page_size, generator=gen)
+    # Token 0 takes a page's last slot, swapped with the token that held it: slots must stay distinct,
+    # or two tokens race for one slot (a plain `slots[0] = P - 1` collided at 999 tokens, seed 2).
+    last = int((perm == page_size - 1).nonzero()[0, 0])
+    perm[[0, last]] = perm[[last, 0]]
+    slots = perm[:tokens].to(device=device, dtype=torch.int64)
+    assert slots.unique().numel() == tokens, "slots must be distinct"
     cache_dtypes = [dtype, torch.float32][:num_caches]
     results = []
     for impl in (spec, ops):

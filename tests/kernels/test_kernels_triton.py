@@ -273,3 +273,11 @@ def test_launchers_reject_bad_shapes() -> None:
         TRITON.indexer_decode(torch.randn(1, 1, 2, 32), index_cache[:, :, :1],
                               torch.zeros(1, 4, dtype=torch.int32), torch.tensor([40], dtype=torch.int32), 4,
                               fp8_scan="fast")
+
+
+def test_sparse_ops_take_m3_form_selections() -> None:
+    """The sparse kernels read whatever the indexer chose: M3's selections (no init block, two local
+    blocks) as well; nothing in them assumes block 0 is present."""
+    shape = dataclasses.replace(M3_SHAPES[1], group=4)
+    check_sparse_prefill(TRITON, NAIVE, shape, torch.float32, "cpu", seed=13)
+    check_sparse_decode(TRITON, NAIVE, shape, 2, torch.float32, "cpu", seed=13)

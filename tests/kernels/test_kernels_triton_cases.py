@@ -3,7 +3,7 @@
 
 Every check draws fresh random inputs with scattered physical pages, poisons freshly allocated
 memory (torch fills uninitialised tensors with NaN / max-int in deterministic mode), and compares:
-selections as sets up to near-ties (DESIGN §2 property 4), attention outputs given the same
+selections as sets up to near-ties (docs/design.md §2 property 4), attention outputs given the same
 selection, with the selection slots shuffled (property 3).
 """
 

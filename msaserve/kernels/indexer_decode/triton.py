@@ -1,4 +1,4 @@
-"""Decode indexer (DESIGN §2) in Triton: block-max scores of 1–16 queries per sequence against
+"""Decode indexer (docs/design.md §2) in Triton: block-max scores of 1–16 queries per sequence against
 every resident index page, and the top-K selection with the forced local/init blocks (n_local, n_init).
 
 Shape of the work: the key axis is long (up to 8K pages of P tokens) and the query axis tiny

@@ -1,4 +1,4 @@
-"""Reference MSA indexer (DESIGN §2): block-max scores and top-K selection, plain PyTorch.
+"""Reference MSA indexer (docs/design.md §2): block-max scores and top-K selection, plain PyTorch.
 
 This file is the specification the Triton kernels are tested against. It favours clarity over
 speed but processes queries in bounded chunks so that it also serves CPU inference.
@@ -66,7 +66,7 @@ def select_blocks(
     n_init: int,
     n_local: int = 1,
 ) -> torch.Tensor:
-    """MSA selection (DESIGN §2, M3 form) for queries at `positions`, c = ⌊t/P⌋:
+    """MSA selection (docs/design.md §2, M3 form) for queries at `positions`, c = ⌊t/P⌋:
     forced are the n_local blocks max(0, c-n_local+1)..c and the init blocks 0..n_init-1 (≤ c);
     the other top_k − |forced| slots take the top scores among the remaining blocks < c (ties to
     the lower block id); every block 0..c when c < top_k. n_init=1, n_local=1 is the msaserve form,

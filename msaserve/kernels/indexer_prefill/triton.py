@@ -1,4 +1,4 @@
-"""Prefill indexer (DESIGN §2) in Triton: causal block-max scores of a chunk of queries against the
+"""Prefill indexer (docs/design.md §2) in Triton: causal block-max scores of a chunk of queries against the
 paged index cache (prefix + chunk), fused with the top-K selection per (query, KV group).
 
 Each program owns a tile of rows = (query, index head sharing one key head) of one sequence and
