@@ -58,7 +58,7 @@ def load_checkpoint(
         names = [info.name for info in infos.values() if info.file == path and info.name in wanted]
         with safe_open(str(path), framework="pt", device=str(device)) as f, torch.no_grad():
             for name in names:
-                tensor = _read(f, name, plan, block, device)
+                tensor = _read(f, path, name, plan, block, device)
                 if name in plan.pieces:
                     piece = plan.pieces[name]
                     piece.view(state[piece.param]).copy_(tensor.to(dtype))
@@ -67,12 +67,14 @@ def load_checkpoint(
     return LoadedCheckpoint(model.eval(), config, vision)
 
 
-def _read(f, name: str, plan: LoadPlan, block: tuple[int, int] | None, device) -> torch.Tensor:
+def _read(f, path: Path, name: str, plan: LoadPlan, block: tuple[int, int] | None, device) -> torch.Tensor:
+    """Tensor `name` of the open shard `f` (at `path`), dequantized if it is block-fp8."""
     tensor = f.get_tensor(name)
     scale_info: TensorInfo | None = plan.scales.get(name)
     if scale_info is None:
         return tensor
     assert block is not None, "plan_load accepts fp8 weights only with a block size"
-    with safe_open(str(scale_info.file), framework="pt", device=str(device)) as g:
-        scale = g.get_tensor(scale_info.name)
-    return dequantize_blocks(tensor, scale, block)
+    if scale_info.file == path:
+        return dequantize_blocks(tensor, f.get_tensor(scale_info.name), block)
+    with safe_open(str(scale_info.file), framework="pt", device=str(device)) as g:  # in another shard
+        return dequantize_blocks(tensor, g.get_tensor(scale_info.name), block)

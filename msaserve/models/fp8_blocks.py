@@ -29,8 +29,12 @@ def fp8_block_size(raw_config: dict[str, Any]) -> tuple[int, int] | None:
 def dequantize_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
     """weight [..., R, C] fp8; scale_inv [..., ⌈R/br⌉, ⌈C/bc⌉] → fp32 weight × its block's scale."""
     rows, cols = weight.shape[-2:]
-    scale = scale_inv.float().repeat_interleave(block[0], dim=-2)[..., :rows, :]
-    scale = scale.repeat_interleave(block[1], dim=-1)[..., :cols]
+    (br, bc), lead = block, weight.shape[:-2]
+    if rows % br == 0 and cols % bc == 0:  # whole blocks (every M3 weight): broadcast, no copies
+        blocks = weight.float().view(*lead, rows // br, br, cols // bc, bc)
+        return (blocks * scale_inv.float()[..., :, None, :, None]).view(weight.shape)
+    scale = scale_inv.float().repeat_interleave(br, dim=-2)[..., :rows, :]
+    scale = scale.repeat_interleave(bc, dim=-1)[..., :cols]
     return weight.float() * scale
 
 

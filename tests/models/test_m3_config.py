@@ -2,9 +2,10 @@
 the field, the value and what is allowed."""
 
 import pytest
+import torch
 from m3_checkpoint import text_config_kwargs
 
-from msaserve.models.fp8_blocks import fp8_block_size
+from msaserve.models.fp8_blocks import dequantize_blocks, fp8_block_size, quantize_blocks
 from msaserve.models.minimax_m3.config import m3_config_from_hf
 
 
@@ -61,3 +62,18 @@ def test_quantization_config() -> None:
         fp8_block_size({"quantization_config": {"quant_method": "awq"}})
     with pytest.raises(ValueError, match=r"weight_block_size=\[128\] is invalid"):
         fp8_block_size({"quantization_config": {"quant_method": "fp8", "weight_block_size": [128]}})
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (40, 50), (3, 64, 32)])
+def test_block_dequantization_inverts_quantization_blockwise(shape) -> None:
+    """Whole blocks (broadcast path) and ragged edges (repeat path) give the same per-block rule."""
+    weight = torch.randn(shape, generator=torch.Generator().manual_seed(0))
+    pairs = [quantize_blocks(w, (16, 32)) for w in weight.reshape(-1, *shape[-2:])]
+    q = torch.stack([p[0] for p in pairs]).view(shape)
+    scale = torch.stack([p[1] for p in pairs]).view(*shape[:-2], *pairs[0][1].shape)
+    out = dequantize_blocks(q, scale, (16, 32))
+    for i in range(shape[-2]):
+        for j in (0, shape[-1] - 1):
+            expected = q[..., i, j].float() * scale[..., i // 16, j // 32]
+            assert torch.equal(out[..., i, j], expected)
+    assert float(((out - weight).abs() / weight.abs().amax()).max()) < 0.07  # e4m3: 3 mantissa bits
