@@ -2,8 +2,8 @@
 Python loop over experts and no host synchronisation (a decode step is CUDA-graph capturable).
 
 Same contract as the spec `moe/naive.py` (the per-expert loop):
-`route(router_logits [T, E], correction_bias [E] | None, top_k) -> (weights [T, k] fp32, ids [T, k] int64)`
-and `experts(x [T, H], gate_up [E, 2I, H], down [E, H, I], ids, weights, swiglu_alpha, swiglu_limit) -> [T, H]`.
+`route(router_logits [T, E], correction_bias [E] | None, top_k)` → (weights [T, k] fp32, ids [T, k] int64);
+`experts(x [T, H], gate_up [E, 2I, H], down [E, H, I], ids, weights, swiglu_alpha, swiglu_limit)` → [T, H].
 
 How `experts` works (one pass per layer, every shape fixed by T, k, E, H, I):
 1. sort the T·k (token, expert) slots by expert id (stable) → rows in expert order; each expert's
@@ -14,8 +14,9 @@ How `experts` works (one pass per layer, every shape fixed by T, k, E, H, I):
 4. un-permute and combine: out[t] = Σ_j weights[t, j] · rows[row of slot (t, j)], summed in fp32.
 On CUDA steps 1-4's elementwise work runs as the Triton kernels of `moe/triton.py`; elsewhere
 (CPU tests) as the same arithmetic in PyTorch ops. Where `torch._grouped_mm` cannot take the
-operands (a width whose rows are not 16-byte aligned; on CUDA any dtype but bf16), a per-expert loop over the offsets stands in:
-correct, but it reads the offsets on the host, so it is neither fast nor capturable.
+operands (a width whose rows are not 16-byte aligned; on CUDA any dtype but bf16), a per-expert
+loop over the offsets stands in: correct, but it reads the offsets on the host, so it is neither
+fast nor capturable.
 """
 
 from dataclasses import dataclass
@@ -44,7 +45,7 @@ class ExpertRows:
 
 def expert_rows(ids: torch.Tensor, num_experts: int) -> ExpertRows:
     """ids [T, k] → the expert-ordered layout; device ops only (sort, scatter, searchsorted)."""
-    tokens, top_k = ids.shape
+    top_k = ids.shape[1]
     flat = ids.reshape(-1)
     sorted_ids, slot_of_row = torch.sort(flat, stable=True)
     positions = torch.arange(flat.numel(), device=ids.device, dtype=torch.int64)
@@ -118,8 +119,7 @@ def experts(
     down[e] · ((clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)), g = min(gate, limit),
     gate, up = halves of gate_up[e] · x. ids must lie in 0..E-1 (not checked: that would sync)."""
     _check_shapes(x, gate_up, down, ids, weights)
-    tokens, top_k = ids.shape
-    if tokens == 0:
+    if ids.shape[0] == 0:
         return torch.empty_like(x)
     layout = expert_rows(ids, gate_up.shape[0])
     rows = x.index_select(0, layout.token_of_row)  # [T·k, H]

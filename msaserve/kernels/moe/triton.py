@@ -99,7 +99,8 @@ def route(
         return weights, ids
     if correction_bias is not None:
         check(correction_bias.shape == (num_experts,) and correction_bias.stride(0) == 1,
-              f"correction_bias has shape {tuple(correction_bias.shape)}, expected contiguous [{num_experts}]")
+              f"correction_bias has shape {tuple(correction_bias.shape)}, "
+              f"expected contiguous [{num_experts}]")
     block = pow2(num_experts)
     _route_kernel[(tokens,)](
         router_logits, correction_bias if correction_bias is not None else router_logits, weights, ids,
