@@ -31,6 +31,8 @@ from msaserve.kernels.moe import grouped
 HIDDEN, EXPERTS, TOP_K, INTER = 6144, 128, 4, 3072
 ALPHA, LIMIT = 1.702, 7.0
 DECODE, PREFILL = (8, 16, 32, 64, 128, 256), (4096, 8192, 16384)
+DEVICE = "cuda"
+STEPS = ("route", "sort_and_gather", "gate_up_gemm", "swiglu", "down_gemm", "combine")
 
 
 def loop_ops() -> tuple[str, Callable, Callable]:
@@ -94,8 +96,8 @@ def ceilings() -> tuple[float, float]:
 def measure(tokens: int, weights: tuple[torch.Tensor, ...], loop: tuple, copy_tbps: float) -> dict:
     gate_up, down, bias = weights
     _, loop_route, loop_experts = loop
-    logits = torch.randn(tokens, EXPERTS, device="cuda")
-    x = torch.randn(tokens, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    logits = torch.randn(tokens, EXPERTS, device=DEVICE)
+    x = torch.randn(tokens, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
 
     def fast() -> torch.Tensor:
         w, ids = grouped.route(logits, bias, TOP_K)
@@ -107,8 +109,8 @@ def measure(tokens: int, weights: tuple[torch.Tensor, ...], loop: tuple, copy_tb
 
     out_fast, out_slow = fast().float(), slow().float()
     agreement = float((out_fast - out_slow).norm() / out_slow.norm())
-    a = torch.randn(tokens * TOP_K, HIDDEN, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(HIDDEN, 3 * INTER, device="cuda", dtype=torch.bfloat16)
+    a = torch.randn(tokens * TOP_K, HIDDEN, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(HIDDEN, 3 * INTER, device=DEVICE, dtype=torch.bfloat16)
     flops = 2 * tokens * TOP_K * HIDDEN * 3 * INTER
     hit = int(torch.unique(grouped.route(logits, bias, TOP_K)[1]).numel())
     floor_bytes = hit * 3 * HIDDEN * INTER * 2 + tokens * HIDDEN * 2 * 2
@@ -118,6 +120,7 @@ def measure(tokens: int, weights: tuple[torch.Tensor, ...], loop: tuple, copy_tb
            "floor_ms": floor_bytes / copy_tbps / 1e9, "relative_difference_vs_loop": agreement}
     if row["phase"] == "decode":
         row["grouped_graph_ms"] = graph_ms(fast)
+    row["stages_ms"] = stage_ms(x, logits, gate_up, down, bias)
     best = row.get("grouped_graph_ms", row["grouped_ms"])
     row.update(
         speedup_vs_loop=row["loop_ms"] / row["grouped_ms"],
@@ -128,6 +131,27 @@ def measure(tokens: int, weights: tuple[torch.Tensor, ...], loop: tuple, copy_tb
         dense_gemm_tflops=flops / row["dense_gemm_ms"] / 1e9,
     )
     return row
+
+
+def stage_ms(x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+             bias: torch.Tensor) -> dict[str, float]:
+    """Each step of the grouped path timed alone (eager, so small steps include a launch)."""
+    weights, ids = grouped.route(logits, bias, TOP_K)
+    layout = grouped.expert_rows(ids, EXPERTS)
+    rows = x.index_select(0, layout.token_of_row)
+    gate_up_rows = grouped.grouped_matmul(rows, gate_up.transpose(1, 2), layout.expert_ends)
+    hidden = grouped.clamped_swiglu(gate_up_rows, ALPHA, LIMIT)
+    out_rows = grouped.grouped_matmul(hidden, down.transpose(1, 2), layout.expert_ends)
+    up_t, down_t, ends = gate_up.transpose(1, 2), down.transpose(1, 2), layout.expert_ends
+    steps = {
+        "route": lambda: grouped.route(logits, bias, TOP_K),
+        "sort_and_gather": lambda: x.index_select(0, grouped.expert_rows(ids, EXPERTS).token_of_row),
+        "gate_up_gemm": lambda: grouped.grouped_matmul(rows, up_t, ends),
+        "swiglu": lambda: grouped.clamped_swiglu(gate_up_rows, ALPHA, LIMIT),
+        "down_gemm": lambda: grouped.grouped_matmul(hidden, down_t, ends),
+        "combine": lambda: grouped.combine(out_rows, layout.row_of_slot, weights, x.dtype),
+    }
+    return {name: median_ms(step) for name, step in steps.items()}
 
 
 def summary_entries(rows: list[dict], common: dict) -> dict:
@@ -141,7 +165,7 @@ def summary_entries(rows: list[dict], common: dict) -> dict:
             "note": (f"decode batch 64, route + experts: per-expert loop (eager) {d64['loop_ms']:.3f} ms / "
                      f"grouped replayed as a CUDA graph {d64['grouped_graph_ms']:.3f} ms; grouped eager "
                      f"{d64['grouped_ms']:.3f} ms ({d64['speedup_vs_loop']:.2f}x). {d64['experts_hit']} of "
-                     f"128 experts hit; reading their weights takes {d64['floor_ms']:.3f} ms at the copy "
+                     f"{EXPERTS} experts hit; reading their weights: {d64['floor_ms']:.3f} ms at the copy "
                      f"bandwidth (floor), so grouped runs at {d64['fraction_of_floor']:.2f} of the floor"),
         }
     if prefill:
@@ -151,7 +175,9 @@ def summary_entries(rows: list[dict], common: dict) -> dict:
             "note": "lowest over prefill sizes of (one bf16 GEMM of the same FLOPs) / (grouped route + "
                     "experts); per size: " + ", ".join(
                         f"{r['tokens']} tokens {r['fraction_of_dense_gemm']:.3f} ({r['grouped_tflops']:.0f} "
-                        f"vs {r['dense_gemm_tflops']:.0f} TFLOP/s)" for r in prefill),
+                        f"vs {r['dense_gemm_tflops']:.0f} TFLOP/s; grouped {r['grouped_ms']:.3f} ms, dense "
+                        f"{r['dense_gemm_ms']:.3f} ms, reading the {r['experts_hit']} experts' weights "
+                        f"{r['floor_ms']:.3f} ms)" for r in prefill),
         }
     return doc
 
@@ -164,15 +190,19 @@ def main() -> int:
     args = parser.parse_args()
     torch.manual_seed(0)
     copy_tbps, gemm_tflops = ceilings()
-    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device="cuda", dtype=torch.bfloat16) * HIDDEN**-0.5
-    down = torch.randn(EXPERTS, HIDDEN, INTER, device="cuda", dtype=torch.bfloat16) * INTER**-0.5
-    bias = torch.randn(EXPERTS, device="cuda") * 0.01
+    gate_up = torch.randn(EXPERTS, 2 * INTER, HIDDEN, device=DEVICE, dtype=torch.bfloat16) * HIDDEN**-0.5
+    down = torch.randn(EXPERTS, HIDDEN, INTER, device=DEVICE, dtype=torch.bfloat16) * INTER**-0.5
+    bias = torch.randn(EXPERTS, device=DEVICE) * 0.01
     loop = loop_ops()
-    rows = []
+    rows, failed = [], []
     with torch.inference_mode():
         for tokens in map(int, args.tokens.split(",")):
-            rows.append(measure(tokens, (gate_up, down, bias), loop, copy_tbps))
-            print(json.dumps(rows[-1]), flush=True)
+            try:
+                rows.append(measure(tokens, (gate_up, down, bias), loop, copy_tbps))
+                print(json.dumps(rows[-1]), flush=True)
+            except Exception as exc:  # one size failing must not lose the others' numbers
+                print(f"{tokens} tokens failed: {exc!r}", flush=True)
+                failed.append({"tokens": tokens, "error": repr(exc)[:500]})
     memory_gib = torch.cuda.get_device_properties(0).total_memory / 2**30
     hardware = (f"{torch.cuda.get_device_name()} ({memory_gib:.0f} GiB), torch {torch.__version__}, "
                 f"triton {triton.__version__}")
@@ -181,9 +211,13 @@ def main() -> int:
               "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")}
     shape = {"hidden": HIDDEN, "experts": EXPERTS, "top_k": TOP_K, "intermediate": INTER, "dtype": "bfloat16"}
     doc = {**summary_entries(rows, common), **common, "loop": loop[0], "copy_tbps": copy_tbps,
-           "gemm_8192_tflops": gemm_tflops, "shape": shape, "rows": rows}
+           "gemm_8192_tflops": gemm_tflops, "shape": shape, "rows": rows,
+           "failed": failed}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "moe.json").write_text(json.dumps(doc, indent=1) + "\n")
+    print("\nsteps of the grouped path alone, eager ms: " + " ".join(STEPS))
+    for r in rows:
+        print(f"{r['tokens']:>6} " + " ".join(f"{r['stages_ms'][step]:>{len(step)}.3f}" for step in STEPS))
     print(f"\n{hardware}; copy {copy_tbps:.2f} TB/s; bf16 GEMM 8192³ {gemm_tflops:.0f} TFLOP/s; "
           f"loop = {loop[0]}")
     print(f"{'tokens':>6} {'hit':>4} {'loop ms':>9} {'grouped':>9} {'graph':>9} {'dense':>9} {'floor':>8} "

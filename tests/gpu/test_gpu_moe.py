@@ -32,13 +32,14 @@ BF16 = torch.bfloat16
 
 @pytest.mark.parametrize("tokens", [1, 64, 999])
 def test_grouped_experts_bf16_at_m3_widths(tokens: int) -> None:
-    """8 experts of M3's size (expert 5 never chosen), top-4; bf16 operands: error 1e-3..1e-2."""
+    """8 experts of M3's size (expert 5 never chosen), top-4. Four bf16 roundings (gate_up rows,
+    SwiGLU, down rows, output) against an fp32 loop: about 5e-3 expected, 2e-2 allowed."""
     case = random_case(tokens, 6144, 3072, 8, BF16, "cuda", seed=tokens, unused_experts=(5,))
     weights, ids = grouped.route(case.router_logits, case.correction_bias, 4)
     out = grouped.experts(case.x, case.gate_up, case.down, ids, weights, ALPHA, LIMIT)
     assert out.dtype == BF16 and out.shape == case.x.shape
     ref = reference_experts(case.x, case.gate_up, case.down, ids, weights, dtype=torch.float32)
-    assert relative_error(out, ref) < 1e-2
+    assert relative_error(out, ref) < 2e-2
 
 
 def test_fused_route_on_gpu() -> None:
@@ -89,4 +90,4 @@ def test_decode_step_is_cuda_graph_capturable() -> None:
     assert relative_error(captured, eager) < 1e-6
     weights, ids = grouped.route(second.router_logits, first.correction_bias, 4)
     ref = reference_experts(second.x, first.gate_up, first.down, ids, weights, dtype=torch.float32)
-    assert relative_error(captured, ref) < 1e-2
+    assert relative_error(captured, ref) < 2e-2

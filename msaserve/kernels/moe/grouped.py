@@ -124,12 +124,14 @@ def experts(
     layout = expert_rows(ids, gate_up.shape[0])
     rows = x.index_select(0, layout.token_of_row)  # [T·k, H]
     gate_up_rows = grouped_matmul(rows, gate_up.transpose(1, 2), layout.expert_ends)  # [T·k, 2I]
-    hidden = _clamped_swiglu(gate_up_rows, swiglu_alpha, swiglu_limit)  # [T·k, I]
+    hidden = clamped_swiglu(gate_up_rows, swiglu_alpha, swiglu_limit)  # [T·k, I]
     out_rows = grouped_matmul(hidden, down.transpose(1, 2), layout.expert_ends)  # [T·k, H]
-    return _combine(out_rows, layout.row_of_slot, weights, x.dtype)
+    return combine(out_rows, layout.row_of_slot, weights, x.dtype)
 
 
-def _clamped_swiglu(gate_up_rows: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+def clamped_swiglu(gate_up_rows: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gate_up_rows [N, 2I] → [N, I]: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g),
+    g = min(gate, limit), gate and up the two halves of each row."""
     if gate_up_rows.is_cuda:
         from msaserve.kernels.moe import triton as moe_triton
 
@@ -140,9 +142,10 @@ def _clamped_swiglu(gate_up_rows: torch.Tensor, alpha: float, limit: float) -> t
     return ((up + 1.0) * gate * torch.sigmoid(alpha * gate)).to(gate_up_rows.dtype)
 
 
-def _combine(
+def combine(
     out_rows: torch.Tensor, row_of_slot: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
+    """out_rows [T·k, H] in expert order → [T, H] = Σ_j weights[t, j] · out_rows[row_of_slot[t·k + j]]."""
     if out_rows.is_cuda:
         from msaserve.kernels.moe import triton as moe_triton
 
