@@ -11,12 +11,12 @@ from torch import nn
 from msaserve.kernels import AttentionOps, get_ops
 from msaserve.kernels.dispatch import BACKENDS
 from msaserve.kernels.layer_ops import LayerOps, get_layer_ops
+from msaserve.kernels.rotary import rotary_cos_sin
 from msaserve.models.attention import MSAAttention, RotaryTables
 from msaserve.models.cache import LayerKVCache
 from msaserve.models.config import MSAConfig
 from msaserve.models.layers import RMSNorm, SwiGLU
 from msaserve.models.metadata import AttentionMetadata
-from msaserve.models.rotary import rotary_cos_sin
 
 
 class DecoderLayer(nn.Module):

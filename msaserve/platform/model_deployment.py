@@ -61,10 +61,10 @@ def engine_config_from(config: ServeConfig) -> EngineConfig:
 def attach_session_store(engine) -> None:
     """Sessions go through the KV cache service the engine already swaps into: persisted as
     they generate, adopted by whichever replica serves their next turn (after a move or a death)."""
-    from msaserve.kvcache.engine_adapter import ServicePageStore
+    from msaserve.engine.kv.service_swap import ServiceSwapStore
 
     store = engine.engine.swapper.store
-    if isinstance(store, ServicePageStore):
+    if isinstance(store, ServiceSwapStore):
         engine.engine.attach_kv_client(store.client)
 
 

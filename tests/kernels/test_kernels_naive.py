@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
+from kernel_testing import scattered_block_tables, selections_match
 
 from msaserve.kernels import get_ops
 from msaserve.kernels.dense import sdpa
 from msaserve.kernels.indexer_prefill.naive import block_scores, gather_pages
-from msaserve.kernels.testing import scattered_block_tables, selections_match
 
 NAIVE = get_ops("naive")
 ATOL = 2e-5  # fp32 end to end: only summation-order differences

@@ -10,12 +10,12 @@ import pytest
 import ray
 import torch
 
+from msaserve.engine.kv.pages import identity_for
 from msaserve.engine.llm_engine import LLMEngine, load_engine_model
 from msaserve.engine.memory import cache_dtypes
 from msaserve.engine.types import GenerateRequest, SamplingParams
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.pages import identity_for
 from msaserve.platform.app import APP_NAME
 from msaserve.platform.model_deployment import engine_config_from
 

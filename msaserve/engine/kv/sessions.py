@@ -25,14 +25,14 @@ from collections.abc import Callable, Iterator
 import torch
 
 from msaserve.engine.block_manager import BlockManager
+from msaserve.engine.kv.adoption import AdoptionStats, LazyPageFetcher, PageLost
+from msaserve.engine.kv.persist import SessionWriter
+from msaserve.engine.kv.service_prefix import ServicePrefixCache
 from msaserve.engine.scheduler import ScheduledBatch, Scheduler
 from msaserve.engine.sequence import Sequence, SequenceStatus
-from msaserve.engine.service_prefix import ServicePrefixCache
 from msaserve.kernels import AttentionOps, get_ops
-from msaserve.kvcache.adoption import AdoptionStats, LazyPageFetcher, PageLost
 from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
-from msaserve.kvcache.persist import SessionWriter
-from msaserve.kvcache.session import SessionNotFound, SessionRecord
+from msaserve.kvcache.session_records import SessionNotFound, SessionRecord
 from msaserve.kvcache.store import CapacityError
 from msaserve.models.cache import LayerKVCache
 
