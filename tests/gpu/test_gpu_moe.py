@@ -1,5 +1,5 @@
 """The grouped MoE path on CUDA (bf16, CUTLASS grouped GEMM via torch._grouped_mm, the Triton
-routing / SwiGLU / combine kernels) against the per-expert loop in fp32 at M3's widths (hidden 6144,
+routing / SwiGLU / combine kernels) against the per-expert loop in fp32 and the spec (moe/naive.py) at M3's widths (hidden 6144,
 intermediate 3072), and a decode step captured in a CUDA graph against the same step run eagerly."""
 
 import sys
@@ -24,7 +24,7 @@ from test_kernels_moe_cases import (
     sorted_by_id,
 )
 
-from msaserve.kernels.moe import grouped
+from msaserve.kernels.moe import grouped, naive
 from msaserve.kernels.moe import triton as moe_triton
 
 BF16 = torch.bfloat16
@@ -40,6 +40,8 @@ def test_grouped_experts_bf16_at_m3_widths(tokens: int) -> None:
     assert out.dtype == BF16 and out.shape == case.x.shape
     ref = reference_experts(case.x, case.gate_up, case.down, ids, weights, dtype=torch.float32)
     assert relative_error(out, ref) < 2e-2
+    spec = naive.experts(case.x, case.gate_up, case.down, ids, weights, ALPHA, LIMIT)  # the bf16 loop
+    assert relative_error(out, spec) < 2e-2
 
 
 def test_fused_route_on_gpu() -> None:

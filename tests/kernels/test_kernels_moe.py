@@ -1,5 +1,6 @@
-"""The grouped MoE path (msaserve/kernels/moe/grouped.py) against the per-expert loop: transformers'
-MiniMaxM3VL modules as the oracle where installed, a float64 loop otherwise; its Triton kernels
+"""The grouped MoE path (msaserve/kernels/moe/grouped.py) against the per-expert loop: the spec
+(moe/naive.py), transformers' MiniMaxM3VL modules as the oracle where installed, and a float64
+loop written from the contract; its Triton kernels
 (moe/triton.py) against the PyTorch arithmetic under Triton's interpreter. Odd token counts,
 experts that get no token, top-k 1..4."""
 
@@ -23,7 +24,7 @@ from test_kernels_moe_cases import (
     sorted_by_id,
 )
 
-from msaserve.kernels.moe import grouped
+from msaserve.kernels.moe import grouped, naive
 from msaserve.kernels.moe import triton as moe_triton
 
 HAS_HF_M3 = importlib.util.find_spec("transformers.models.minimax_m3_vl") is not None
@@ -90,6 +91,24 @@ def test_experts_match_loop_fp32(tokens: int, top_k: int) -> None:
     out = grouped.experts(case.x, case.gate_up, case.down, ids, weights, ALPHA, LIMIT)
     assert out.shape == case.x.shape and out.dtype == torch.float32
     assert relative_error(out, reference_experts(case.x, case.gate_up, case.down, ids, weights)) < FP32_TOL
+
+
+@pytest.mark.parametrize("unused", [(), (0, 3, 10)])
+@pytest.mark.parametrize("top_k", [1, 2, 3, 4])
+@pytest.mark.parametrize("tokens", [1, 6, 29])
+def test_route_and_experts_match_the_spec(tokens: int, top_k: int, unused: tuple[int, ...]) -> None:
+    """moe/naive.py's route and loop against grouped's, fp32 (odd T, experts with no token)."""
+    case = random_case(tokens, 40, 24, 11, torch.float32, "cpu", seed=tokens * 7 + top_k,
+                       unused_experts=unused)
+    spec_weights, spec_ids = naive.route(case.router_logits, case.correction_bias, top_k)
+    weights, ids = grouped.route(case.router_logits, case.correction_bias, top_k)
+    spec_weights, spec_ids = sorted_by_id(spec_weights, spec_ids)
+    sorted_weights, sorted_ids = sorted_by_id(weights, ids)
+    assert torch.equal(sorted_ids, spec_ids)
+    torch.testing.assert_close(sorted_weights, spec_weights, rtol=1e-6, atol=1e-7)
+    out = grouped.experts(case.x, case.gate_up, case.down, ids, weights, ALPHA, LIMIT)
+    spec = naive.experts(case.x, case.gate_up, case.down, ids, weights, ALPHA, LIMIT)
+    assert relative_error(out, spec) < FP32_TOL
 
 
 @pytest.mark.parametrize("top_k", [1, 4])
