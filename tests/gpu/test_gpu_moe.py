@@ -1,6 +1,7 @@
 """The grouped MoE path on CUDA (bf16, CUTLASS grouped GEMM via torch._grouped_mm, the Triton
-routing / SwiGLU / combine kernels) against the per-expert loop in fp32 and the spec (moe/naive.py) at M3's widths (hidden 6144,
-intermediate 3072), and a decode step captured in a CUDA graph against the same step run eagerly."""
+routing / SwiGLU / combine kernels) against the per-expert loop in fp32 and the spec (moe/naive.py)
+at M3's widths (hidden 6144, intermediate 3072), and a decode step captured in a CUDA graph against
+the same step run eagerly."""
 
 import sys
 from pathlib import Path
