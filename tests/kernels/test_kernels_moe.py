@@ -220,3 +220,13 @@ def test_triton_combine_matches_torch(tokens: int, top_k: int, width: int, dtype
     out = moe_triton.combine(rows, row_of_slot, weights, dtype)
     ref = (rows.double()[row_of_slot].view(tokens, top_k, width) * weights.double()[..., None]).sum(1)
     assert out.dtype == dtype and relative_error(out, ref) < (FP32_TOL if dtype == torch.float32 else 1e-2)
+
+
+def test_get_moe_ops_picks_grouped_on_cuda_and_the_spec_elsewhere() -> None:
+    from msaserve.kernels.moe import get_moe_ops
+
+    assert get_moe_ops("cuda").experts is grouped.experts and get_moe_ops("cuda").route is grouped.route
+    assert get_moe_ops("cpu").experts is naive.experts and get_moe_ops("cpu").name == "naive"
+    assert get_moe_ops("cpu", "grouped").name == "grouped"
+    with pytest.raises(ValueError, match="'loop' is not one of naive, grouped"):
+        get_moe_ops("cpu", "loop")
