@@ -3,7 +3,8 @@
 from dataclasses import dataclass, field
 from typing import Any
 
-ATTENTION_BACKENDS = ("naive", "triton", "dense", "msa")
+from msaserve.kernels.backends import backend_names as attention_backend_names
+
 KV_CACHE_DTYPES = ("auto", "fp8")
 INDEX_CACHE_DTYPES = ("auto", "bf16", "fp8")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -59,7 +60,7 @@ class EngineConfig:
     """Seed of the generators of requests that give no seed."""
 
     def __post_init__(self) -> None:
-        self._check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        self._check_choice("attention_backend", self.attention_backend, attention_backend_names())
         self._check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         self._check_choice("index_cache_dtype", self.index_cache_dtype, INDEX_CACHE_DTYPES)
         self._check_choice("dtype", self.dtype, DTYPES)

@@ -12,7 +12,11 @@ from typing import Any, Literal, Self
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from msaserve.engine.config import attention_backend_names
 from msaserve.platform.config_deployments import DeploymentsConfig
+
+# The registered attention backends (msaserve/kernels/backends/), an enum in the JSON schema.
+AttentionBackendName = Literal[attention_backend_names()]
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -42,7 +46,7 @@ class ModelConfig(StrictModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Weight and activation dtype; 'auto' is float32 on CPU, bfloat16 on CUDA."
     )
-    attention_backend: Literal["msa", "naive", "triton", "dense"] = Field(
+    attention_backend: AttentionBackendName = Field(
         "msa",
         description="'msa' picks the MSA kernels for the device (Triton on CUDA, the PyTorch "
         "reference on CPU); 'naive' / 'triton' force one; 'dense' is the SDPA baseline.",

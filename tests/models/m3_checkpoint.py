@@ -12,6 +12,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -50,6 +51,16 @@ CHAT_TEMPLATE = (
     "{% endif %}{% endfor %}"
     "{% if add_generation_prompt %}]~b]ai\n{% endif %}"
 )
+
+
+@pytest.fixture(scope="module", autouse=False)
+def one_cpu_thread():
+    """Tiny models are all small ops: one thread is ~10× faster than two on a shared, loaded CPU.
+    Test modules use it with `from m3_checkpoint import one_cpu_thread` + `pytestmark`."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 def text_config_kwargs(**overrides: Any) -> dict[str, Any]:

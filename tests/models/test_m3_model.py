@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from m3_checkpoint import write_m3_checkpoint
+from m3_checkpoint import one_cpu_thread, write_m3_checkpoint
 
 from msaserve.kernels.moe import naive as moe
 from msaserve.models.cache import allocate_caches
@@ -14,6 +14,7 @@ from msaserve.models.metadata import AttentionMetadata
 from msaserve.models.minimax_m3.layers import m3_rms_norm
 
 transformers = pytest.importorskip("transformers")
+pytestmark = pytest.mark.usefixtures(one_cpu_thread.__name__)
 modeling = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
 
 SHORT, LONG = 40, 200  # below and well above top_k × block = 64 tokens

@@ -14,11 +14,11 @@ import torch
 from torch import nn
 
 from msaserve.kernels import AttentionOps
+from msaserve.kernels.rotary import rotate_half
 from msaserve.models.cache import LayerKVCache
 from msaserve.models.metadata import AttentionMetadata
 from msaserve.models.minimax_m3.config import M3Config
 from msaserve.models.minimax_m3.layers import M3RMSNorm
-from msaserve.models.rotary import rotate_half
 
 
 @dataclass(frozen=True)

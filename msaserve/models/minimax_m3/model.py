@@ -17,13 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from msaserve.kernels import AttentionOps, get_ops
-from msaserve.kernels.dispatch import BACKENDS
+from msaserve.kernels.backends import backend_names
+from msaserve.kernels.rotary import rotary_cos_sin
 from msaserve.models.cache import LayerKVCache
 from msaserve.models.metadata import AttentionMetadata
 from msaserve.models.minimax_m3.attention import M3Attention, M3Rotary
 from msaserve.models.minimax_m3.config import M3Config
 from msaserve.models.minimax_m3.layers import M3RMSNorm, make_mlp
-from msaserve.models.rotary import rotary_cos_sin
 
 
 class M3DecoderLayer(nn.Module):
@@ -43,9 +43,9 @@ class M3DecoderLayer(nn.Module):
 class M3ForCausalLM(nn.Module):
     def __init__(self, config: M3Config, attention_backend: str = "msa") -> None:
         super().__init__()
-        if attention_backend not in BACKENDS:
+        if attention_backend not in backend_names():
             raise ValueError(
-                f"attention_backend={attention_backend!r} is invalid: allowed {', '.join(BACKENDS)}"
+                f"attention_backend={attention_backend!r} is invalid: allowed {', '.join(backend_names())}"
             )
         self.config = config
         self.attention_backend = attention_backend
