@@ -14,9 +14,8 @@ from msaserve.engine.block_manager import BlockManager
 from msaserve.engine.kv.prefix import PrefixPageIO
 from msaserve.engine.scheduler import Scheduler
 from msaserve.engine.sequence import Sequence, SequenceStatus
-from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
+from msaserve.kvcache.client import CapacityError, KVCacheClient, ServiceUnavailable
 from msaserve.kvcache.page_hash import page_hashes
-from msaserve.kvcache.store import CapacityError
 from msaserve.models.cache import LayerKVCache
 
 logger = logging.getLogger(__name__)

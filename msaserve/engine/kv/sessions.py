@@ -30,9 +30,8 @@ from msaserve.engine.kv.service_prefix import ServicePrefixCache
 from msaserve.engine.scheduler import ScheduledBatch, Scheduler
 from msaserve.engine.sequence import Sequence, SequenceStatus
 from msaserve.kernels import AttentionOps
-from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
+from msaserve.kvcache.client import CapacityError, KVCacheClient, ServiceUnavailable
 from msaserve.kvcache.session_records import SessionNotFound, SessionRecord
-from msaserve.kvcache.store import CapacityError
 from msaserve.models.cache import LayerKVCache
 
 OpsWrapper = Callable[[AttentionOps], AttentionOps]
