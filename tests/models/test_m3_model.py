@@ -23,9 +23,12 @@ NEAR_TIE = 1e-4
 """Two block scores within NEAR_TIE · max(1, |cutoff|) of the selection's cutoff are a near-tie."""
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["text", "vl"])
+@pytest.fixture(scope="module", params=["text", "vl", "local2"])
 def pair(request, tmp_path_factory):
-    directory, oracle = write_m3_checkpoint(tmp_path_factory.mktemp("m3"), vl=request.param)
+    """The text-only form, the VL wrapper, and two forced local blocks (index_local_blocks=2)."""
+    text = {"index_local_blocks": 2} if request.param == "local2" else None
+    vl = request.param == "vl"
+    directory, oracle = write_m3_checkpoint(tmp_path_factory.mktemp("m3"), vl=vl, text=text)
     loaded = load_model(str(directory), attention_backend="naive", progress=False)
     return loaded.model, oracle
 

@@ -116,12 +116,11 @@ class M3Attention(nn.Module):
     ) -> torch.Tensor:
         """q [T, Hq, D], index_q [T, Hkv, DI] → o [T, Hq, D]; records the selection if asked."""
         c = self.config
-        forced = selection_kwargs(c)
         if meta.is_decode:
             batch, num_q = meta.num_seqs, int(meta.decode_query_len)
             selected = ops.indexer_decode(
                 index_q.view(batch, num_q, c.num_kv_heads, c.index_head_dim), cache.index_cache,
-                meta.block_tables, meta.seq_lens, c.top_k, c.n_init, cache.index_scale, **forced,
+                meta.block_tables, meta.seq_lens, c.top_k, c.n_init, cache.index_scale, n_local=c.n_local,
             )  # [B, Q, Hkv, K]
             out = ops.sparse_decode(
                 q.view(batch, num_q, c.num_heads, c.head_dim), cache.k_cache, cache.v_cache,
@@ -131,7 +130,7 @@ class M3Attention(nn.Module):
         else:
             selected = ops.indexer_prefill(
                 index_q, cache.index_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                c.top_k, c.n_init, cache.index_scale, **forced,
+                c.top_k, c.n_init, cache.index_scale, n_local=c.n_local,
             )  # [T, Hkv, K]
             out = ops.sparse_prefill(
                 q, cache.k_cache, cache.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
@@ -141,8 +140,3 @@ class M3Attention(nn.Module):
             meta.selections.append(selected)
         return out
 
-
-def selection_kwargs(config: M3Config) -> dict[str, int]:
-    """The indexers' `n_local` keyword. With one local block the ops' default (n_local=1) is the
-    M3 rule already, so it is passed only when it differs."""
-    return {} if config.n_local == 1 else {"n_local": config.n_local}
