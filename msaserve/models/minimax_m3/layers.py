@@ -5,10 +5,13 @@ Parameter names are transformers' (`gate_up_proj` fused gate-then-up, `experts.g
 [E, 2I, H], `experts.down_proj` [E, H, I]), so its checkpoints load by name.
 """
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from msaserve.kernels.moe import MoeOps, get_moe_ops
 from msaserve.kernels.moe import naive as moe
 from msaserve.models.minimax_m3.config import M3Config
 
@@ -44,6 +47,13 @@ class M3DenseMLP(nn.Module):
         return self.down_proj(moe.clamped_swiglu(self.gate_up_proj(x), self.alpha, self.limit))
 
 
+@functools.cache
+def _moe_ops(device_type: str) -> MoeOps:
+    """The MoE ops for the device: the grouped path on CUDA (no loop over experts, no host sync,
+    capturable in CUDA graphs), the reference elsewhere (`kernels/moe`)."""
+    return get_moe_ops(device_type)
+
+
 class M3Router(nn.Module):
     def __init__(self, config: M3Config) -> None:
         super().__init__()
@@ -54,7 +64,7 @@ class M3Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] → (weights [T, k] fp32, ids [T, k] int64)."""
         logits = F.linear(x.to(self.weight.dtype), self.weight)
-        return moe.route(logits, self.e_score_correction_bias, self.top_k)
+        return _moe_ops(x.device.type).route(logits, self.e_score_correction_bias, self.top_k)
 
 
 class M3Experts(nn.Module):
@@ -66,7 +76,8 @@ class M3Experts(nn.Module):
         self.down_proj = nn.Parameter(torch.empty(e, h, i))
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return moe.experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.alpha, self.limit)
+        ops = _moe_ops(x.device.type)
+        return ops.experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.alpha, self.limit)
 
 
 class M3SparseMoE(nn.Module):
