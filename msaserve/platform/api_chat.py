@@ -35,9 +35,10 @@ from msaserve.platform.openai_types import (
     ResponseFunctionCall,
     ResponseToolCall,
 )
-from msaserve.platform.structured_request import chat_grammar
+from msaserve.platform.structured_request import chat_grammar, required_tools
 from msaserve.platform.text_checks import reject_lone_surrogates
-from msaserve.platform.tools import StreamingToolParser, forced_name, parse_reply
+from msaserve.platform.tool_formats import tool_format_of
+from msaserve.platform.tools import StreamingToolParser, ToolFormat, forced_name, parse_reply
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
@@ -82,13 +83,15 @@ async def _released(events: AsyncIterator[str], ctx: Any, key: str) -> AsyncIter
 async def _start(ctx: Any, body: ChatCompletionRequest, request: Request, info: Any) -> tuple:
     """(generations, one per choice; the assistant prefix in the prompt; the callable tool names)."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-    grammar = chat_grammar(body)  # a required or named tool call is enforced by the grammar
+    fmt = tool_format_of(info.tokenizer)
+    grammar = chat_grammar(body, fmt)  # a required or named Hermes call is enforced by the grammar
+    # A tool format without a call grammar (a template's own, e.g. MiniMax): forced by the prefix.
+    prefix_forces_call = bool(required_tools(body)) and grammar is None
     params, given = sampling_from(
-        body, max_tokens, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0, extra_stop=[],
-        grammar=grammar,
+        body, max_tokens, logprobs=body.logprobs, top_logprobs=body.top_logprobs or 0,
+        extra_stop=[fmt.close] if prefix_forces_call else [], grammar=grammar,
     )
-    # No forced prefix: the grammar makes the reply a call (several when parallel_tool_calls allows).
-    prompt, prefix, parts = render_prompt(info.tokenizer, body, use_prefix=False)
+    prompt, prefix, parts = render_prompt(info.tokenizer, body, use_prefix=prefix_forces_call)
     items = await media.preprocess(ctx, parts, info)
     token_ids, expanded = media.encode_prompt(info.tokenizer, prompt, items, info)
     chosen = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
@@ -105,9 +108,9 @@ async def _start(ctx: Any, body: ChatCompletionRequest, request: Request, info: 
     return await start_choices(ctx, greq, body.n), prefix, known
 
 
-def _message(text: str, body: ChatCompletionRequest, known: set[str], finish_reason: str | None
-             ) -> tuple[AssistantMessage, str | None]:
-    content, calls = parse_reply(text, known, forced_name(body)) if known else (text, [])
+def _message(text: str, body: ChatCompletionRequest, known: set[str], finish_reason: str | None,
+             fmt: ToolFormat) -> tuple[AssistantMessage, str | None]:
+    content, calls = parse_reply(text, known, forced_name(body), fmt) if known else (text, [])
     if not calls:
         return AssistantMessage(content=content), finish_reason
     tool_calls = [
@@ -133,9 +136,10 @@ async def _complete(
             logprobs[index] += logprob_entries(tokenizer, out.logprobs)
         finish[index] = out.finish_reason
     choices = []
+    fmt = tool_format_of(tokenizer)
     for index, gen in enumerate(gens):
         record_metrics(ctx, gen, "/v1/chat/completions")
-        message, reason = _message(prefix + "".join(texts[index]), body, known, finish[index])
+        message, reason = _message(prefix + "".join(texts[index]), body, known, finish[index], fmt)
         lp = ChoiceLogprobs(content=logprobs[index]) if body.logprobs else None
         choices.append(ChatChoice(index=index, message=message, finish_reason=reason, logprobs=lp))
     return ChatCompletion(
@@ -169,7 +173,8 @@ async def _stream(
         choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish, logprobs=logprobs)
         return sse(ChatCompletionChunk(id=chunk_id, model=ctx.model_name, choices=[choice]))
 
-    parsers = [StreamingToolParser(known, prefix, forced_name(body)) if known else None for _ in gens]
+    fmt = tool_format_of(tokenizer)
+    parsers = [StreamingToolParser(known, prefix, forced_name(body), fmt) if known else None for _ in gens]
     for index in range(len(gens)):
         yield chunk(index, ChatDelta(role="assistant", content=""))
     try:

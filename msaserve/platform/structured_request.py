@@ -14,7 +14,7 @@ from typing import Any
 from msaserve.engine.types import GrammarSpec
 from msaserve.platform.errors import APIError
 from msaserve.platform.openai_types import ChatCompletionRequest, NamedToolChoice, ResponseFormat, Tool
-from msaserve.platform.tools import CLOSE, OPEN
+from msaserve.platform.tools import CLOSE, HERMES, OPEN, ToolFormat
 
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 """`json.dumps`' separators, as the Hermes examples write them; no free whitespace (small models
@@ -85,11 +85,13 @@ def tool_call_grammar(request: ChatCompletionRequest) -> GrammarSpec | None:
     return GrammarSpec("lark", f"start: call{repeat}\ncall: {call}\n", param="tool_choice")
 
 
-def chat_grammar(request: ChatCompletionRequest) -> GrammarSpec | None:
-    """The constraint of a chat request; a required tool call and a response_format cannot both hold."""
-    tools = tool_call_grammar(request)
+def chat_grammar(request: ChatCompletionRequest, tool_format: ToolFormat = HERMES) -> GrammarSpec | None:
+    """The constraint of a chat request; a required tool call and a response_format cannot both hold.
+    Required calls get a grammar in the Hermes format only (a template's own format, e.g. MiniMax's,
+    is forced by its call prefix instead: `tools.forced_prefix`)."""
+    tools = tool_call_grammar(request) if tool_format.name == HERMES.name else None
     fmt = response_format_grammar(request.response_format)
-    if tools is not None and fmt is not None:
+    if required_tools(request) and fmt is not None:
         raise _bad("response_format", "response_format cannot constrain a reply that tool_choice forces "
                    "to be a tool call: use one of them")
     return tools or fmt

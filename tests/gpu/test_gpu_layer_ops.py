@@ -36,6 +36,14 @@ def test_rotary_and_write(tokens: int, heads: int, rotate: bool, num_caches: int
     check_rotary_and_write(TRITON, tokens, heads, 128, rotate, num_caches, BF16, "cuda", seed=heads)
 
 
+@pytest.mark.parametrize(("heads", "num_caches"), [(64, 0), (4, 2), (1, 1)])
+@pytest.mark.parametrize("tokens", [8, 999])
+def test_partial_rotary_and_write(tokens: int, heads: int, num_caches: int) -> None:
+    """MiniMax-M3's partial rotary: 64 of 128 dims rotate (query, key and index heads), the rest pass."""
+    check_rotary_and_write(TRITON, tokens, heads, 128, True, num_caches, BF16, "cuda", seed=heads + 1,
+                           rotary_dim=64)
+
+
 @pytest.mark.parametrize("rows", [8, 1000])
 def test_silu_mul(rows: int) -> None:
     check_silu_mul(TRITON, rows, 8192, BF16, "cuda")
