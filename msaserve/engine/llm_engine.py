@@ -11,7 +11,8 @@ import torch
 from msaserve.engine.block_manager import BlockManager
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.kv.adoption import PageLost
-from msaserve.engine.kv.sessions import EngineSessions, fetching_ops
+from msaserve.engine.kv.service_swap import ServiceSwapStore
+from msaserve.engine.kv.sessions import EngineSessions
 from msaserve.engine.kv.swap import CachePageIO, EvictedPageSink, HostSwapStore, Swapper, SwapStore
 from msaserve.engine.media import MediaPrompt, prepare_media
 from msaserve.engine.memory import model_dtype
@@ -63,7 +64,7 @@ class LLMEngine:
         which sessions whose pages are not local are adopted (`msaserve.engine.kv.sessions`)."""
         if model is None:
             model, tokenizer = load_engine_model(config)
-        elif getattr(model, "attention_backend", config.attention_backend) != config.attention_backend:
+        elif model.attention_backend != config.attention_backend:
             logger.info("the injected model runs its own attention backend %r (config says %r)",
                         model.attention_backend, config.attention_backend)
         self.config = config
@@ -169,10 +170,18 @@ class LLMEngine:
     def attach_kv_client(self, client: KVCacheClient) -> None:
         """Persist session requests to the KV cache service and adopt sessions from it (call
         before the first request)."""
-        backend = getattr(self.model, "attention_backend", self.config.attention_backend)
         self.sessions = EngineSessions(
-            client, self.runner.caches, self.block_manager, self.scheduler, sparse=backend != "dense"
+            client, self.runner.caches, self.block_manager, self.scheduler, sparse=self.runner.ops.sparse
         )
+
+    def use_kv_service_for_sessions(self) -> bool:
+        """If preempted pages already go to the KV cache service (`ServiceSwapStore`), persist
+        and adopt sessions through the same client. True if attached."""
+        store = self.swapper.store
+        if isinstance(store, ServiceSwapStore):
+            self.attach_kv_client(store.client)
+            return True
+        return False
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -188,8 +197,8 @@ class LLMEngine:
         if steps > 1:
             return self._decode_round(batch, steps)
         try:
-            with fetching_ops(self.model, wrap):  # adopted sequences fetch the pages they select
-                inputs, logits = self.runner.execute(batch, self.record_selections or wrap is not None)
+            # Adopted sequences fetch the pages they select: the step runs wrapped ops.
+            inputs, logits = self.runner.execute(batch, self.record_selections, ops_wrapper=wrap)
         except PageLost as lost:  # gone from the service: those sequences recompute instead
             if self.sessions is None:
                 raise

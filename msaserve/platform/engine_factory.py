@@ -27,7 +27,7 @@ def build_engine(config: ServeConfig, engine_config: EngineConfig) -> AsyncEngin
     from msaserve.kvcache.config import ServiceConfig
 
     model, tokenizer = load_engine_model(engine_config)
-    service = ServiceConfig.from_platform(config.kvcache)
+    service = ServiceConfig.from_settings(config.kvcache)
     shards = start_shards(service, detached=True)
     kv_dtype, index_dtype = cache_dtypes(engine_config)
     identity = identity_for(model.config, config.model.resolved_name(), kv_dtype, index_dtype)

@@ -24,7 +24,7 @@ from msaserve.platform.errors import from_engine_error
 from msaserve.platform.metrics import get_metrics
 from msaserve.platform.model_messages import ModelError, ModelInfo, SessionInfo
 from msaserve.platform.ray_defaults import bind_replica_grpc_to_loopback
-from msaserve.platform.sessions import SessionTable
+from msaserve.platform.session_table import SessionTable
 from msaserve.router.stats import RoutingStatsRecorder, routing_stats_payload
 
 logger = logging.getLogger("ray.serve.msaserve.model")
@@ -34,40 +34,13 @@ ENGINE_WAIT_S = 30.0
 
 
 def engine_config_from(config: ServeConfig) -> EngineConfig:
-    """The engine's dataclass from the user-facing pydantic config (STYLE §6)."""
-    model, engine = config.model, config.engine
+    """The engine's dataclass from the user-facing pydantic config (CONTRIBUTING.md §6)."""
+    model = config.model
     dtype = model.dtype if model.dtype != "auto" else ("bfloat16" if model.device == "cuda" else "float32")
-    kwargs: dict = {
-        "model": model.spec,
-        "device": model.device,
-        "dtype": dtype,
-        "attention_backend": model.attention_backend,
-        "num_pages": engine.num_pages,
-        "gpu_memory_utilization": engine.gpu_memory_utilization,
-        "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-        "max_waiting": engine.max_waiting,
-        "enable_prefix_caching": engine.enable_prefix_caching,
-        "kv_cache_dtype": engine.kv_cache_dtype,
-        "index_cache_dtype": engine.index_cache_dtype,
-        "cuda_graphs": engine.enable_cuda_graphs,
-        "decode_steps": engine.decode_steps,
-    }
-    if engine.max_model_len is not None:
-        kwargs["max_model_len"] = engine.max_model_len
-    if engine.kv_cache_memory_bytes is not None:
-        kwargs["cpu_kv_cache_bytes"] = engine.kv_cache_memory_bytes
-    return EngineConfig(**kwargs)
-
-
-def attach_session_store(engine) -> None:
-    """Sessions go through the KV cache service the engine already swaps into: persisted as
-    they generate, adopted by whichever replica serves their next turn (after a move or a death)."""
-    from msaserve.engine.kv.service_swap import ServiceSwapStore
-
-    store = engine.engine.swapper.store
-    if isinstance(store, ServiceSwapStore):
-        engine.engine.attach_kv_client(store.client)
+    return EngineConfig.from_settings(
+        config.engine, model=model.spec, device=model.device, dtype=dtype,
+        attention_backend=model.attention_backend,
+    )
 
 
 def _replica_id() -> str:
@@ -101,7 +74,7 @@ class ModelDeployment:
             # Loading weights is blocking CPU work: keep the replica's event loop free for info().
             engine = await asyncio.to_thread(build_engine, self.config, engine_config)
             if self.config.kvcache.enabled:
-                attach_session_store(engine)
+                engine.use_kv_service_for_sessions()
             await engine.start()
             self.engine = engine
             logger.info("engine for %s ready in %.1fs", self.name, time.perf_counter() - start)
@@ -112,7 +85,7 @@ class ModelDeployment:
     async def info(self) -> ModelInfo:
         if self.engine is None:
             return ModelInfo(name=self.name, ready=False, error=self.error)
-        model = self.engine.engine.model
+        model = self.engine.model
         has_vision = getattr(model, "visual", None) is not None
         return ModelInfo(
             name=self.name,
@@ -183,7 +156,7 @@ class ModelDeployment:
     async def release_session(self, session_id: str) -> list[int]:
         """The session moves away: drop its pages from this replica's prefix cache (its record in
         the KV cache service stays). Returns the page hashes dropped."""
-        if self.engine is None or self.engine.engine.sessions is None:
+        if self.engine is None or not self.engine.has_sessions:
             return []
         return await self.engine.call(lambda engine: engine.sessions.release(session_id))
 
@@ -198,7 +171,7 @@ class ModelDeployment:
         """Forget the session here and, with the KV cache service on, its record there too (any
         replica can delete it: the record is the service's). True if either held it."""
         known_here = self.sessions.delete(session_id)
-        if self.engine is None or self.engine.engine.sessions is None:
+        if self.engine is None or not self.engine.has_sessions:
             return known_here
         in_service = await self.engine.call(lambda engine: engine.sessions.delete(session_id))
         return known_here or in_service
@@ -224,11 +197,9 @@ class ModelDeployment:
             rate = (self._output_tokens - last_tokens) / max(now - last_time, 1e-9)
             self.metrics.set("tokens_per_second", rate, **tags)
             last_tokens, last_time = self._output_tokens, now
-            sessions = self.engine.engine.sessions
-            while sessions is not None and sessions.latencies:  # adoptions through the KV cache service
-                kind, seconds = sessions.latencies.popleft()
+            for kind, seconds in self.engine.drain_session_latencies():  # adoptions via the service
                 self.metrics.observe(f"{kind}_latency_seconds", seconds, **tags)
-            if sessions is not None and time.monotonic() >= next_unpin:  # idle sessions' pins go
+            if self.engine.has_sessions and time.monotonic() >= next_unpin:  # idle sessions' pins go
                 next_unpin = time.monotonic() + max(60.0, idle_s / 10)
                 released = await self.engine.call(lambda engine: engine.sessions.unpin_idle(idle_s))
                 if released:

@@ -7,9 +7,9 @@ deployment through the Ray object store inside the GenerateRequest.
 import asyncio
 import time
 
-from msaserve.platform.config import PreprocessLimits
 from msaserve.platform.model_messages import ModelError
 from msaserve.platform.ray_defaults import bind_replica_grpc_to_loopback
+from msaserve.preprocess.limits import PreprocessLimits
 
 
 class PreprocessDeployment:

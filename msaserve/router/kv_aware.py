@@ -1,4 +1,4 @@
-"""The KV-aware policy (DESIGN §4, router): send a request where its pages are, keep sessions
+"""The KV-aware policy (docs/design.md §4, router): send a request where its pages are, keep sessions
 together, and keep load balanced.
 
     cost(r) = w_prefill · prefill_pages(r) + w_decode · active_pages(r)

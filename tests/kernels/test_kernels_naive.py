@@ -1,4 +1,4 @@
-"""The MSA reference ops against DESIGN §2's definition and properties 1–4.
+"""The MSA reference ops against docs/design.md §2's definition and properties 1–4.
 
 The selection is also checked against a deliberately plain per-query loop written here, so the
 vectorised reference is not only checked against itself.
@@ -57,7 +57,7 @@ def select(case, top_k, n_init):
 
 
 def plain_selection(scores_row, t, page_size, top_k, n_init):
-    """DESIGN §2 selection for one (query, head), written as directly as possible."""
+    """docs/design.md §2 selection for one (query, head), written as directly as possible."""
     c = t // page_size
     if c < top_k:
         return list(range(c + 1))
@@ -296,9 +296,29 @@ def test_fp8_index_scale_is_applied():
 
 
 def test_dispatch_rejects_unknown_and_unavailable_backends():
-    with pytest.raises(ValueError, match="not one of"):
+    with pytest.raises(ValueError, match="attention_backend='fast' is invalid: allowed dense, msa, naive"):
         get_ops("fast")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_ops("triton", "cpu")
     assert get_ops("msa", "cpu").name == "naive"
     assert not get_ops("dense").sparse
+
+
+def test_a_backend_is_one_file(tmp_path, monkeypatch):
+    """Adding an attention backend is adding one module to `msaserve/kernels/backends/`: the registry
+    lists it, resolves it, and the engine's config accepts its name."""
+    from msaserve.engine.config import EngineConfig
+    from msaserve.kernels import backends
+
+    (tmp_path / "reference_copy.py").write_text(
+        "import dataclasses\n"
+        "from msaserve.kernels.backends import naive\n"
+        "def resolve(device):\n"
+        "    return dataclasses.replace(naive.resolve(device), name='reference_copy')\n"
+    )
+    monkeypatch.setattr(backends, "__path__", [*backends.__path__, str(tmp_path)])
+    assert "reference_copy" in backends.backend_names()
+    assert get_ops("reference_copy").name == "reference_copy"
+    EngineConfig(attention_backend="reference_copy")
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="not_there")

@@ -39,7 +39,7 @@ def reference(live_app):
     engine = LLMEngine(engine_config, model, tokenizer)
     kv_dtype, index_dtype = cache_dtypes(engine_config)
     identity = identity_for(model.config, live_app.config.model.resolved_name(), kv_dtype, index_dtype)
-    service = KVCacheClient.connect(ServiceConfig.from_platform(live_app.config.kvcache), identity)
+    service = KVCacheClient.connect(ServiceConfig.from_settings(live_app.config.kvcache), identity)
     prompts, histories, history = [], [], []
     for turn in range(3):
         # The gateway takes only ids its tokenizer knows (the byte tokenizer's 259) while the

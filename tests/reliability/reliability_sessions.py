@@ -36,7 +36,7 @@ class SessionScript:
 
 def reference_engine(config: ServeConfig) -> tuple[LLMEngine, object]:
     """The replicas' model and tokenizer in this process, with room for a large batch (greedy
-    tokens do not depend on batch composition: DESIGN §2, property 2)."""
+    tokens do not depend on batch composition: docs/design.md §2, property 2)."""
     engine_config = dataclasses.replace(
         engine_config_from(config), max_num_seqs=64, max_waiting=1 << 20, num_pages=4096
     )
@@ -93,7 +93,7 @@ def record_reader(config: ServeConfig, engine: LLMEngine, api_key: str | None = 
 
     kv_dtype, index_dtype = cache_dtypes(engine.config)
     identity = identity_for(engine.model.config, config.model.resolved_name(), kv_dtype, index_dtype)
-    client = KVCacheClient.connect(ServiceConfig.from_platform(config.kvcache), identity)
+    client = KVCacheClient.connect(ServiceConfig.from_settings(config.kvcache), identity)
 
     tenant = make_tenant(api_key or next(iter(config.auth.resolve_keys()), None))
 

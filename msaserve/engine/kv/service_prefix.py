@@ -1,4 +1,4 @@
-"""The KV cache service as the engine's second-level prefix cache (DESIGN §3).
+"""The KV cache service as the engine's second-level prefix cache (docs/design.md §3).
 
 - Evicted prefix-cache pages go to the service (content-addressed: a prefix is stored once,
   whichever replica evicted it), and so do the pages of persisted sessions (same chained hashes).
@@ -14,9 +14,8 @@ from msaserve.engine.block_manager import BlockManager
 from msaserve.engine.kv.prefix import PrefixPageIO
 from msaserve.engine.scheduler import Scheduler
 from msaserve.engine.sequence import Sequence, SequenceStatus
-from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
+from msaserve.kvcache.client import CapacityError, KVCacheClient, ServiceUnavailable
 from msaserve.kvcache.page_hash import page_hashes
-from msaserve.kvcache.store import CapacityError
 from msaserve.models.cache import LayerKVCache
 
 logger = logging.getLogger(__name__)

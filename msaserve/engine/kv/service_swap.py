@@ -17,8 +17,7 @@ import xxhash
 
 from msaserve.engine.kv.adoption import PageLost
 from msaserve.engine.kv.pages import PageCodec
-from msaserve.kvcache.client import KVCacheClient
-from msaserve.kvcache.store import CapacityError
+from msaserve.kvcache.client import CapacityError, KVCacheClient
 
 PageData = dict[str, torch.Tensor]
 """As in msaserve.engine.kv.swap: "k", "v" [L, n, P, Hkv, D]; "index" [L, n, P, HkI, DI];
