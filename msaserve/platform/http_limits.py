@@ -21,6 +21,7 @@ import asyncio
 import json
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -73,7 +74,7 @@ class ConnectionGuard:
         client = (scope.get("client") or ("unknown", 0))[0]
         refusal = self._refusal(client)
         if refusal is not None:
-            await error_response(refusal, None)(scope, receive, send)
+            await self._refuse(refusal, scope, receive, send, close=False)
             return
         headers = scope.get("headers") or []
         if any(name in CLIENT_OVERRIDE_HEADERS for name, _ in headers):
@@ -145,9 +146,17 @@ class ConnectionGuard:
             await self._refuse(refusal, scope, receive, send)
 
     @staticmethod
-    async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(error, None)
-        response.headers["connection"] = "close"
+    async def _refuse(
+        error: APIError, scope: Scope, receive: Receive, send: Send, close: bool = True
+    ) -> None:
+        """The error answer, with a request id as every other answer has (in the proxy this runs
+        outside Serve's request-id middleware): the client's X-Request-ID, or a new one."""
+        headers = dict(scope.get("headers") or [])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+        response = error_response(error, request_id)
+        response.headers["x-request-id"] = request_id
+        if close:  # the rest of the body is unread: the connection cannot carry another request
+            response.headers["connection"] = "close"
         await response(scope, receive, send)
 
 
