@@ -24,6 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from msaserve.kvcache.page_hash import expand_placeholders, media_hashes_per_page, placeholder_spans
+
+__all__ = ["expand_placeholders", "media_hashes_per_page", "placeholder_spans"]
+
 
 class QuickGELU(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -244,67 +248,8 @@ def _runs(lengths: list[int]) -> list[tuple[int, int]]:
 
 
 # ---- placeholders: media ↔ token positions ---------------------------------------------------
-
-
-def expand_placeholders(
-    token_ids: Sequence[int], media_items: Sequence[MediaLike], image_token_id: int, video_token_id: int
-) -> list[int]:
-    """Each image/video token in `token_ids` (one per medium, in order) → that medium's
-    num_placeholder_tokens copies. Raises ValueError when the tokens and the media disagree."""
-    placeholder = {"image": image_token_id, "video": video_token_id}
-    out: list[int] = []
-    media = iter(media_items)
-    for position, token in enumerate(token_ids):
-        if token not in (image_token_id, video_token_id):
-            out.append(token)
-            continue
-        item = next(media, None)
-        if item is None:
-            raise ValueError(
-                f"token {position} is a media placeholder but only {len(media_items)} media were sent"
-            )
-        if placeholder[item.kind] != token:
-            raise ValueError(
-                f"token {position} is a placeholder for a different kind than medium ({item.kind})"
-            )
-        out.extend([token] * item.num_placeholder_tokens)
-    left = sum(1 for _ in media)
-    if left:
-        raise ValueError(f"{left} media have no placeholder token in the prompt")
-    return out
-
-
-def placeholder_spans(
-    expanded_ids: Sequence[int], media_items: Sequence[MediaLike], image_token_id: int, video_token_id: int
-) -> list[tuple[int, int]]:
-    """(start, length) of each medium's placeholders in an expanded prompt, in media order."""
-    tensor = torch.as_tensor(list(expanded_ids), dtype=torch.int64)
-    positions = torch.nonzero((tensor == image_token_id) | (tensor == video_token_id)).flatten().tolist()
-    total = sum(m.num_placeholder_tokens for m in media_items)
-    if len(positions) != total:
-        raise ValueError(f"the prompt has {len(positions)} placeholder tokens; the media need {total}")
-    spans, cursor = [], 0
-    for item in media_items:
-        spans.append((positions[cursor], item.num_placeholder_tokens))
-        cursor += item.num_placeholder_tokens
-    return spans
-
-
-def media_hashes_per_page(
-    expanded_ids: Sequence[int],
-    media_items: Sequence[MediaLike],
-    image_token_id: int,
-    video_token_id: int,
-    page_size: int,
-) -> list[list[int]]:
-    """For each page (ceil(len / page_size)), the content hashes of the media whose placeholder
-    tokens fall in it, in media order: the argument of kvcache.page_hash.page_hashes."""
-    pages: list[list[int]] = [[] for _ in range(-(-len(expanded_ids) // page_size))]
-    spans = placeholder_spans(expanded_ids, media_items, image_token_id, video_token_id)
-    for (start, length), item in zip(spans, media_items, strict=True):
-        for page in range(start // page_size, (start + length - 1) // page_size + 1):
-            pages[page].append(int(item.content_hash))
-    return pages
+# expand_placeholders, placeholder_spans and media_hashes_per_page live beside the page hash
+# (kvcache.page_hash, torch-free) so that the router hashes a media prompt with the engine's code.
 
 
 def merge_media_embeddings(
