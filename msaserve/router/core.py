@@ -25,6 +25,9 @@ from msaserve.router.state import RequestView, RouterState
 from msaserve.router.stats import parse_routing_stats
 
 DEFAULT_MAX_TOKENS = 256
+ROUTING_TARGET = "routing_target"
+"""A call whose first argument is a mapping with this key goes to the replica it names (a
+router's snapshot request, `MSARequestRouter._fetch_snapshot`), or anywhere if that one is gone."""
 
 
 CANDIDATE_PAGE_SIZES = (16, 32, 64, 128, 256)
@@ -128,8 +131,8 @@ class RouterCore:
         self.resync = resync
         """Asks a replica for a snapshot (its answer comes back through `snapshot_arrived`)."""
         self.resyncing: set[str] = set()
-        self.placements: deque[tuple[str, str, str]] = deque(maxlen=10_000)
-        """(request key, replica the policy decided, replica Serve sent it to), oldest first."""
+        self.placements: deque[tuple[str, Decision, str]] = deque(maxlen=10_000)
+        """(request key, the policy's decision, replica Serve sent it to), oldest first."""
 
     def refresh(self, replicas: Sequence[tuple[str, Mapping]]) -> None:
         """Fold in each replica's latest routing-stats payload: from `update_replicas` (every
@@ -208,6 +211,10 @@ class RouterCore:
         if view.session_id is None and session_id:
             view = RequestView(view.request_id, view.page_hashes, view.num_pages, session_id)
         is_generate = read_prompt(args, kwargs)[0] is not None
+        target = args[0].get(ROUTING_TARGET) if args and isinstance(args[0], Mapping) else None
+        if target in replica_ids:
+            return [Decision(target, "only_candidate")] + [
+                Decision(rid, "least_load") for rid in replica_ids if rid != target]
         home = self.state.sessions.get(view.session_id) if view.session_id else None
         if not is_generate and home in replica_ids:
             # A session lookup (session_info, delete_session) is no work: it goes to the session's
@@ -228,7 +235,7 @@ class RouterCore:
         """Where Serve actually sent the request (Serve's `on_request_routed`)."""
         decided = self._decided.pop(request_key, None)
         if decided is not None:
-            self.placements.append((request_key, decided[0].replica_id, replica_id))
+            self.placements.append((request_key, decided[0], replica_id))
         if decided is not None and decided[0].replica_id != replica_id:
             self.log.spilled(self.policy.name)
             self.state.reassign(decided[1], decided[0].replica_id, replica_id, self.clock())

@@ -97,7 +97,8 @@ def test_nothing_is_lost_at_1000_events_per_second_from_4_replicas():
                  for i in range(4)}
     truth: dict[str, list[set[int]]] = {rid: [] for rid in recorders}  # held after each seq
     pending: list[tuple[str, str]] = []
-    core = RouterCore("kv_aware", 16, clock=lambda: clock[0], resync=lambda rid: pending.append(("snap", rid)))
+    core = RouterCore("kv_aware", 16, clock=lambda: clock[0],
+                      resync=lambda rid: pending.append(("snap", rid)))
     live: dict[str, set[int]] = {rid: set() for rid in recorders}
     latest: dict[str, dict] = {}
     num_events = 0
