@@ -24,9 +24,9 @@ against them and, on a gap it cannot replay or a mismatch, asks the replica for 
 uint64 (11 characters per hash; Serve hashes `str(routing_stats)` on every update).
 
 Payload keys (version 2): v, epoch, seq, t (replica wall clock, s), snapshot (base64 or None),
-deltas ([seq, stored, removed] oldest first), held, digest, running, waiting, free_pages,
-total_pages, cached_pages, prefix_hit_rate, draining, waiting_prefill_pages (int or None), sessions
-(session ids first seen since the previous payload), resident_sessions (list or None), page_size
+deltas ([seq, stored, removed] oldest first), held, digest, events (hash events so far), running,
+waiting, free_pages, total_pages, cached_pages, prefix_hit_rate, draining, waiting_prefill_pages
+(int or None), sessions (session ids first seen since the previous payload), resident_sessions (list or None), page_size
 (int or None: the engine's, so that the router hashes prompts the same way), media_token_ids
 ([image, video] placeholder ids or None: the router expands media placeholders like the engine),
 replica (the replica id, or None).
@@ -90,6 +90,8 @@ class RoutingStatsRecorder:
         self.seq = -1
         self.held: set[int] = set()
         self.digest = 0
+        self.num_events = 0
+        """Page-hash events (stored + removed hashes) folded in since the replica started."""
         self.journal: deque[Delta] = deque(maxlen=journal_len)
         self._stored: set[int] = set()
         self._removed: set[int] = set()
@@ -106,6 +108,7 @@ class RoutingStatsRecorder:
 
     def apply(self, events: Sequence[KVEvent]) -> None:
         for event in events:
+            self.num_events += len(event.page_hashes)
             if event.kind == "cleared":
                 self.held.clear()
                 self.digest = 0
@@ -148,6 +151,7 @@ class RoutingStatsRecorder:
             "deltas": [[d.seq, encode_hashes(d.stored), encode_hashes(d.removed)] for d in self.journal],
             "held": len(self.held),
             "digest": self.digest,
+            "events": self.num_events,
         }
 
     def snapshot_payload(self, engine_stats: EngineStats, **kw) -> dict:
@@ -206,6 +210,7 @@ class RoutingStats:
     deltas: tuple[Delta, ...]
     held_count: int
     held_digest: int
+    num_events: int
     num_running: int
     num_waiting: int
     num_free_pages: int
@@ -250,6 +255,7 @@ def parse_routing_stats(payload: Mapping) -> RoutingStats | None:
             deltas=tuple(Delta(int(s), decode_hashes(a), decode_hashes(r)) for s, a, r in payload["deltas"]),
             held_count=int(payload["held"]),
             held_digest=int(payload["digest"]),
+            num_events=int(payload["events"]),
             num_running=int(payload["running"]),
             num_waiting=int(payload["waiting"]),
             num_free_pages=int(payload["free_pages"]),
