@@ -26,10 +26,10 @@ uint64 (11 characters per hash; Serve hashes `str(routing_stats)` on every updat
 Payload keys (version 2): v, epoch, seq, t (replica wall clock, s), snapshot (base64 or None),
 deltas ([seq, stored, removed] oldest first), held, digest, events (hash events so far), running,
 waiting, free_pages, total_pages, cached_pages, prefix_hit_rate, draining, waiting_prefill_pages
-(int or None), sessions (session ids first seen since the previous payload), resident_sessions (list or None), page_size
-(int or None: the engine's, so that the router hashes prompts the same way), media_token_ids
-([image, video] placeholder ids or None: the router expands media placeholders like the engine),
-replica (the replica id, or None).
+(int or None), sessions (session ids first seen since the previous payload), resident_sessions (list
+or None), page_size (int or None: the engine's, so that the router hashes prompts the same way),
+media_token_ids ([image, video] placeholder ids or None: the router expands media placeholders like
+the engine), replica (the replica id, or None).
 """
 
 import base64
