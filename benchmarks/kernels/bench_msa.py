@@ -442,6 +442,8 @@ def autotuned_configs() -> dict:
     return {name: {str(key): str(cfg) for key, cfg in getattr(k, "cache", {}).items()}
             for name, k in kernels.items()}
 
+CASES = Path(__file__).resolve().parents[1] / "data" / "msa_prefill_benchmark_cases_v1.json"
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -449,8 +451,7 @@ def main() -> None:
     parser.add_argument("--git-revision", default="unknown")
     parser.add_argument("--skip-1m-prefill", action="store_true")
     parser.add_argument("--only", default="ceil,decode,prefill,production")
-    parser.add_argument("--cases", type=Path,
-                        default=Path(__file__).resolve().parents[1] / "data" / "msa_prefill_benchmark_cases_v1.json")
+    parser.add_argument("--cases", type=Path, default=CASES)
     args = parser.parse_args()
     torch.manual_seed(0)
     command = "python benchmarks/kernels/bench_msa.py --out benchmarks/results"

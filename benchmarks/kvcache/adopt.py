@@ -28,13 +28,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from msaserve.engine.kv import staging  # noqa: E402
+from msaserve.engine.kv.adoption import LazyPageFetcher, PackedUnit, forward_with_ops, load_packed  # noqa: E402
+from msaserve.engine.kv.pages import PageCodec, identity_for  # noqa: E402
+from msaserve.engine.kv.persist import SessionWriter  # noqa: E402
 from msaserve.kernels import get_ops  # noqa: E402
-from msaserve.kvcache import staging  # noqa: E402
-from msaserve.kvcache.adoption import LazyPageFetcher, PackedUnit, forward_with_ops, load_packed  # noqa: E402
 from msaserve.kvcache.client import KVCacheClient, start_shards  # noqa: E402
 from msaserve.kvcache.config import ServiceConfig  # noqa: E402
-from msaserve.kvcache.pages import PageCodec, identity_for  # noqa: E402
-from msaserve.kvcache.persist import SessionWriter  # noqa: E402
 from msaserve.models.presets import get_preset  # noqa: E402
 from msaserve.models.reference_decode import SequenceState, step_metadata  # noqa: E402
 from msaserve.models.transformer import MSATransformer, init_random_weights  # noqa: E402

@@ -18,10 +18,10 @@ import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from msaserve.kvcache import adoption, staging
+from msaserve.engine.kv import adoption, staging
+from msaserve.engine.kv.pages import PageCodec, identity_for
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.pages import PageCodec, identity_for
 from msaserve.models.cache import allocate_caches
 from msaserve.models.presets import get_preset
 

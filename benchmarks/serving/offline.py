@@ -28,6 +28,7 @@ merged with what is there.
 import argparse
 import sys
 import time
+from pathlib import Path
 
 import torch
 from bench_setup import Sizes, build_engine, free_memory, prompt_vocab, sizes_for, synchronize

@@ -1,9 +1,12 @@
-"""The engine's configuration: one checked dataclass (STYLE §6: pydantic at the edges, here not)."""
+"""The engine's configuration: one checked dataclass (CONTRIBUTING.md §6: pydantic at the edges, here
+not). The fields a user sets come from `EngineSettings` (settings.py), defaults included."""
 
 from dataclasses import dataclass, field
 from typing import Any
 
-ATTENTION_BACKENDS = ("naive", "triton", "dense", "msa")
+from msaserve.engine.settings import DEFAULT_CPU_KV_CACHE_BYTES, EngineSettings, engine_default
+from msaserve.kernels.backends import backend_names as attention_backend_names
+
 KV_CACHE_DTYPES = ("auto", "fp8")
 INDEX_CACHE_DTYPES = ("auto", "bf16", "fp8")
 DTYPES = ("bfloat16", "float16", "float32")
@@ -28,26 +31,26 @@ class EngineConfig:
     num_pages: int | None = None
     """KV pages in the pool (one page = P tokens of K, V and index-K in every layer). None: plan
     from free HBM on GPU, or from `cpu_kv_cache_bytes` on CPU."""
-    gpu_memory_utilization: float = 0.9
+    gpu_memory_utilization: float = engine_default("gpu_memory_utilization")
     """Share of the GPU's free memory the engine may use (weights are already loaded)."""
-    cpu_kv_cache_bytes: int = 1 << 30
+    cpu_kv_cache_bytes: int = DEFAULT_CPU_KV_CACHE_BYTES
     """Bytes of KV pool on CPU when num_pages is None."""
-    max_num_seqs: int = 32
+    max_num_seqs: int = engine_default("max_num_seqs")
     """Sequences running at once (decode batch size bound)."""
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = engine_default("max_num_batched_tokens")
     """Token budget of one step: decodes plus prefill chunks (chunked prefill)."""
-    max_model_len: int = 8192
+    max_model_len: int = engine_default("max_model_len")
     """Prompt plus output tokens of one request."""
-    max_waiting: int = 256
+    max_waiting: int = engine_default("max_waiting")
     """Requests allowed in the waiting queue; beyond it `generate` raises QueueFull."""
-    enable_prefix_caching: bool = True
-    kv_cache_dtype: str = "auto"
+    enable_prefix_caching: bool = engine_default("enable_prefix_caching")
+    kv_cache_dtype: str = engine_default("kv_cache_dtype")
     """auto (the model dtype) or fp8 (float8_e4m3fn storage for K and V)."""
-    index_cache_dtype: str = "auto"
+    index_cache_dtype: str = engine_default("index_cache_dtype")
     """auto (the model dtype), bf16, or fp8 (with per-key scales)."""
-    cuda_graphs: bool = True
+    cuda_graphs: bool = engine_default("enable_cuda_graphs")
     """Capture decode steps as CUDA graphs per batch size (GPU only; ignored on CPU)."""
-    decode_steps: int = 1
+    decode_steps: int = engine_default("decode_steps")
     """Decode steps per scheduling round (1–64). Above 1, a decode-only batch of greedy requests
     runs up to this many steps back to back on the device, each step's tokens fed to the next
     there, with one host synchronisation per round: the host's per-step work (scheduling, step
@@ -59,7 +62,7 @@ class EngineConfig:
     """Seed of the generators of requests that give no seed."""
 
     def __post_init__(self) -> None:
-        self._check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        self._check_choice("attention_backend", self.attention_backend, attention_backend_names())
         self._check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         self._check_choice("index_cache_dtype", self.index_cache_dtype, INDEX_CACHE_DTYPES)
         self._check_choice("dtype", self.dtype, DTYPES)
@@ -85,6 +88,23 @@ class EngineConfig:
         for name in ("cpu_kv_cache_bytes", "swap_space_bytes"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} is invalid: allowed ≥ 0")
+
+    @classmethod
+    def from_settings(
+        cls, settings: EngineSettings, *, model: str, device: str, dtype: str, attention_backend: str,
+    ) -> "EngineConfig":
+        """The engine's config from the user-facing `engine:` settings and the model section."""
+        pool_bytes = settings.kv_cache_memory_bytes
+        pool = {} if pool_bytes is None else {"cpu_kv_cache_bytes": pool_bytes}
+        return cls(
+            model=model, device=device, dtype=dtype, attention_backend=attention_backend,
+            num_pages=settings.num_pages, gpu_memory_utilization=settings.gpu_memory_utilization,
+            max_num_seqs=settings.max_num_seqs, max_num_batched_tokens=settings.max_num_batched_tokens,
+            max_model_len=settings.max_model_len, max_waiting=settings.max_waiting,
+            enable_prefix_caching=settings.enable_prefix_caching, kv_cache_dtype=settings.kv_cache_dtype,
+            index_cache_dtype=settings.index_cache_dtype, cuda_graphs=settings.enable_cuda_graphs,
+            decode_steps=settings.decode_steps, **pool,
+        )
 
     @staticmethod
     def _check_choice(name: str, value: str, allowed: tuple[str, ...]) -> None:

@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from msaserve.kernels import AttentionOps
 from msaserve.models.cache import LayerKVCache
 from msaserve.models.metadata import AttentionMetadata
 from msaserve.models.transformer import MSATransformer
@@ -24,9 +25,10 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: MSATransformer, caches: list[LayerKVCache], max_num_seqs: int,
-                 max_pages: int, scratch_page: int) -> None:
+    def __init__(self, model: MSATransformer, ops: AttentionOps, caches: list[LayerKVCache],
+                 max_num_seqs: int, max_pages: int, scratch_page: int) -> None:
         self.model = model
+        self.ops = ops
         self.caches = caches
         self.max_pages = max_pages
         self.scratch_page = scratch_page
@@ -70,11 +72,11 @@ class DecodeGraphs:
             for size in reversed(self.batch_sizes):
                 meta = self._meta(size)
                 for _ in range(2):  # warm up outside the graph (lazy init, autotuning)
-                    self.model(self.input_ids[:size], meta, self.caches)
+                    self.model(self.input_ids[:size], meta, self.caches, ops=self.ops)
                 torch.cuda.synchronize()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
-                    self.outputs[size] = self.model(self.input_ids[:size], meta, self.caches)
+                    self.outputs[size] = self.model(self.input_ids[:size], meta, self.caches, ops=self.ops)
                 pool = graph.pool()
                 self.graphs[size] = graph
         except Exception as error:  # e.g. an op that synchronises with the host

@@ -10,6 +10,9 @@ import torch
 
 from msaserve.engine.block_manager import BlockManager
 from msaserve.engine.config import EngineConfig
+from msaserve.engine.kv.adoption import PageLost
+from msaserve.engine.kv.sessions import EngineSessions
+from msaserve.engine.kv.swap import CachePageIO, EvictedPageSink, HostSwapStore, Swapper, SwapStore
 from msaserve.engine.media import MediaPrompt, prepare_media
 from msaserve.engine.memory import model_dtype
 from msaserve.engine.model_runner import ModelRunner
@@ -17,8 +20,6 @@ from msaserve.engine.output import RequestOutputTracker, now
 from msaserve.engine.sampler import Sampler
 from msaserve.engine.scheduler import ScheduledBatch, Scheduler
 from msaserve.engine.sequence import Sequence
-from msaserve.engine.sessions import EngineSessions, fetching_ops
-from msaserve.engine.swap import CachePageIO, EvictedPageSink, HostPageStore, PageStore, Swapper
 from msaserve.engine.types import (
     ContextTooLong,
     EngineStats,
@@ -29,7 +30,6 @@ from msaserve.engine.types import (
     QueueFull,
     TokenLogprob,
 )
-from msaserve.kvcache.adoption import PageLost
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.models.transformer import MSATransformer
 
@@ -53,17 +53,17 @@ class LLMEngine:
         config: EngineConfig,
         model: MSATransformer | None = None,
         tokenizer: object | None = None,
-        page_store: PageStore | None = None,
+        page_store: SwapStore | None = None,
         evicted_page_sink: EvictedPageSink | None = None,
         kv_client: KVCacheClient | None = None,
     ) -> None:
         """page_store: where preempted sequences' pages go (host memory by default);
         evicted_page_sink: where evicted prefix-cache pages go (dropped by default);
         kv_client: the KV cache service, where requests with a session_id are persisted and from
-        which sessions whose pages are not local are adopted (`msaserve.engine.sessions`)."""
+        which sessions whose pages are not local are adopted (`msaserve.engine.kv.sessions`)."""
         if model is None:
             model, tokenizer = load_engine_model(config)
-        elif getattr(model, "attention_backend", config.attention_backend) != config.attention_backend:
+        elif model.attention_backend != config.attention_backend:
             logger.info("the injected model runs its own attention backend %r (config says %r)",
                         model.attention_backend, config.attention_backend)
         self.config = config
@@ -75,7 +75,7 @@ class LLMEngine:
         pin = self.runner.device.type == "cuda"
         store = page_store
         if store is None:  # an empty store is falsy: test identity, not truth
-            store = HostPageStore(config.swap_space_bytes, pin_memory=pin)
+            store = HostSwapStore(config.swap_space_bytes, pin_memory=pin)
         page_io = CachePageIO(self.runner.caches)
         self.swapper = Swapper(store, page_io, self.block_manager)
         if evicted_page_sink is not None:
@@ -168,9 +168,8 @@ class LLMEngine:
     def attach_kv_client(self, client: KVCacheClient) -> None:
         """Persist session requests to the KV cache service and adopt sessions from it (call
         before the first request)."""
-        backend = getattr(self.model, "attention_backend", self.config.attention_backend)
         self.sessions = EngineSessions(
-            client, self.runner.caches, self.block_manager, self.scheduler, sparse=backend != "dense"
+            client, self.runner.caches, self.block_manager, self.scheduler, sparse=self.runner.ops.sparse
         )
 
     def has_unfinished(self) -> bool:
@@ -187,8 +186,8 @@ class LLMEngine:
         if steps > 1:
             return self._decode_round(batch, steps)
         try:
-            with fetching_ops(self.model, wrap):  # adopted sequences fetch the pages they select
-                inputs, logits = self.runner.execute(batch, self.record_selections or wrap is not None)
+            # Adopted sequences fetch the pages they select: the step runs wrapped ops.
+            inputs, logits = self.runner.execute(batch, self.record_selections, ops_wrapper=wrap)
         except PageLost as lost:  # gone from the service: those sequences recompute instead
             if self.sessions is None:
                 raise

@@ -3,6 +3,7 @@ graphs for decode, and returns the logits of the sequences that sample."""
 
 import dataclasses
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -12,7 +13,7 @@ from msaserve.engine.media import release_finished_media, step_input_embeds
 from msaserve.engine.memory import cache_dtypes, plan_num_pages
 from msaserve.engine.scheduler import ScheduledBatch
 from msaserve.engine.step_inputs import StepInputs, build_step_inputs
-from msaserve.kernels import get_ops
+from msaserve.kernels import AttentionOps, get_ops
 from msaserve.models.cache import LayerKVCache, allocate_caches
 from msaserve.models.metadata import AttentionMetadata
 from msaserve.models.transformer import MSATransformer
@@ -26,6 +27,8 @@ class ModelRunner:
         model.fuse_projections()  # one GEMM for q/k/v/index and one for gate/up, every step
         self.config = config
         self.device = next(model.parameters()).device
+        self.ops: AttentionOps = get_ops(model.attention_backend, self.device)
+        """The model's attention ops, resolved once; every forward gets them (or a wrapper of them)."""
         self.page_size = model.config.page_size
         self.max_pages = -(-config.max_model_len // self.page_size)
         kv_dtype, index_dtype = cache_dtypes(config)
@@ -40,26 +43,27 @@ class ModelRunner:
             model.config, self.num_pages + 1, self.device, kv_dtype, index_dtype
         )
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and config.cuda_graphs and self._ops_capturable():
-            graphs = DecodeGraphs(model, self.caches, config.max_num_seqs, self.max_pages, self.scratch_page)
+        if self.device.type == "cuda" and config.cuda_graphs and self.ops.graph_capturable:
+            graphs = DecodeGraphs(model, self.ops, self.caches, config.max_num_seqs, self.max_pages,
+                                  self.scratch_page)
             self.graphs = graphs if graphs.capture() else None
         self.last_selections: list[torch.Tensor] | None = None
 
-    def _ops_capturable(self) -> bool:
-        """Only the Triton MSA ops and the dense backend's paged decode kernel run without host
-        synchronisation; the naive and SDPA paths loop over sequences on the host
-        (`int(seq_lens[b])`), which a CUDA graph cannot hold."""
-        backend = getattr(self.model, "attention_backend", self.config.attention_backend)
-        return get_ops(backend, self.device).graph_capturable
-
     @torch.inference_mode()
     def execute(
-        self, batch: ScheduledBatch, record_selections: bool = False
+        self, batch: ScheduledBatch, record_selections: bool = False,
+        ops_wrapper: Callable[[AttentionOps], AttentionOps] | None = None,
     ) -> tuple[StepInputs, torch.Tensor]:
-        """Run one step → (its inputs, logits [num sampled rows, vocab] fp32)."""
+        """Run one step → (its inputs, logits [num sampled rows, vocab] fp32).
+
+        ops_wrapper: this step runs `ops_wrapper(self.ops)` instead of the ops (the KV cache
+        service's adoption fetches the pages each layer selects); such a step records its
+        selections, so it never replays a CUDA graph."""
+        record_selections = record_selections or ops_wrapper is not None
         inputs = build_step_inputs(batch, self.page_size, self.device, record_selections)
         embeds = step_input_embeds(self.model, batch.seqs, batch.num_new_tokens, inputs.input_ids)
-        hidden = self.forward(inputs.input_ids, inputs.meta, embeds)
+        ops = self.ops if ops_wrapper is None else ops_wrapper(self.ops)
+        hidden = self.forward(inputs.input_ids, inputs.meta, embeds, ops)
         release_finished_media(batch.seqs, batch.num_new_tokens)
         self.last_selections = inputs.meta.selections
         last_token = inputs.meta.logits_indices  # [B]
@@ -95,14 +99,18 @@ class ModelRunner:
         return torch.stack(sampled).tolist()
 
     def forward(
-        self, input_ids: torch.Tensor, meta: AttentionMetadata, input_embeds: torch.Tensor | None = None
+        self, input_ids: torch.Tensor, meta: AttentionMetadata, input_embeds: torch.Tensor | None = None,
+        ops: AttentionOps | None = None,
     ) -> torch.Tensor:
-        """input_embeds [T, H]: token embeddings with media rows merged (prefill steps with media)."""
+        """input_embeds [T, H]: token embeddings with media rows merged (prefill steps with media);
+        ops: this step's attention ops (default: the resolved `self.ops`)."""
+        ops = self.ops if ops is None else ops
         if input_embeds is not None:
-            return self.model(input_ids, meta, self.caches, input_embeds=input_embeds)
-        if self.graphs is not None and meta.selections is None and self.graphs.can_run(meta):
+            return self.model(input_ids, meta, self.caches, input_embeds=input_embeds, ops=ops)
+        if (self.graphs is not None and ops is self.ops and meta.selections is None
+                and self.graphs.can_run(meta)):
             return self.graphs.run(input_ids, meta)
-        return self.model(input_ids, meta, self.caches)
+        return self.model(input_ids, meta, self.caches, ops=ops)
 
     @torch.inference_mode()
     def profile_activation_bytes(self, kv_dtype: torch.dtype, index_dtype: torch.dtype) -> int:
@@ -122,7 +130,8 @@ class ModelRunner:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
-        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), meta, caches)
+        hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=self.device), meta, caches,
+                            ops=self.ops)
         self.model.compute_logits(hidden[-1:])
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - before

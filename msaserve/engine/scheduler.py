@@ -16,8 +16,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from msaserve.engine.block_manager import BlockManager
+from msaserve.engine.kv.swap import Swapper
 from msaserve.engine.sequence import Sequence, SequenceStatus
-from msaserve.engine.swap import Swapper
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """MSA attention ops. Each op lives in `<op>/naive.py` (PyTorch, the spec, any device) beside
-`<op>/triton.py` (the GPU kernel); `dispatch.get_ops` picks one set per backend.
+`<op>/triton.py` (the GPU kernel); `dispatch.get_ops` resolves a backend (a module in `backends/`)
+into one set.
 
 Shared conventions (DESIGN §2–3):
 - caches: `k_cache, v_cache [num_pages, P, Hkv, D]`, `index_cache [num_pages, P, HkI, DI]`;
@@ -12,6 +13,16 @@ Shared conventions (DESIGN §2–3):
   order, padded with -1. Consumers must not depend on the order (property 3).
 """
 
-from msaserve.kernels.dispatch import AttentionOps, get_ops
+from typing import Any
 
 __all__ = ["AttentionOps", "get_ops"]
+
+
+def __getattr__(name: str) -> Any:
+    """`AttentionOps` / `get_ops` load torch and the kernels only when asked for, so that importing
+    a torch-free part (`kernels.backends.backend_names`) stays light."""
+    if name in __all__:
+        from msaserve.kernels import dispatch
+
+        return getattr(dispatch, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

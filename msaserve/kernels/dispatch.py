@@ -1,8 +1,9 @@
-"""Pick one implementation of every attention op per backend.
+"""The attention ops a model layer calls, and the one place a backend name becomes them.
 
-Backends (DESIGN §4, engine): `naive` (MSA, PyTorch reference ops), `triton` (MSA, GPU kernels),
-`dense` (dense causal attention, the baseline: SDPA, and on CUDA a paged flash-decoding kernel for
-the decode rows, `dense/gpu.py`), and `msa` (triton on CUDA, naive elsewhere).
+A backend is one module in `msaserve/kernels/backends/` whose `resolve(device)` returns an
+`AttentionOps`; its file name is its name, so adding a backend is adding one file. The model runner
+resolves the configured name once (`get_ops`) and passes the ops object down to every layer; nothing
+else maps names to functions.
 """
 
 from collections.abc import Callable
@@ -11,7 +12,8 @@ from importlib import import_module
 
 import torch
 
-BACKENDS = ("naive", "triton", "dense", "msa")
+from msaserve.kernels import backends
+from msaserve.kernels.backends import backend_names
 
 
 @dataclass(frozen=True)
@@ -33,41 +35,25 @@ class AttentionOps:
     graph_capturable: bool = False
 
 
-def _load(impl: str, op: str, fn: str | None = None) -> Callable[..., torch.Tensor]:
+def load_op(impl: str, op: str, fn: str | None = None) -> Callable[..., torch.Tensor]:
+    """`msaserve.kernels.<op>.<impl>.<fn or op>`: one op of one implementation."""
     module = import_module(f"msaserve.kernels.{op}.{impl}")
     return getattr(module, fn or op)
 
 
-def _ops(name: str, impl: str, sparse: bool, dense_impl: str, graph_capturable: bool = False) -> AttentionOps:
+def msa_ops(name: str, impl: str, dense: tuple[Callable, Callable], graph_capturable: bool) -> AttentionOps:
+    """The four MSA ops of one implementation (`naive` / `triton`) beside a dense pair."""
     return AttentionOps(
-        name=name,
-        sparse=sparse,
-        indexer_prefill=_load(impl, "indexer_prefill"),
-        indexer_decode=_load(impl, "indexer_decode"),
-        sparse_prefill=_load(impl, "sparse_prefill"),
-        sparse_decode=_load(impl, "sparse_decode"),
-        dense_prefill=_load(dense_impl, "dense", "dense_prefill"),
-        dense_decode=_load(dense_impl, "dense", "dense_decode"),
-        graph_capturable=graph_capturable,
+        name=name, sparse=True,
+        indexer_prefill=load_op(impl, "indexer_prefill"), indexer_decode=load_op(impl, "indexer_decode"),
+        sparse_prefill=load_op(impl, "sparse_prefill"), sparse_decode=load_op(impl, "sparse_decode"),
+        dense_prefill=dense[0], dense_decode=dense[1], graph_capturable=graph_capturable,
     )
 
 
 def get_ops(backend: str, device: torch.device | str = "cpu") -> AttentionOps:
-    """Return the ops of `backend` for tensors on `device`."""
-    if backend not in BACKENDS:
-        raise ValueError(f"attention backend {backend!r} is not one of {', '.join(BACKENDS)}")
-    device = torch.device(device)
-    if backend == "msa":
-        backend = "triton" if device.type == "cuda" else "naive"
-    if backend == "naive":
-        return _ops("naive", "naive", True, "naive")
-    if backend == "dense":
-        if device.type == "cuda":
-            return _ops("dense", "naive", False, "gpu", graph_capturable=True)
-        return _ops("dense", "naive", False, "sdpa")
-    if device.type != "cuda":
-        raise ValueError(
-            f"attention backend 'triton' needs a CUDA device, got {device.type!r}; "
-            "use 'naive' or 'msa' on CPU"
-        )
-    return _ops("triton", "triton", True, "sdpa", graph_capturable=True)
+    """Resolve `backend` into its ops for tensors on `device`."""
+    names = backend_names()
+    if backend not in names:
+        raise ValueError(f"attention_backend={backend!r} is invalid: allowed {', '.join(names)}")
+    return import_module(f"{backends.__name__}.{backend}").resolve(torch.device(device))

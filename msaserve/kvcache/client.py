@@ -24,12 +24,14 @@ import numpy as np
 from msaserve.kvcache.codec import Payload, copy_rows
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.keys import ModelIdentity, shard_of_page, shard_of_session
-from msaserve.kvcache.session import SessionRecord
+from msaserve.kvcache.session_records import SessionRecord
 from msaserve.kvcache.shard import KVCacheShard, PageUpload
+from msaserve.kvcache.store import CapacityError
 from msaserve.kvcache.transport import LocalTransport, RayTransport, ServiceUnavailable, Transport
 
 __all__ = [
-    "KVCacheClient", "PackedFetch", "PendingFetch", "PendingReply", "ServiceUnavailable", "start_shards",
+    "CapacityError", "KVCacheClient", "PackedFetch", "PendingFetch", "PendingReply", "ServiceUnavailable",
+    "start_shards",
 ]
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from msaserve.kvcache.codec import Payload, as_payload
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.keys import index_key, kv_key
-from msaserve.kvcache.session import SessionRecord, SessionStore
+from msaserve.kvcache.session_records import SessionRecord, SessionStore
 from msaserve.kvcache.store import PageStore
 
 PageUpload = tuple[int, Sequence[Payload] | None, Payload | None]

@@ -9,14 +9,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from msaserve.kernels import AttentionOps, get_ops
-from msaserve.kernels.dispatch import BACKENDS
+from msaserve.kernels.backends import backend_names
 from msaserve.kernels.layer_ops import LayerOps, get_layer_ops
+from msaserve.kernels.rotary import rotary_cos_sin
 from msaserve.models.attention import MSAAttention, RotaryTables
 from msaserve.models.cache import LayerKVCache
 from msaserve.models.config import MSAConfig
 from msaserve.models.layers import RMSNorm, SwiGLU
 from msaserve.models.metadata import AttentionMetadata
-from msaserve.models.rotary import rotary_cos_sin
 
 
 class DecoderLayer(nn.Module):
@@ -41,12 +41,14 @@ class DecoderLayer(nn.Module):
 class MSATransformer(nn.Module):
     def __init__(self, config: MSAConfig, attention_backend: str = "msa") -> None:
         super().__init__()
-        if attention_backend not in BACKENDS:
+        if attention_backend not in backend_names():
             raise ValueError(
-                f"attention_backend={attention_backend!r} is invalid: allowed {', '.join(BACKENDS)}"
+                f"attention_backend={attention_backend!r} is invalid: allowed {', '.join(backend_names())}"
             )
         self.config = config
         self.attention_backend = attention_backend
+        """The backend the weights are laid out for (the dense one never projects index queries);
+        the engine's ModelRunner resolves it once and passes the ops to every forward."""
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -67,8 +69,9 @@ class MSATransformer(nn.Module):
         """input_ids [T] int64 (flattened new tokens of all sequences) → hidden [T, H].
 
         input_embeds [T, H], if given, replaces the token embeddings (multimodal placeholders).
-        ops, if given, replaces the backend's attention ops (the KV cache service wraps the
-        indexers so that each layer fetches the pages it selects before attending).
+        ops: the attention ops the engine resolved for this model (`ModelRunner.ops`, possibly
+        wrapped so that each layer fetches the pages it selects before attending); None resolves
+        `attention_backend` for the input's device (direct calls in tests and tools).
         layer_ops, if given, replaces the device's elementwise ops (tests compare the two).
         """
         if len(caches) != len(self.layers):

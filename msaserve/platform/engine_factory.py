@@ -2,7 +2,7 @@
 
 With `kvcache.enabled`, the replica attaches to (or starts) the service's shard actors — named,
 detached Ray actors, so they outlive a replica and a redeploy — and the engine swaps preempted
-sequences' pages into the service (`msaserve.kvcache.engine_adapter.ServicePageStore`) instead of
+sequences' pages into the service (`msaserve.engine.kv.service_swap.ServiceSwapStore`) instead of
 host memory of its own.
 """
 
@@ -19,19 +19,19 @@ def build_engine(config: ServeConfig, engine_config: EngineConfig) -> AsyncEngin
     """Blocking (loads weights); the model deployment runs it in a thread."""
     if not config.kvcache.enabled:
         return AsyncEngine(engine_config)
+    from msaserve.engine.kv.pages import identity_for
+    from msaserve.engine.kv.service_swap import ServiceSwapStore
     from msaserve.engine.llm_engine import LLMEngine, load_engine_model
     from msaserve.engine.memory import cache_dtypes
     from msaserve.kvcache.client import KVCacheClient, start_shards
     from msaserve.kvcache.config import ServiceConfig
-    from msaserve.kvcache.engine_adapter import ServicePageStore
-    from msaserve.kvcache.pages import identity_for
 
     model, tokenizer = load_engine_model(engine_config)
-    service = ServiceConfig.from_platform(config.kvcache)
+    service = ServiceConfig.from_settings(config.kvcache)
     shards = start_shards(service, detached=True)
     kv_dtype, index_dtype = cache_dtypes(engine_config)
     identity = identity_for(model.config, config.model.resolved_name(), kv_dtype, index_dtype)
-    page_store = ServicePageStore(KVCacheClient(shards, identity))
+    page_store = ServiceSwapStore(KVCacheClient(shards, identity))
     logger.info("KV cache service attached: %d shard(s), %d bytes", service.num_shards, service.memory_bytes)
     return AsyncEngine(
         engine_config, engine=LLMEngine(engine_config, model, tokenizer, page_store=page_store)

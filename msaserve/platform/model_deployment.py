@@ -32,39 +32,22 @@ ENGINE_WAIT_S = 30.0
 
 
 def engine_config_from(config: ServeConfig) -> EngineConfig:
-    """The engine's dataclass from the user-facing pydantic config (STYLE §6)."""
-    model, engine = config.model, config.engine
+    """The engine's dataclass from the user-facing pydantic config (CONTRIBUTING.md §6)."""
+    model = config.model
     dtype = model.dtype if model.dtype != "auto" else ("bfloat16" if model.device == "cuda" else "float32")
-    kwargs: dict = {
-        "model": model.spec,
-        "device": model.device,
-        "dtype": dtype,
-        "attention_backend": model.attention_backend,
-        "num_pages": engine.num_pages,
-        "gpu_memory_utilization": engine.gpu_memory_utilization,
-        "max_num_seqs": engine.max_num_seqs,
-        "max_num_batched_tokens": engine.max_num_batched_tokens,
-        "max_waiting": engine.max_waiting,
-        "enable_prefix_caching": engine.enable_prefix_caching,
-        "kv_cache_dtype": engine.kv_cache_dtype,
-        "index_cache_dtype": engine.index_cache_dtype,
-        "cuda_graphs": engine.enable_cuda_graphs,
-        "decode_steps": engine.decode_steps,
-    }
-    if engine.max_model_len is not None:
-        kwargs["max_model_len"] = engine.max_model_len
-    if engine.kv_cache_memory_bytes is not None:
-        kwargs["cpu_kv_cache_bytes"] = engine.kv_cache_memory_bytes
-    return EngineConfig(**kwargs)
+    return EngineConfig.from_settings(
+        config.engine, model=model.spec, device=model.device, dtype=dtype,
+        attention_backend=model.attention_backend,
+    )
 
 
 def attach_session_store(engine) -> None:
     """Sessions go through the KV cache service the engine already swaps into: persisted as
     they generate, adopted by whichever replica serves their next turn (after a move or a death)."""
-    from msaserve.kvcache.engine_adapter import ServicePageStore
+    from msaserve.engine.kv.service_swap import ServiceSwapStore
 
     store = engine.engine.swapper.store
-    if isinstance(store, ServicePageStore):
+    if isinstance(store, ServiceSwapStore):
         engine.engine.attach_kv_client(store.client)
 
 

@@ -7,8 +7,8 @@ deployment through the Ray object store inside the GenerateRequest.
 import asyncio
 import time
 
-from msaserve.platform.config import PreprocessLimits
 from msaserve.platform.model_messages import ModelError
+from msaserve.preprocess.limits import PreprocessLimits
 
 
 class PreprocessDeployment:

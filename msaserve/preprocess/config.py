@@ -1,13 +1,15 @@
 """Limits and geometry of the media pipeline, checked once at construction.
 
-Field names match `msaserve.platform.config.PreprocessLimits`, so the platform can build this with
-`PreprocessConfig(**limits.model_dump())`; the geometry fields (patch, merge, temporal patch, mean,
-std) are Qwen2-VL's and must match the vision tower the model was trained with.
+Field names match the user-facing `PreprocessLimits` (limits.py), whose defaults these take, so the
+platform builds this with `PreprocessConfig(**limits.model_dump())`; the geometry fields (patch,
+merge, temporal patch, mean, std) are Qwen2-VL's and must match the vision tower the model was trained with.
 """
 
 from dataclasses import dataclass
 
 from PIL import Image
+
+from msaserve.preprocess.limits import limit_default
 
 MiB = 1 << 20
 
@@ -25,34 +27,34 @@ class PreprocessConfig:
     image_mean: tuple[float, float, float] = CLIP_MEAN
     image_std: tuple[float, float, float] = CLIP_STD
     # Images: target size after resize (smart_resize keeps it within [min_pixels, max_pixels]).
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280
-    max_image_bytes: int = 20 * MiB
-    max_image_pixels: int = 50_000_000  # decoded width × height, checked from the header
+    min_pixels: int = limit_default("min_pixels")
+    max_pixels: int = limit_default("max_pixels")
+    max_image_bytes: int = limit_default("max_image_bytes")
+    max_image_pixels: int = limit_default("max_image_pixels")  # decoded width × height, from the header
     # Decode JPEGs at 1/2, 1/4 or 1/8 scale (libjpeg's DCT scaling) when the target is that much
     # smaller; the result differs slightly from a full decode + bicubic (see docs/performance-preprocess.md).
     fast_jpeg_downscale: bool = True
     # Video.
-    video_fps: float = 2.0
-    video_max_frames: int = 64
-    video_max_duration_s: float = 600.0
+    video_fps: float = limit_default("video_fps")
+    video_max_frames: int = limit_default("video_max_frames")
+    video_max_duration_s: float = limit_default("video_max_duration_s")
     video_min_pixels: int = 128 * 28 * 28  # per frame
     video_max_pixels: int = 768 * 28 * 28  # per frame
-    max_video_bytes: int = 200 * MiB
+    max_video_bytes: int = limit_default("max_video_bytes")
     max_decoded_frames: int = 20_000  # frames the decoder may decode for one video (sampled or not)
     decode_time_limit_s: float = 30.0  # per medium; checked between packets / frames
     video_decoder_threads: int = 1  # FFmpeg decoder threads (0 = one per core); a replica has 1 CPU
     # Requests.
-    max_items_per_request: int = 8
+    max_items_per_request: int = limit_default("max_items_per_request")
     # Sources.
-    allow_file_urls: bool = False
+    allow_file_urls: bool = limit_default("allow_file_urls")
     file_roots: tuple[str, ...] = ()  # file:// paths must lie under one of these; empty = any path
-    allow_http_urls: bool = False
-    allowed_hosts: tuple[str, ...] = ()  # exact host, or ".example.com" for subdomains; empty = any
-    allow_private_addresses: bool = False
+    allow_http_urls: bool = limit_default("allow_http_urls")
+    allowed_hosts: tuple[str, ...] = limit_default("allowed_hosts")  # exact, or ".example.com"; empty = any
+    allow_private_addresses: bool = limit_default("allow_private_addresses")
     allowed_private_networks: tuple[str, ...] = ()  # CIDRs exempt from the private-address guard
-    fetch_timeout_s: float = 10.0
-    max_redirects: int = 3
+    fetch_timeout_s: float = limit_default("fetch_timeout_s")
+    max_redirects: int = limit_default("max_redirects")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "allowed_hosts", tuple(self.allowed_hosts))

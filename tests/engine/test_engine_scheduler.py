@@ -3,9 +3,9 @@
 import torch
 
 from msaserve.engine.block_manager import BlockManager
+from msaserve.engine.kv.swap import CachePageIO, HostSwapStore, Swapper
 from msaserve.engine.scheduler import Scheduler
 from msaserve.engine.sequence import Sequence, SequenceStatus
-from msaserve.engine.swap import CachePageIO, HostPageStore, Swapper
 from msaserve.engine.types import SamplingParams
 from msaserve.models.cache import allocate_caches
 from msaserve.models.presets import get_preset
@@ -16,7 +16,7 @@ P = 16  # the tiny preset's page size
 def make_scheduler(num_pages: int, budget: int = 64, max_num_seqs: int = 8) -> Scheduler:
     caches = allocate_caches(get_preset("tiny"), num_pages, "cpu", torch.float32)
     manager = BlockManager(num_pages, P)
-    swapper = Swapper(HostPageStore(1 << 30), CachePageIO(caches), manager)
+    swapper = Swapper(HostSwapStore(1 << 30), CachePageIO(caches), manager)
     return Scheduler(manager, swapper, max_num_seqs, budget)
 
 

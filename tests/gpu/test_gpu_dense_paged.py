@@ -9,6 +9,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from kernel_inputs import PagedInputs, make_paged_inputs
+
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.types import GenerateRequest, SamplingParams
@@ -16,7 +18,6 @@ from msaserve.kernels.dense.gpu import dense_prefill
 from msaserve.kernels.dense.naive import dense_decode as naive_dense_decode
 from msaserve.kernels.dense.naive import dense_prefill as naive_dense_prefill
 from msaserve.kernels.dense.paged_decode import dense_decode
-from msaserve.kernels.random_inputs import PagedInputs, make_paged_inputs
 from msaserve.models.presets import get_preset
 from msaserve.models.transformer import MSATransformer, init_random_weights
 

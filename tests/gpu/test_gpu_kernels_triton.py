@@ -14,6 +14,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
+from kernel_inputs import make_paged_inputs
 from test_kernels_triton_cases import (
     Ops,
     Shape,
@@ -26,7 +27,6 @@ from test_kernels_triton_cases import (
 from msaserve.kernels import triton_common
 from msaserve.kernels.dispatch import get_ops
 from msaserve.kernels.indexer_decode import triton as indexer_decode_triton
-from msaserve.kernels.random_inputs import make_paged_inputs
 from msaserve.kernels.sparse_prefill import triton as sparse_prefill_triton
 
 

@@ -7,8 +7,8 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from msaserve.kvcache.pages import PageCodec, identity_for
-from msaserve.kvcache.staging import PinnedStaging
+from msaserve.engine.kv.pages import PageCodec, identity_for
+from msaserve.engine.kv.staging import PinnedStaging
 from msaserve.models.cache import allocate_caches
 from msaserve.models.presets import get_preset
 
@@ -48,7 +48,7 @@ def test_import_through_staging_restores_pages_on_the_gpu(index_dtype):
 
 
 def test_upload_ring_reuses_pinned_buffers_only_after_their_copy():
-    from msaserve.kvcache.staging import UploadRing
+    from msaserve.engine.kv.staging import UploadRing
 
     ring = UploadRing(torch.device("cuda"), buffer_bytes=64 << 20, count=2)
     chunks = []

@@ -16,7 +16,8 @@ import pytest
 from helm_chart import CHART, KUBE_VERSIONS, VALUES_FILES, load_values
 
 CRD_KINDS = {"RayService"}
-NO_SCHEMA_KINDS = {"ServiceMonitor"}  # monitoring.coreos.com: neither in kubernetes-validate nor tests/helm/schemas
+# monitoring.coreos.com: neither in kubernetes-validate nor tests/helm/schemas
+NO_SCHEMA_KINDS = {"ServiceMonitor"}
 
 
 def _pod_templates(rayservice: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:

@@ -13,10 +13,11 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu tests the compiled kernel", allow_module_level=True)
 
+from kernel_inputs import PagedInputs, make_paged_inputs
+
 from msaserve.kernels.dense.naive import dense_decode as naive_dense_decode
 from msaserve.kernels.dense.naive import dense_prefill as naive_dense_prefill
 from msaserve.kernels.dispatch import get_ops
-from msaserve.kernels.random_inputs import PagedInputs, make_paged_inputs
 
 _MODULE = "msaserve.kernels.dense.paged_decode"
 

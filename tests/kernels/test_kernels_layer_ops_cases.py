@@ -2,11 +2,11 @@
 fused op against its PyTorch spec on the same inputs, outputs poisoned before each run."""
 
 import torch
+from kernel_testing import import_interpreted
 
 from msaserve.kernels.layer_ops import LayerOps
 from msaserve.kernels.layer_ops import naive as spec
-from msaserve.kernels.testing import import_interpreted
-from msaserve.models.rotary import rotary_cos_sin
+from msaserve.kernels.rotary import rotary_cos_sin
 
 POISON = 7.0  # written into every output before a run; no result of these inputs equals it
 

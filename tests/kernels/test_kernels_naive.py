@@ -8,11 +8,11 @@ import math
 
 import pytest
 import torch
+from kernel_testing import scattered_block_tables, selections_match
 
 from msaserve.kernels import get_ops
 from msaserve.kernels.dense import sdpa
 from msaserve.kernels.indexer_prefill.naive import block_scores, gather_pages
-from msaserve.kernels.testing import scattered_block_tables, selections_match
 
 NAIVE = get_ops("naive")
 ATOL = 2e-5  # fp32 end to end: only summation-order differences
@@ -296,9 +296,29 @@ def test_fp8_index_scale_is_applied():
 
 
 def test_dispatch_rejects_unknown_and_unavailable_backends():
-    with pytest.raises(ValueError, match="not one of"):
+    with pytest.raises(ValueError, match="attention_backend='fast' is invalid: allowed dense, msa, naive"):
         get_ops("fast")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_ops("triton", "cpu")
     assert get_ops("msa", "cpu").name == "naive"
     assert not get_ops("dense").sparse
+
+
+def test_a_backend_is_one_file(tmp_path, monkeypatch):
+    """Adding an attention backend is adding one module to `msaserve/kernels/backends/`: the registry
+    lists it, resolves it, and the engine's config accepts its name."""
+    from msaserve.engine.config import EngineConfig
+    from msaserve.kernels import backends
+
+    (tmp_path / "reference_copy.py").write_text(
+        "import dataclasses\n"
+        "from msaserve.kernels.backends import naive\n"
+        "def resolve(device):\n"
+        "    return dataclasses.replace(naive.resolve(device), name='reference_copy')\n"
+    )
+    monkeypatch.setattr(backends, "__path__", [*backends.__path__, str(tmp_path)])
+    assert "reference_copy" in backends.backend_names()
+    assert get_ops("reference_copy").name == "reference_copy"
+    EngineConfig(attention_backend="reference_copy")
+    with pytest.raises(ValueError, match="attention_backend"):
+        EngineConfig(attention_backend="not_there")

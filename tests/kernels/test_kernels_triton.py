@@ -17,6 +17,7 @@ import triton.language as tl
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu tests the compiled kernels", allow_module_level=True)
 
+from kernel_testing import import_interpreted
 from test_kernels_triton_cases import (
     Ops,
     Shape,
@@ -25,8 +26,6 @@ from test_kernels_triton_cases import (
     check_sparse_decode,
     check_sparse_prefill,
 )
-
-from msaserve.kernels.testing import import_interpreted
 
 _TRITON_MODULES = [
     "msaserve.kernels.triton_common",

@@ -13,9 +13,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
-
-from msaserve.kernels.random_inputs import PagedInputs, make_paged_inputs, reference_scores
-from msaserve.kernels.testing import selections_match
+from kernel_inputs import PagedInputs, make_paged_inputs, reference_scores
+from kernel_testing import selections_match
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,11 @@ import numpy as np
 import pytest
 import torch
 
+from msaserve.engine.kv.service_swap import ServiceSwapStore
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.engine_adapter import ServicePageStore
 from msaserve.kvcache.keys import ModelIdentity, index_key, shard_of_page
-from msaserve.kvcache.session import SessionNotFound, SessionRecord
+from msaserve.kvcache.session_records import SessionNotFound, SessionRecord
 
 MODEL = ModelIdentity("tiny@test", num_layers=2, page_size=4, num_kv_heads=2, head_dim=8,
                       num_index_heads=1, index_dim=8, kv_dtype="float32", index_dtype="float32")
@@ -50,7 +50,7 @@ def test_sessions_and_pins_survive_new_shards_over_the_same_disk(tmp_path):
 
 def test_swap_protocol_round_trip_and_full_service():
     client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=1 << 20), MODEL)
-    store = ServicePageStore(client)
+    store = ServiceSwapStore(client)
     data = {
         "k": torch.randn(2, 3, 4, 2, 8), "v": torch.randn(2, 3, 4, 2, 8), "index": torch.randn(2, 3, 4, 1, 8),
     }
@@ -59,12 +59,12 @@ def test_swap_protocol_round_trip_and_full_service():
     assert all(torch.equal(back[name], data[name]) for name in data) and len(store) == 0
     assert all(s.stats()["kv"]["memory_pages"] == 0 for s in client.shards)  # removed after pop
     tiny = KVCacheClient.in_process(ServiceConfig(num_shards=1, memory_bytes=4096), MODEL)
-    assert not ServicePageStore(tiny).put("req-2", data)  # no room: the engine recomputes
+    assert not ServiceSwapStore(tiny).put("req-2", data)  # no room: the engine recomputes
     assert tiny.shards[0].stats()["kv"]["memory_pages"] == 0  # the part that fitted was dropped
 
 
 def test_idle_sessions_release_their_pins_and_come_back_pinned():
-    from msaserve.kvcache.persist import SessionWriter
+    from msaserve.engine.kv.persist import SessionWriter
 
     client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=1 << 20), MODEL)
     client.put_pages([(h, [kv(h), kv(h + 1)], kv(h + 2)[:256]) for h in (7, 8)])  # pinned by the record

@@ -11,20 +11,20 @@ import torch
 import xxhash
 
 from msaserve.engine.config import EngineConfig
+from msaserve.engine.kv import adoption
+from msaserve.engine.kv.adoption import LazyPageFetcher, PageLost, forward_with_ops
+from msaserve.engine.kv.pages import identity_for
+from msaserve.engine.kv.persist import SessionWriter
+from msaserve.engine.kv.prefix import PrefixPageIO
+from msaserve.engine.kv.service_swap import ServiceSwapStore
 from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.types import GenerateRequest, SamplingParams
 from msaserve.kernels import get_ops
-from msaserve.kvcache import adoption
-from msaserve.kvcache.adoption import LazyPageFetcher, PageLost, forward_with_ops
 from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable, start_shards
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.engine_adapter import ServicePageStore
 from msaserve.kvcache.keys import IncompatibleModel, ModelIdentity, index_key, kv_key, shard_of_page
 from msaserve.kvcache.page_hash import page_hashes
-from msaserve.kvcache.pages import identity_for
-from msaserve.kvcache.persist import SessionWriter
-from msaserve.kvcache.prefix import PrefixPageIO
-from msaserve.kvcache.session import SessionNotFound, SessionRecord
+from msaserve.kvcache.session_records import SessionNotFound, SessionRecord
 from msaserve.models.presets import get_preset
 from msaserve.models.reference_decode import SequenceState, generate, step_metadata
 from msaserve.models.transformer import MSATransformer, init_random_weights
@@ -329,7 +329,7 @@ def test_engine_preemption_swaps_through_the_service_with_identical_tokens(servi
                for i in range(4)]
     want = [generate(model, p, 12) for p in prompts]
     _, shards = service(num_shards=1, memory_bytes=memory_bytes, disk=False)
-    store = ServicePageStore(KVCacheClient(shards, identity))
+    store = ServiceSwapStore(KVCacheClient(shards, identity))
     # Four 80-token prompts fill 4 × 5 of the 21 pages; their first decode steps need a sixth page
     # each, so the newest sequences are preempted (swapped out to the service) and resumed.
     config = EngineConfig(model="tiny", num_pages=21, max_num_seqs=8, max_num_batched_tokens=400)

@@ -58,6 +58,6 @@ def test_kvcache_shard_is_running(live_app) -> None:
 
     from msaserve.kvcache.config import ServiceConfig
 
-    service = ServiceConfig.from_platform(live_app.config.kvcache)
+    service = ServiceConfig.from_settings(live_app.config.kvcache)
     shard = ray.get_actor(service.actor_name(0), namespace=service.namespace)
     assert ray.get(shard.ping.remote(), timeout=30) == 0

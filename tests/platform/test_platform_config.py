@@ -2,6 +2,7 @@
 
 import pytest
 
+from msaserve.engine.config import EngineConfig
 from msaserve.platform.config import ConfigError, ServeConfig
 
 
@@ -119,3 +120,29 @@ def test_app_builder_takes_serve_config_args_as_ray_serve_calls_it() -> None:
     assert isinstance(app, Application)
     with pytest.raises(ConfigError, match=r"engine\.max_num_seqs"):
         call_user_app_builder_with_args_if_necessary(app_builder, {"engine": {"max_num_seqs": 0}})
+
+
+def test_config_reference_is_current() -> None:
+    """docs/configuration.md is generated from ServeConfig; regenerate it after changing a config
+    section with `msaserve deploy-config --write-config-reference docs/configuration.md`."""
+    from pathlib import Path
+
+    from msaserve.platform.config_reference import render_reference
+
+    reference = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
+    assert reference.read_text() == render_reference()
+
+
+def test_each_default_has_one_value() -> None:
+    """The engine, KV cache service and preprocess defaults are the user-facing sections' defaults
+    (one value, one place): a default ServeConfig builds exactly the parts' default configs."""
+    from msaserve.kvcache.config import ServiceConfig
+    from msaserve.platform.model_deployment import engine_config_from
+    from msaserve.preprocess.config import PreprocessConfig
+
+    config = ServeConfig()
+    engine = engine_config_from(config)
+    defaults = EngineConfig(model=engine.model, dtype=engine.dtype)
+    assert engine == defaults
+    assert ServiceConfig.from_settings(config.kvcache) == ServiceConfig()
+    assert PreprocessConfig(**config.preprocess.model_dump()) == PreprocessConfig()

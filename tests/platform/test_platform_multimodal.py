@@ -21,10 +21,11 @@ from PIL import Image
 
 from msaserve.platform import media
 from msaserve.platform.app import preprocess_app
-from msaserve.platform.config import PreprocessLimits, ServeConfig
+from msaserve.platform.config import ServeConfig
 from msaserve.platform.errors import APIError
 from msaserve.platform.openai_types import ContentPart
 from msaserve.preprocess.config import PreprocessConfig
+from msaserve.preprocess.limits import PreprocessLimits
 from msaserve.preprocess.pipeline import Preprocessor
 
 pytestmark = pytest.mark.slow

@@ -10,12 +10,12 @@ import pytest
 import ray
 import torch
 
+from msaserve.engine.kv.pages import identity_for
 from msaserve.engine.llm_engine import LLMEngine, load_engine_model
 from msaserve.engine.memory import cache_dtypes
 from msaserve.engine.types import GenerateRequest, SamplingParams
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.pages import identity_for
 from msaserve.platform.app import APP_NAME
 from msaserve.platform.model_deployment import engine_config_from
 
@@ -37,7 +37,7 @@ def reference(live_app):
     engine = LLMEngine(engine_config, model, tokenizer)
     kv_dtype, index_dtype = cache_dtypes(engine_config)
     identity = identity_for(model.config, live_app.config.model.resolved_name(), kv_dtype, index_dtype)
-    service = KVCacheClient.connect(ServiceConfig.from_platform(live_app.config.kvcache), identity)
+    service = KVCacheClient.connect(ServiceConfig.from_settings(live_app.config.kvcache), identity)
     prompts, histories, history = [], [], []
     for turn in range(3):
         # The gateway takes only ids its tokenizer knows (the byte tokenizer's 259) while the

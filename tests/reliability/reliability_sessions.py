@@ -83,15 +83,15 @@ def make_scripts(
 def record_reader(config: ServeConfig, engine: LLMEngine):
     """session id → the token ids of its record in the platform's KV cache service (None if none).
     Call after the app has started the service."""
+    from msaserve.engine.kv.pages import identity_for
     from msaserve.engine.memory import cache_dtypes
     from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
     from msaserve.kvcache.config import ServiceConfig
-    from msaserve.kvcache.pages import identity_for
-    from msaserve.kvcache.session import SessionNotFound
+    from msaserve.kvcache.session_records import SessionNotFound
 
     kv_dtype, index_dtype = cache_dtypes(engine.config)
     identity = identity_for(engine.model.config, config.model.resolved_name(), kv_dtype, index_dtype)
-    client = KVCacheClient.connect(ServiceConfig.from_platform(config.kvcache), identity)
+    client = KVCacheClient.connect(ServiceConfig.from_settings(config.kvcache), identity)
 
     def read(session_id: str) -> list[int] | None:
         try:

@@ -84,7 +84,7 @@ def server_errors(text: str) -> float:
 
 
 def shard_actor(app: LiveApp, shard: int):
-    config = ServiceConfig.from_platform(app.config.kvcache)
+    config = ServiceConfig.from_settings(app.config.kvcache)
     return ray.get_actor(config.actor_name(shard), namespace=config.namespace)
 
 

@@ -9,7 +9,7 @@ products and sum, and silu each round to the activation dtype.
 import torch
 import torch.nn.functional as F
 
-from msaserve.models.rotary import apply_rotary
+from msaserve.kernels.rotary import apply_rotary
 
 
 def add_rms_norm(

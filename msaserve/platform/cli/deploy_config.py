@@ -1,7 +1,8 @@
 """`msaserve deploy-config CONFIG.yaml`: validate a ServeConfig and print KubeRay's serveConfigV2.
 
 `--values` prints a values file for the Helm chart (`serve:` block) instead;
-`--write-values-schema PATH` refreshes the `serve` part of the chart's values.schema.json.
+`--write-values-schema PATH` refreshes the `serve` part of the chart's values.schema.json;
+`--write-config-reference PATH` rewrites docs/configuration.md.
 """
 
 import argparse
@@ -9,6 +10,7 @@ import sys
 from pathlib import Path
 
 from msaserve.platform.config import ConfigError, ServeConfig
+from msaserve.platform.config_reference import write_reference
 from msaserve.platform.serve_config_v2 import (
     cluster_problems,
     serve_config_v2_yaml,
@@ -44,10 +46,19 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="PATH",
         help="Rewrite the `serve` part of the chart's values.schema.json from ServeConfig and exit.",
     )
+    parser.add_argument(
+        "--write-config-reference",
+        metavar="PATH",
+        help="Rewrite the Markdown configuration reference (docs/configuration.md) and exit.",
+    )
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.write_config_reference:
+        changed = write_reference(args.write_config_reference)
+        print(f"{args.write_config_reference}: {'updated' if changed else 'already up to date'}")
+        return 0
     if args.write_values_schema:
         changed = sync_values_schema(args.write_values_schema)
         print(f"{args.write_values_schema}: {'updated' if changed else 'already up to date'}")

@@ -8,10 +8,8 @@ import torch
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.llm_engine import LLMEngine
+from msaserve.engine.model_loading import LoadedModel, ModelFileMissing, Tokenizer, load_model
 from msaserve.engine.types import GenerateRequest, SamplingParams
-from msaserve.models.gguf_loader import ModelFileMissing
-from msaserve.models.loader import LoadedModel, load_model
-from msaserve.models.tokenizer import Tokenizer
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -16,24 +16,22 @@ persistence for that request, never the request itself.
 """
 
 import collections
-import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
 from msaserve.engine.block_manager import BlockManager
+from msaserve.engine.kv.adoption import AdoptionStats, LazyPageFetcher, PageLost
+from msaserve.engine.kv.persist import SessionWriter
+from msaserve.engine.kv.service_prefix import ServicePrefixCache
 from msaserve.engine.scheduler import ScheduledBatch, Scheduler
 from msaserve.engine.sequence import Sequence, SequenceStatus
-from msaserve.engine.service_prefix import ServicePrefixCache
-from msaserve.kernels import AttentionOps, get_ops
-from msaserve.kvcache.adoption import AdoptionStats, LazyPageFetcher, PageLost
-from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
-from msaserve.kvcache.persist import SessionWriter
-from msaserve.kvcache.session import SessionNotFound, SessionRecord
-from msaserve.kvcache.store import CapacityError
+from msaserve.kernels import AttentionOps
+from msaserve.kvcache.client import CapacityError, KVCacheClient, ServiceUnavailable
+from msaserve.kvcache.session_records import SessionNotFound, SessionRecord
 from msaserve.models.cache import LayerKVCache
 
 OpsWrapper = Callable[[AttentionOps], AttentionOps]
@@ -302,22 +300,3 @@ class EngineSessions:
         except (ServiceUnavailable, PageLost, CapacityError) as e:
             logger.warning("KV cache service: %s", e)
             return None
-
-
-@contextlib.contextmanager
-def fetching_ops(model: torch.nn.Module, wrap: OpsWrapper | None) -> Iterator[None]:
-    """Run the model's forward passes inside with its attention ops wrapped (`MSATransformer`
-    takes `ops=`); the engine keeps its own step code (and CUDA graphs are skipped meanwhile)."""
-    if wrap is None:
-        yield
-        return
-
-    def hook(module, args, kwargs):
-        ops = kwargs.get("ops") or get_ops(module.attention_backend, args[0].device)
-        return args, {**kwargs, "ops": wrap(ops)}
-
-    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
-    try:
-        yield
-    finally:
-        handle.remove()

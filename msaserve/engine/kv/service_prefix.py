@@ -11,12 +11,11 @@ Text prompts only: media pages hash with their content, which the service's keys
 import logging
 
 from msaserve.engine.block_manager import BlockManager
+from msaserve.engine.kv.prefix import PrefixPageIO
 from msaserve.engine.scheduler import Scheduler
 from msaserve.engine.sequence import Sequence, SequenceStatus
-from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
+from msaserve.kvcache.client import CapacityError, KVCacheClient, ServiceUnavailable
 from msaserve.kvcache.page_hash import page_hashes
-from msaserve.kvcache.prefix import PrefixPageIO
-from msaserve.kvcache.store import CapacityError
 from msaserve.models.cache import LayerKVCache
 
 logger = logging.getLogger(__name__)

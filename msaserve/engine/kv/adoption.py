@@ -25,11 +25,11 @@ from collections.abc import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
+from msaserve.engine.kv import staging
+from msaserve.engine.kv.pages import PageCodec
 from msaserve.kernels import AttentionOps
-from msaserve.kvcache import staging
 from msaserve.kvcache.client import KVCacheClient, PackedFetch, PendingFetch, ServiceUnavailable
-from msaserve.kvcache.pages import PageCodec
-from msaserve.kvcache.session import SessionRecord
+from msaserve.kvcache.session_records import SessionRecord
 from msaserve.models.cache import LayerKVCache
 from msaserve.models.metadata import AttentionMetadata
 

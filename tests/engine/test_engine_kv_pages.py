@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from msaserve.kvcache.pages import PageCodec, identity_for
+from msaserve.engine.kv.pages import PageCodec, identity_for
 from msaserve.models.cache import allocate_caches
 from msaserve.models.presets import get_preset
 

@@ -11,10 +11,10 @@ from collections.abc import Sequence
 
 import xxhash
 
+from msaserve.engine.kv.pages import PageCodec
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.page_hash import ROOT_HASH, page_hashes
-from msaserve.kvcache.pages import PageCodec
-from msaserve.kvcache.session import SessionNotFound, SessionRecord
+from msaserve.kvcache.session_records import SessionNotFound, SessionRecord
 from msaserve.models.cache import LayerKVCache
 
 

@@ -5,7 +5,7 @@ import dataclasses
 import pytest
 
 from msaserve.kvcache.keys import IncompatibleModel, ModelIdentity
-from msaserve.kvcache.session import SessionNotFound, SessionRecord, SessionStore
+from msaserve.kvcache.session_records import SessionNotFound, SessionRecord, SessionStore
 
 MODEL = ModelIdentity("tiny@test", num_layers=2, page_size=4, num_kv_heads=2, head_dim=8,
                       num_index_heads=1, index_dim=8, kv_dtype="float32", index_dtype="float32")

@@ -1,7 +1,7 @@
-"""The engine's swap protocol (`msaserve.engine.swap.PageStore`) served by the KV cache service.
+"""The engine's swap protocol (`msaserve.engine.kv.swap.SwapStore`) served by the KV cache service.
 
     client = KVCacheClient.connect(service_config, identity_for(model.config, name, kv_dtype))
-    engine = LLMEngine(config, model, tokenizer, page_store=ServicePageStore(client))
+    engine = LLMEngine(config, model, tokenizer, page_store=ServiceSwapStore(client))
 
 A preempted sequence's pages (full and partial) are swap data private to this replica: they are
 stored under synthetic page hashes `xxh3("swap", replica nonce, key, i)`, pinned until `pop` or
@@ -15,18 +15,17 @@ import uuid
 import torch
 import xxhash
 
-from msaserve.kvcache.adoption import PageLost
-from msaserve.kvcache.client import KVCacheClient
-from msaserve.kvcache.pages import PageCodec
-from msaserve.kvcache.store import CapacityError
+from msaserve.engine.kv.adoption import PageLost
+from msaserve.engine.kv.pages import PageCodec
+from msaserve.kvcache.client import CapacityError, KVCacheClient
 
 PageData = dict[str, torch.Tensor]
-"""As in msaserve.engine.swap: "k", "v" [L, n, P, Hkv, D]; "index" [L, n, P, HkI, DI];
+"""As in msaserve.engine.kv.swap: "k", "v" [L, n, P, Hkv, D]; "index" [L, n, P, HkI, DI];
 optionally "index_scale" [L, n, P, HkI]."""
 
 
-class ServicePageStore:
-    """Implements `msaserve.engine.swap.PageStore` (put / pop / delete) over a KVCacheClient."""
+class ServiceSwapStore:
+    """Implements `msaserve.engine.kv.swap.SwapStore` (put / pop / delete) over a KVCacheClient."""
 
     def __init__(self, client: KVCacheClient) -> None:
         self.client = client
@@ -92,5 +91,5 @@ class ServicePageStore:
         return len(self._swapped)
 
     def __bool__(self) -> bool:
-        # An empty store is still a store: LLMEngine picks `page_store or HostPageStore(...)`.
+        # An empty store is still a store: LLMEngine picks `page_store or HostSwapStore(...)`.
         return True

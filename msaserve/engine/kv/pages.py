@@ -18,9 +18,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from msaserve.engine.kv.staging import check_sizes, to_device_chunks
 from msaserve.kvcache.codec import Payload
 from msaserve.kvcache.keys import ModelIdentity
-from msaserve.kvcache.staging import check_sizes, to_device_chunks
 from msaserve.models.cache import LayerKVCache
 
 

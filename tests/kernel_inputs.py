@@ -7,9 +7,9 @@ index keys quantised exactly as `LayerKVCache.write_index` does.
 from dataclasses import dataclass
 
 import torch
+from kernel_testing import scattered_block_tables
 
 from msaserve.kernels.indexer_prefill.naive import block_scores, gather_pages
-from msaserve.kernels.testing import scattered_block_tables
 
 
 @dataclass

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 import torch
 
+from msaserve.engine.kv.staging import to_device_chunks
 from msaserve.kvcache.codec import copy_rows
-from msaserve.kvcache.staging import to_device_chunks
 
 
 @pytest.mark.parametrize("chunk_bytes", [64, 100, 1 << 20])
@@ -27,7 +27,7 @@ def test_a_payload_of_the_wrong_size_is_refused_by_name():
 
 
 def test_upload_ring_hands_out_its_buffers_round_robin_and_grows_for_a_large_row():
-    from msaserve.kvcache.staging import UploadRing
+    from msaserve.engine.kv.staging import UploadRing
 
     ring = UploadRing(torch.device("cpu"), buffer_bytes=1024, count=3)
     assert ring.rows_per_buffer(100) == 10
@@ -61,7 +61,7 @@ def test_copy_rows_fills_every_destination_in_parallel_slices():
 def test_pinned_staging_chunks_cover_every_payload_in_order():
     """The import path's chunking over its own two-buffer ring (on the CPU the ring hands out its
     host buffers themselves: each chunk is consumed before the next is packed, as imports do)."""
-    from msaserve.kvcache.staging import PinnedStaging
+    from msaserve.engine.kv.staging import PinnedStaging
 
     rng = np.random.default_rng(1)
     payloads = [rng.integers(0, 256, 1000, dtype=np.uint8) for _ in range(37)]

@@ -8,11 +8,11 @@ import pytest
 import torch
 
 from msaserve.engine.config import EngineConfig
+from msaserve.engine.kv.pages import identity_for
 from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.types import GenerateRequest, SamplingParams
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.pages import identity_for
 from msaserve.models.presets import get_preset
 from msaserve.models.transformer import MSATransformer, init_random_weights
 

@@ -10,8 +10,8 @@ For the engine's block manager (DESIGN §3, prefix caching):
 
 from collections.abc import Sequence
 
+from msaserve.engine.kv.pages import PageCodec
 from msaserve.kvcache.client import KVCacheClient
-from msaserve.kvcache.pages import PageCodec
 from msaserve.models.cache import LayerKVCache
 
 

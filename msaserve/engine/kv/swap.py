@@ -1,8 +1,8 @@
 """Preemption by swapping: a preempted sequence's pages go to a page store and come back later,
 so resuming costs a copy instead of recomputing the prefill.
 
-`PageStore` is the seam to the KV cache service (DESIGN §4, kvcache/): the engine only needs
-put/pop/delete of a sequence's page contents. `HostPageStore` keeps them in (pinned) host memory.
+`SwapStore` is the seam to the KV cache service (DESIGN §4, kvcache/): the engine only needs
+put/pop/delete of a sequence's page contents. `HostSwapStore` keeps them in (pinned) host memory.
 """
 
 from typing import Protocol
@@ -18,7 +18,7 @@ PageData = dict[str, torch.Tensor]
 optionally "index_scale" [L, n, P, HkI]."""
 
 
-class PageStore(Protocol):
+class SwapStore(Protocol):
     def put(self, key: str, data: PageData) -> bool:
         """Keep `data` under `key`; False when there is no room (the caller recomputes instead)."""
         ...
@@ -38,7 +38,7 @@ def page_data_bytes(data: PageData) -> int:
     return sum(t.numel() * t.element_size() for t in data.values())
 
 
-class HostPageStore:
+class HostSwapStore:
     """Page contents in host memory, bounded by `capacity_bytes`."""
 
     def __init__(self, capacity_bytes: int, pin_memory: bool = False) -> None:
@@ -102,9 +102,9 @@ class CachePageIO:
 
 
 class Swapper:
-    """Moves a sequence's computed pages between the pool and a PageStore."""
+    """Moves a sequence's computed pages between the pool and a SwapStore."""
 
-    def __init__(self, store: PageStore, page_io: CachePageIO, block_manager: BlockManager) -> None:
+    def __init__(self, store: SwapStore, page_io: CachePageIO, block_manager: BlockManager) -> None:
         self.store = store
         self.page_io = page_io
         self.block_manager = block_manager

@@ -1,0 +1,72 @@
+"""The engine's user-facing settings: the `engine:` section of `ServeConfig` (pydantic at the edge,
+CONTRIBUTING.md §6). The engine's own `EngineConfig` dataclass takes every default it shares with
+these from here."""
+
+from typing import Literal, Self
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+MiB = 1 << 20
+DEFAULT_CPU_KV_CACHE_BYTES = 1 << 30
+"""KV pool bytes on CPU when neither num_pages nor kv_cache_memory_bytes is set."""
+
+
+class EngineSettings(BaseModel):
+    """The `engine:` section of `ServeConfig`: per-replica limits a user sets. `EngineConfig`
+    takes its defaults from here, so each default has one value in one place."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    num_pages: int | None = Field(
+        None,
+        ge=4,
+        le=16_777_216,
+        description="KV pages per replica; leave unset to size the pool from kv_cache_memory_bytes.",
+    )
+    max_model_len: int = Field(
+        8192, ge=16, le=4_194_304, description="Longest prompt + output of one request, in tokens."
+    )
+    kv_cache_memory_bytes: int | None = Field(
+        None,
+        ge=MiB,
+        le=1 << 44,
+        description="CPU only: bytes per replica for KV + index pages when num_pages is unset; unset: "
+        f"{DEFAULT_CPU_KV_CACHE_BYTES >> 30} GiB.",
+    )
+    gpu_memory_utilization: float = Field(
+        0.9, gt=0.0, le=1.0, description="CUDA only: share of free GPU memory the KV pool may use."
+    )
+    max_num_seqs: int = Field(32, ge=1, le=4096, description="Sequences decoded together per step.")
+    max_num_batched_tokens: int = Field(
+        2048, ge=16, le=1_048_576, description="Token budget of one step (chunked prefill + decode)."
+    )
+    max_waiting: int = Field(
+        256,
+        ge=1,
+        le=1_000_000,
+        description="Requests allowed to wait for a slot; beyond it the API answers 429 with Retry-After.",
+    )
+    enable_prefix_caching: bool = Field(True, description="Reuse pages of identical prompt prefixes.")
+    kv_cache_dtype: Literal["auto", "fp8"] = Field(
+        "auto", description="dtype of the K/V pages: 'auto' follows model.dtype, 'fp8' stores float8_e4m3."
+    )
+    index_cache_dtype: Literal["auto", "bf16", "fp8"] = Field(
+        "auto", description="dtype of the MSA index-K pages: 'auto' (model.dtype), 'bf16' or 'fp8' (scaled)."
+    )
+    enable_cuda_graphs: bool = Field(True, description="Capture decode steps as CUDA graphs (CUDA only).")
+    decode_steps: int = Field(
+        1, ge=1, le=64,
+        description="Decode steps per scheduling round: above 1, a decode-only batch of greedy requests runs "
+        "that many steps on the device with one host sync (tokens stream in bursts of up to this many).",
+    )
+
+    @model_validator(mode="after")
+    def _one_pool_size(self) -> Self:
+        if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
+            raise ValueError("engine: set num_pages or kv_cache_memory_bytes, not both")
+        return self
+
+
+def engine_default(name: str):
+    """The default of an `EngineSettings` field (for `EngineConfig`, so the two never disagree)."""
+    return EngineSettings.model_fields[name].default
