@@ -10,10 +10,9 @@ Parameter names follow HF Qwen2-VL's `visual.*` (patch_embed.proj, blocks.i.{nor
 attn.proj, norm2, mlp.fc1, mlp.fc2}, merger.{ln_q, mlp.0, mlp.2}); a Conv3d checkpoint weight
 loads as `weight.reshape(hidden_size, -1)`.
 
-The LM side: `expand_placeholders` turns each image/video token into `num_placeholder_tokens`
-copies, `merge_media_embeddings` writes the tower's rows into those positions of the LM's input
-embeddings, and `media_hashes_per_page` gives `page_hashes(..., media_hashes_per_page=...)` the
-content hashes of the media whose placeholders fall in each page.
+The LM side: `merge_media_embeddings` writes the tower's rows into the placeholder positions of the
+LM's input embeddings (`kvcache.page_hash.expand_placeholders` made one placeholder per medium into
+its `num_placeholder_tokens` copies, and `media_hashes_per_page` gives each page's media hashes).
 """
 
 from collections.abc import Sequence
@@ -23,10 +22,6 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from msaserve.kvcache.page_hash import expand_placeholders, media_hashes_per_page, placeholder_spans
-
-__all__ = ["expand_placeholders", "media_hashes_per_page", "placeholder_spans"]
 
 
 class QuickGELU(nn.Module):
@@ -249,7 +244,7 @@ def _runs(lengths: list[int]) -> list[tuple[int, int]]:
 
 # ---- placeholders: media ↔ token positions ---------------------------------------------------
 # expand_placeholders, placeholder_spans and media_hashes_per_page live beside the page hash
-# (kvcache.page_hash, torch-free) so that the router hashes a media prompt with the engine's code.
+# (msaserve.kvcache.page_hash, torch-free): the engine and the router hash media prompts with them.
 
 
 def merge_media_embeddings(
