@@ -54,9 +54,6 @@ class KVAwareConfig:
     """Sequences: the guard needs max − min load above this…"""
     imbalance_rel: float = 2.0
     """…and max load above this multiple of the mean."""
-    imbalance_fallback: bool = True
-    """Fall back to power of two choices when load is imbalanced (else the thresholds only decide
-    when a session leaves its overloaded home)."""
 
     def __post_init__(self) -> None:
         for name in ("w_prefill", "w_decode", "w_queue", "affinity_credit", "index_credit", "imbalance_abs"):
@@ -105,8 +102,7 @@ class KVAwarePolicy(Policy):
         home_id = self.state.sessions.get(request.session_id) if request.session_id else None
         home = next((r for r in candidates if r.replica_id == home_id), None)
         home_ok = home is not None and not home.draining and not self.overloaded(home, request, candidates)
-        if self.config.imbalance_fallback and is_imbalanced(candidates, self.config.imbalance_abs,
-                                                            self.config.imbalance_rel):
+        if is_imbalanced(candidates, self.config.imbalance_abs, self.config.imbalance_rel):
             if home_ok and home is not None:
                 return Decision(home.replica_id, "session_affinity", home.hit_pages(request.page_hashes, now))
             chosen = pow2_choice(candidates, self.rng)
