@@ -3,11 +3,11 @@
 Definitions (all from the same sweep, every policy on the same trace, rates and replica counts):
 - sustained: the last request finishes within max(30 s, 5% of the arrival span) after the last
   arrival (the queues do not grow without bound).
-- max sustainable rate of a policy: the highest offered rate of the grid at which it is sustained
-  and its p90 TTFT is within the SLO (`--slo-p90-ttft-s`).
-- throughput at the SLO: output tokens/s at that rate.
-- p90 TTFT ratio: at the highest rate the baseline (ray_pow2) sustains within the SLO, the
-  baseline's p90 TTFT over kv_aware's.
+- max sustainable rate of a policy: the highest offered rate of the grid at which it is sustained.
+- p90 TTFT ratio: at the baseline's (ray_pow2's) max sustainable rate, the baseline's p90 TTFT over
+  kv_aware's (the definition the earlier `router.p90_ttft_ratio_vs_pow2` used).
+- within the SLO (`--slo-p90-ttft-s`): the same two with "sustained and p90 TTFT ≤ SLO" in place of
+  "sustained"; throughput at the SLO = output tokens/s at the highest such rate.
 """
 
 import datetime
@@ -57,25 +57,33 @@ def summarize(requests: list[SimRequest], replicas: dict[str, SimReplica], decis
     }
 
 
-def max_rate(rows: list[dict], n: int, policy: str, slo_s: float) -> dict | None:
+def max_rate(rows: list[dict], n: int, policy: str, slo_s: float | None = None) -> dict | None:
     ok = [r for r in rows if r["replicas"] == n and r["policy"] == policy and r["sustained"]
-          and r["ttft_p90_s"] <= slo_s]
+          and (slo_s is None or r["ttft_p90_s"] <= slo_s)]
     return max(ok, key=lambda r: r["offered_req_s"]) if ok else None
 
 
+def _at(rows: list[dict], n: int, policy: str, scale: float) -> dict:
+    return next(r for r in rows if r["replicas"] == n and r["policy"] == policy and r["scale"] == scale)
+
+
 def headline(rows: list[dict], n: int, slo_s: float) -> dict | None:
-    base = max_rate(rows, n, BASELINE, slo_s)
-    ours = max_rate(rows, n, OURS, slo_s)
-    if base is None or ours is None:
+    base, ours = max_rate(rows, n, BASELINE), max_rate(rows, n, OURS)
+    base_slo, ours_slo = max_rate(rows, n, BASELINE, slo_s), max_rate(rows, n, OURS, slo_s)
+    if None in (base, ours, base_slo, ours_slo):
         return None
-    kv = next(r for r in rows if r["replicas"] == n and r["policy"] == OURS and r["scale"] == base["scale"])
+    kv = _at(rows, n, OURS, base["scale"])
+    kv_slo = _at(rows, n, OURS, base_slo["scale"])
     return {"replicas": n, "scale": base["scale"], "offered_req_s": base["offered_req_s"],
             "ratio": base["ttft_p90_s"] / kv["ttft_p90_s"], "base_p90_s": base["ttft_p90_s"],
             "kv_aware_p90_s": kv["ttft_p90_s"], "kv_aware_hit_rate": kv["prefix_hit_rate"],
             "base_hit_rate": base["prefix_hit_rate"],
             "max_rate_ratio": ours["offered_req_s"] / base["offered_req_s"],
             "base_max_rate": base["offered_req_s"], "kv_aware_max_rate": ours["offered_req_s"],
-            "base_tok_s_at_slo": base["throughput_tok_s"], "kv_aware_tok_s_at_slo": ours["throughput_tok_s"]}
+            "ratio_slo": base_slo["ttft_p90_s"] / kv_slo["ttft_p90_s"],
+            "max_rate_ratio_slo": ours_slo["offered_req_s"] / base_slo["offered_req_s"],
+            "base_tok_s_at_slo": base_slo["throughput_tok_s"],
+            "kv_aware_tok_s_at_slo": ours_slo["throughput_tok_s"]}
 
 
 def git_revision() -> str:
@@ -105,6 +113,10 @@ def write_results(path: Path, heads: list[dict], command: str, cal: Calibration,
             "kv_aware_p90_ttft_at_ray_pow2_max_rate": (h["kv_aware_p90_s"], "s"),
             "ray_pow2_p90_ttft_at_its_max_rate": (h["base_p90_s"], "s"),
             "kv_aware_prefix_hit_rate": (h["kv_aware_hit_rate"], "fraction of prompt tokens"),
+            "p90_ttft_ratio_vs_ray_pow2_within_slo": (h["ratio_slo"], "x"),
+            "max_rate_ratio_vs_ray_pow2_within_slo": (h["max_rate_ratio_slo"], "x"),
+            "kv_aware_tok_s_at_slo": (h["kv_aware_tok_s_at_slo"], "tokens/s"),
+            "ray_pow2_tok_s_at_slo": (h["base_tok_s_at_slo"], "tokens/s"),
         }
         for name, (value, unit) in figures.items():
             entries[f"{prefix}{name}{suffix}"] = {"value": round(value, 4), "unit": unit, **meta}
@@ -160,15 +172,17 @@ def print_table(rows: list[dict], heads: list[dict], slo_s: float) -> None:
               f"{'yes' if r['sustained'] else 'no'}")
     policies = sorted({r["policy"] for r in rows})
     for n in sorted({r["replicas"] for r in rows}):
-        rates = []
-        for p in policies:
-            best = max_rate(rows, n, p, slo_s)
-            rates.append(f"{p} {best['offered_req_s']:.2f} req/s ({best['throughput_tok_s']:.0f} tok/s)"
-                         if best else f"{p} none")
-        print(f"{n} replicas, max rate within p90 TTFT ≤ {slo_s:g} s: " + "; ".join(rates))
+        for slo, label in ((None, "max sustained rate"), (slo_s, f"max rate within p90 TTFT ≤ {slo_s:g} s")):
+            rates = []
+            for p in policies:
+                best = max_rate(rows, n, p, slo)
+                rates.append(f"{p} {best['offered_req_s']:.2f} req/s ({best['throughput_tok_s']:.0f} tok/s)"
+                             if best else f"{p} none")
+            print(f"{n} replicas, {label}: " + "; ".join(rates))
     for h in heads:
         print(f"{h['replicas']} replicas: at {BASELINE}'s max rate ({h['offered_req_s']:.2f} req/s) p90 TTFT "
               f"{BASELINE} {h['base_p90_s']:.2f} s / {OURS} {h['kv_aware_p90_s']:.2f} s = {h['ratio']:.2f}x; "
               f"max rate {OURS} {h['kv_aware_max_rate']:.2f} / {BASELINE} {h['base_max_rate']:.2f} = "
               f"{h['max_rate_ratio']:.2f}x; prefix hit {OURS} {h['kv_aware_hit_rate']:.3f} "
-              f"({BASELINE} {h['base_hit_rate']:.3f})")
+              f"({BASELINE} {h['base_hit_rate']:.3f}); within the SLO: p90 ratio {h['ratio_slo']:.2f}x, "
+              f"max rate ratio {h['max_rate_ratio_slo']:.2f}x")

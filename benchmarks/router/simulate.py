@@ -201,6 +201,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default="benchmarks/results/router.json")
     parser.add_argument("--plot", default="docs/router_p90_ttft.png")
     parser.add_argument("--summary", action="store_true", help="also merge the figures into summary.json")
+    parser.add_argument("--from-sweep", help="recompute the figures from a sweep JSON this script wrote")
     args = parser.parse_args(argv)
     cal = Calibration.load(args.calibration) if args.calibration else Calibration.default()
     kv_cfg = KVAwareConfig(**json.loads(args.kv_aware))
@@ -210,8 +211,13 @@ def main(argv: list[str] | None = None) -> int:
     policies = args.policies.split(",")
     print(f"trace {args.trace}: {len(trace)} requests; calibration: {cal.source}; "
           f"{cal.capacity_pages} pages of {cal.page_tokens} tokens per replica", file=sys.stderr)
-    rows = sweep(trace, counts, scales, cal, args.stats_period_s, kv_cfg, args.seed, policies,
-                 args.max_ongoing)
+    if args.from_sweep:
+        rows = json.loads(Path(args.from_sweep).read_text())["rows"]
+        policies = sorted({r["policy"] for r in rows}, key=lambda p: POLICY_NAMES.index(p))
+        counts = sorted({r["replicas"] for r in rows})
+    else:
+        rows = sweep(trace, counts, scales, cal, args.stats_period_s, kv_cfg, args.seed, policies,
+                     args.max_ongoing)
     heads = [h for h in (headline(rows, n, args.slo_p90_ttft_s) for n in counts) if h is not None]
     command = "python benchmarks/router/simulate.py " + " ".join(argv if argv is not None else sys.argv[1:])
     trace_note = f"trace {Path(args.trace).name} ({len(trace)} requests)"
@@ -220,8 +226,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.summary:
         merge_into_summary(entries, Path(args.out))
     sweep_path = Path(args.out).with_name(Path(args.out).stem + "_sweep.json")
-    sweep_path.write_text(json.dumps({"calibration": cal.to_dict(), "kv_aware": kv_cfg.__dict__,
-                                      "stats_period_s": args.stats_period_s, "rows": rows}, indent=1) + "\n")
+    if not args.from_sweep:
+        sweep_path.write_text(json.dumps({"calibration": cal.to_dict(), "kv_aware": kv_cfg.__dict__,
+                                          "stats_period_s": args.stats_period_s, "rows": rows}, indent=1)
+                              + "\n")
     if args.plot:
         plot(rows, Path(args.plot), policies, Path(args.trace).stem)
     print_table(rows, heads, args.slo_p90_ttft_s)

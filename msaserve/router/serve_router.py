@@ -43,11 +43,11 @@ msaserve_router_load_imbalance (max / mean load over replicas).
 
 import asyncio
 import contextlib
+import gc
 import logging
 import threading
-import weakref
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
 from ray import serve
 from ray.serve.config import RequestRouterConfig
@@ -66,8 +66,10 @@ logger = logging.getLogger("ray.serve.msaserve.router")
 
 def live_cores() -> list[RouterCore]:
     """The cores of this process's MSARequestRouters (tests and benchmarks read the router's
-    view and decisions through them)."""
-    return [r._core for r in list(MSARequestRouter.instances) if getattr(r, "_core", None) is not None]
+    view and decisions through them). Found by type name: Serve may load the class by value
+    (cloudpickle), so a class attribute or module global of this module is not reliably shared."""
+    routers = [o for o in gc.get_objects() if type(o).__name__ == "MSARequestRouter"]
+    return [r._core for r in routers if getattr(r, "_core", None) is not None]
 
 
 _SNAPSHOT_HANDLES: dict[tuple[str, str], Any] = {}
@@ -155,10 +157,6 @@ class MSARequestRouter(RequestRouter):
     """Adapts Serve's hooks to `RouterCore`. No FIFOMixin: the replica chosen for a request must
     serve that request (Serve's default out-of-order matching by internal request id)."""
 
-    instances: ClassVar["weakref.WeakSet[MSARequestRouter]"] = weakref.WeakSet()
-    """Live routers of this process (a class attribute: Serve may load this module's functions
-    with other globals, through cloudpickle)."""
-
     queue_len_response_deadline_s = 0.5
     """Serve probes the first-ranked replica's queue length before sending; one that does not
     answer within this deadline is skipped for the next rank. Serve's 0.1 s default makes a busy
@@ -170,7 +168,6 @@ class MSARequestRouter(RequestRouter):
         core.resync = self._request_snapshot
         self._core = core
         self._loop: asyncio.AbstractEventLoop | None = None
-        type(self).instances.add(self)
 
     def _request_snapshot(self, replica_id: str) -> None:
         """core.resync: fetch the replica's snapshot off the router's loop (a blocking call)."""
