@@ -186,3 +186,20 @@ def print_table(rows: list[dict], heads: list[dict], slo_s: float) -> None:
               f"{h['max_rate_ratio']:.2f}x; prefix hit {OURS} {h['kv_aware_hit_rate']:.3f} "
               f"({BASELINE} {h['base_hit_rate']:.3f}); within the SLO: p90 ratio {h['ratio_slo']:.2f}x, "
               f"max rate ratio {h['max_rate_ratio_slo']:.2f}x")
+
+
+def print_markdown(rows: list[dict], policies: list[str]) -> None:
+    """p90 TTFT (and prefix hit rate) per offered rate and policy, one table per replica count,
+    for docs/performance-router.md; '*' marks a run that was not sustained."""
+    for n in sorted({r["replicas"] for r in rows}):
+        print(f"\n{n} replicas, p90 TTFT in s (prefix hit rate); * = not sustained\n")
+        print("| req/s | " + " | ".join(policies) + " |")
+        print("| --- |" + " --- |" * len(policies))
+        for scale in sorted({r["scale"] for r in rows if r["replicas"] == n}):
+            cells, rate = [], 0.0
+            for p in policies:
+                r = next(x for x in rows if x["replicas"] == n and x["policy"] == p and x["scale"] == scale)
+                rate = r["offered_req_s"]
+                star = "" if r["sustained"] else "*"
+                cells.append(f"{r['ttft_p90_s']:.2f}{star} ({r['prefix_hit_rate']:.2f})")
+            print(f"| {rate:.2f} | " + " | ".join(cells) + " |")

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from ray_baselines import RayPow2Sim, RayPrefixAffinitySim
 from replica_model import Calibration, SimReplica, SimRequest
-from report import headline, merge_into_summary, plot, print_table, summarize, write_results
+from report import headline, merge_into_summary, plot, print_markdown, print_table, summarize, write_results
 
 from msaserve.engine.types import EngineStats, KVEvent
 from msaserve.router.kv_aware import POLICIES, KVAwareConfig, make_policy
@@ -202,6 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--plot", default="docs/router_p90_ttft.png")
     parser.add_argument("--summary", action="store_true", help="also merge the figures into summary.json")
     parser.add_argument("--from-sweep", help="recompute the figures from a sweep JSON this script wrote")
+    parser.add_argument("--markdown", action="store_true", help="also print the sweep as markdown tables")
     args = parser.parse_args(argv)
     cal = Calibration.load(args.calibration) if args.calibration else Calibration.default()
     kv_cfg = KVAwareConfig(**json.loads(args.kv_aware))
@@ -232,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
                               + "\n")
     if args.plot:
         plot(rows, Path(args.plot), policies, Path(args.trace).stem)
+    if args.markdown:
+        print_markdown(rows, policies)
     print_table(rows, heads, args.slo_p90_ttft_s)
     return 0
 
