@@ -3,10 +3,11 @@
 #
 #   docker build -t REGISTRY/msaserve:0.1.0 .
 #   docker push REGISTRY/msaserve:0.1.0
-#   helm install msa helm/msaserve --set image.repository=REGISTRY/msaserve --set image.tag=0.1.0
+#   helm install msa helm/msaserve --set image.repository=REGISTRY/msaserve --set image.tag=0.1.0 \
+#     --set apiKeys.existingSecret=msaserve-api-keys --set rayAuth.existingSecret=msaserve-ray-token
 #
 # It cannot be built on the project's development machines (no container engine there); build it
-# on a machine with Docker or BuildKit, or in CI. See docs/deploy-kubernetes.md.
+# on a machine with Docker or BuildKit, or in CI. See docs/deployment.md.
 
 # Must match the chart's rayVersion and ray[serve] in pyproject.toml; py311 matches requires-python.
 ARG RAY_IMAGE=rayproject/ray:2.60.0-py311-gpu

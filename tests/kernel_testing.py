@@ -1,4 +1,4 @@
-"""Helpers shared by the CPU and GPU kernel tests: selection comparison up to near-ties (DESIGN §2,
+"""Helpers shared by the CPU and GPU kernel tests: selection comparison up to near-ties (docs/design.md §2,
 property 4), scattered block tables, and importing Triton modules under the interpreter."""
 
 import importlib

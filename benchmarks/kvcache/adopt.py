@@ -27,6 +27,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "tests"))  # reference_decode: the single-sequence reference the tests use
+
+from reference_decode import SequenceState, step_metadata  # noqa: E402
 
 from msaserve.engine.kv import staging  # noqa: E402
 from msaserve.engine.kv.adoption import LazyPageFetcher, PackedUnit, forward_with_ops, load_packed  # noqa: E402
@@ -36,7 +39,6 @@ from msaserve.kernels import get_ops  # noqa: E402
 from msaserve.kvcache.client import KVCacheClient, start_shards  # noqa: E402
 from msaserve.kvcache.config import ServiceConfig  # noqa: E402
 from msaserve.models.presets import get_preset  # noqa: E402
-from msaserve.models.reference_decode import SequenceState, step_metadata  # noqa: E402
 from msaserve.models.transformer import MSATransformer, init_random_weights  # noqa: E402
 
 # The M3 attention shape scaled down so that the naive ops run on a CPU in seconds.

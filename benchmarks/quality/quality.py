@@ -26,12 +26,15 @@ from pathlib import Path
 
 import torch
 
-from msaserve.models.gguf_loader import smollm2_gguf_path
-from msaserve.models.loader import load_model
-from msaserve.models.reference_decode import SequenceState
-from msaserve.models.transformer import MSATransformer
-
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))  # reference_decode: the single-sequence reference the tests use
+
+from reference_decode import SequenceState  # noqa: E402
+
+from msaserve.models.gguf_loader import smollm2_gguf_path  # noqa: E402
+from msaserve.models.loader import load_model  # noqa: E402
+from msaserve.models.transformer import MSATransformer  # noqa: E402
+
 BACKENDS = {"dense": "dense", "msa": "naive"}  # our backend name for each column
 LOGIT_ROWS = 1024  # rows of [rows, vocab] fp32 logits materialised at once
 

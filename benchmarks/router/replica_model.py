@@ -34,7 +34,7 @@ class Calibration:
 
     @staticmethod
     def default() -> "Calibration":
-        """m3-proxy shape (DESIGN §4: hidden 6144, Hq=64, Hkv=4, D=128, one index-K head DI=128,
+        """m3-proxy shape (docs/design.md §4: hidden 6144, Hq=64, Hkv=4, D=128, one index-K head DI=128,
         dense SwiGLU 8192, P=128, K=16) with 60 layers, priced with the H200 figures measured in
         docs/environment.md (686 TFLOP/s bf16 GEMM, 4.27 TB/s HBM copy, flex_attention
         block-sparse prefill at 128K: 8.5 ms per layer). The engine itself has not been measured

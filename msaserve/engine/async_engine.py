@@ -68,6 +68,29 @@ class AsyncEngine:
         return self.engine.tokenizer
 
     @property
+    def model(self) -> object:
+        """The replica's model (read-only use: its config and whether it has a vision tower)."""
+        return self.engine.model
+
+    @property
+    def has_sessions(self) -> bool:
+        """Whether sessions persist to and adopt from the KV cache service."""
+        return self.engine.sessions is not None
+
+    def use_kv_service_for_sessions(self) -> bool:
+        """Persist and adopt sessions through the KV cache service when preempted pages already
+        go there (call before `start`). True if sessions now use it."""
+        return self.engine.use_kv_service_for_sessions()
+
+    def drain_session_latencies(self) -> list[tuple[str, float]]:
+        """(kind, seconds) of the index loads and page fetches since the last call."""
+        sessions = self.engine.sessions
+        drained = []
+        while sessions is not None and sessions.latencies:
+            drained.append(sessions.latencies.popleft())
+        return drained
+
+    @property
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 

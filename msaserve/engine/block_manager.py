@@ -1,6 +1,6 @@
 """The page pool: allocation, reference counts, the prefix cache and its LRU eviction.
 
-In our cache layout (DESIGN §3) a physical page id addresses the same page of K, V and index-K
+In our cache layout (docs/design.md §3) a physical page id addresses the same page of K, V and index-K
 in every layer, so one allocator covers KV pages and index pages from one budget.
 
 Prefix cache: every full page a sequence computes is registered under its chained hash

@@ -11,6 +11,7 @@ import torch
 from msaserve.engine.block_manager import BlockManager
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.kv.adoption import PageLost
+from msaserve.engine.kv.service_swap import ServiceSwapStore
 from msaserve.engine.kv.sessions import EngineSessions
 from msaserve.engine.kv.swap import CachePageIO, EvictedPageSink, HostSwapStore, Swapper, SwapStore
 from msaserve.engine.media import MediaPrompt, prepare_media
@@ -171,6 +172,15 @@ class LLMEngine:
         self.sessions = EngineSessions(
             client, self.runner.caches, self.block_manager, self.scheduler, sparse=self.runner.ops.sparse
         )
+
+    def use_kv_service_for_sessions(self) -> bool:
+        """If preempted pages already go to the KV cache service (`ServiceSwapStore`), persist
+        and adopt sessions through the same client. True if attached."""
+        store = self.swapper.store
+        if isinstance(store, ServiceSwapStore):
+            self.attach_kv_client(store.client)
+            return True
+        return False
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()

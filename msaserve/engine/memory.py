@@ -1,5 +1,5 @@
 """How many KV pages fit: one page holds P tokens of K, V *and* index-K (plus fp8 scales) in every
-layer, so the index cache comes out of the same budget as the KV cache (DESIGN §3)."""
+layer, so the index cache comes out of the same budget as the KV cache (docs/design.md §3)."""
 
 import torch
 

@@ -1,4 +1,4 @@
-"""Builds the one per-step `AttentionMetadata` (STYLE §3) and the flat token ids of a step."""
+"""Builds the one per-step `AttentionMetadata` (CONTRIBUTING.md §3) and the flat token ids of a step."""
 
 from dataclasses import dataclass
 

@@ -2,7 +2,7 @@
 `<op>/triton.py` (the GPU kernel); `dispatch.get_ops` resolves a backend (a module in `backends/`)
 into one set.
 
-Shared conventions (DESIGN §2–3):
+Shared conventions (docs/design.md §2–3):
 - caches: `k_cache, v_cache [num_pages, P, Hkv, D]`, `index_cache [num_pages, P, HkI, DI]`;
 - `block_tables [B, max_pages] int32`: logical page → physical page (-1 = not resident);
 - `seq_lens [B] int32`: tokens of each sequence *including* this step's queries; the queries of a
@@ -10,7 +10,10 @@ Shared conventions (DESIGN §2–3):
 - varlen (prefill) ops take queries flattened as `[Tq, ...]` with `cu_seqlens_q [B + 1] int32`;
   decode ops take a fixed `Q` (1–16) queries per sequence as `[B, Q, ...]`;
 - selections are logical block ids `[..., Hkv, top_k] int32`, valid ids first in ascending
-  order, padded with -1. Consumers must not depend on the order (property 3).
+  order, padded with -1. Consumers must not depend on the order (property 3);
+- the indexers force the `n_local ≥ 1` blocks ending at the query's block c = ⌊t/P⌋ and the
+  `n_init ≥ 0` leading blocks (trailing arguments `n_init=1`, `n_local=1`: msaserve's form;
+  MiniMax-M3's is `n_init=0`, `n_local=index_local_blocks`), `indexer_prefill/naive.select_blocks`.
 """
 
 from typing import Any

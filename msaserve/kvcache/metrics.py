@@ -13,16 +13,16 @@ from ray.util import metrics
 
 from msaserve.kvcache.store import PageStore
 
-_COUNTERS = {
-    "hits_memory": ("hits", {"tier": "memory"}),
-    "hits_disk": ("hits", {"tier": "disk"}),
-    "misses": ("misses", {}),
-    "corruptions": ("corruptions", {}),
-    "evictions_to_disk": ("evictions", {"to": "disk"}),
-    "evictions_dropped": ("evictions", {"to": "dropped"}),
-    "bytes_written": ("bytes_written", {}),
-    "bytes_read": ("bytes_read", {}),
-}
+
+def _counter_of(stat: str) -> tuple[str, dict[str, str]]:
+    """A `StoreStats` field → (metric, extra tags): hits and evictions are tagged by tier."""
+    if stat.startswith("hits_"):
+        return "hits", {"tier": stat.removeprefix("hits_")}
+    if stat.startswith("evictions_to_"):
+        return "evictions", {"to": stat.removeprefix("evictions_to_")}
+    if stat == "evictions_dropped":
+        return "evictions", {"to": "dropped"}
+    return stat, {}
 
 
 class ShardMetrics:
@@ -60,16 +60,16 @@ class ShardMetrics:
 
     def publish(self, store_name: str, store: PageStore) -> None:
         tags = {"shard": self.shard, "store": store_name}
-        tiers = [("memory", store.memory)] + ([("disk", store.disk)] if store.disk is not None else [])
-        for tier_name, tier in tiers:
-            self.bytes.set(tier.bytes_used, tags={**tags, "tier": tier_name})
-            self.capacity.set(tier.capacity_bytes, tags={**tags, "tier": tier_name})
-            self.pages.set(len(tier), tags={**tags, "tier": tier_name})
+        for tier in store.tiers:
+            self.bytes.set(tier.bytes_used, tags={**tags, "tier": tier.kind})
+            self.capacity.set(tier.capacity_bytes, tags={**tags, "tier": tier.kind})
+            self.pages.set(len(tier), tags={**tags, "tier": tier.kind})
         now = store.stats.as_dict()
         last = self._last.get(store_name, {})
-        for field_name, (metric, extra_tags) in _COUNTERS.items():
-            delta = now[field_name] - last.get(field_name, 0)
-            if delta > 0:
+        for field_name, value in now.items():
+            metric, extra_tags = _counter_of(field_name)
+            delta = value - last.get(field_name, 0)
+            if delta > 0 and metric in self.counters:
                 self.counters[metric].inc(delta, tags={**tags, **extra_tags})
         self._last[store_name] = now
 

@@ -1,4 +1,4 @@
-"""Chained page hashes (DESIGN §3): the identity of a full page of tokens and everything before it.
+"""Chained page hashes (docs/design.md §3): the identity of a full page of tokens and everything before it.
 
 One function used by the engine's prefix cache, the router and the KV cache service, so that a
 hash means the same page everywhere. `hash(page) = xxh3_64(parent hash, token ids, media hashes)`.

@@ -1,87 +1,109 @@
-"""A tiered page store: host memory over an optional disk directory, with pins and LRU eviction.
+"""A tiered page store: a chain of tiers, fastest first (host memory over an optional disk
+directory by default), with pins and LRU eviction.
 
 What must stay true:
 - every read verifies the xxh3 checksum stored with the page; a mismatch is a miss, counts one
-  corruption and drops that copy (the other tier's copy may still be served after its own check);
-- `memory.bytes_used ≤ memory.capacity_bytes` and `disk.bytes_used ≤ disk.capacity_bytes` after
-  every call (a put that cannot fit without evicting pinned pages raises CapacityError);
+  corruption and drops that copy (a slower tier's copy may still be served after its own check);
+- every tier's `bytes_used ≤ capacity_bytes` after every call (a put that cannot fit without
+  evicting pinned pages raises CapacityError);
 - pinned pages (pin count > 0) are never evicted from the tier they are in;
-- eviction goes memory → disk → dropped, least recently used first.
+- eviction goes down the chain — memory → disk → dropped — least recently used first.
 
-Pure Python: the Ray actor (`shard.py`) wraps it, and tests drive it directly.
+Pure Python: the Ray actor (`shard.py`) wraps it, and tests drive it directly. The tiers are any
+`tiers.Tier`; a new kind is one class registered in `tiers.TIER_KINDS`.
 """
 
 import os
+from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
 
 from msaserve.kvcache.codec import Payload, as_payload, checksum
-from msaserve.kvcache.tiers import DiskTier, MemoryTier
+from msaserve.kvcache.tiers import Tier, make_tier
 
 
 class CapacityError(RuntimeError):
     """A page does not fit: the tiers are full of pinned pages (or it is larger than a tier)."""
 
 
-@dataclass
 class StoreStats:
-    """Counters since the store was created (the shard turns them into metrics)."""
+    """Counters since the store was created (the shard turns them into metrics): hits per tier
+    kind, misses, corruptions, evictions to each tier kind or dropped, puts and bytes. Read as
+    attributes (`hits_memory`, `evictions_to_disk`, `evictions_dropped`, ...)."""
 
-    hits_memory: int = 0
-    hits_disk: int = 0
-    misses: int = 0
-    corruptions: int = 0
-    evictions_to_disk: int = 0
-    evictions_dropped: int = 0
-    puts: int = 0
-    bytes_written: int = 0
-    bytes_read: int = 0
+    def __init__(self, tier_kinds: Sequence[str]) -> None:
+        names = ["misses", "corruptions", "evictions_dropped", "puts", "bytes_written", "bytes_read"]
+        names += [f"hits_{kind}" for kind in tier_kinds]
+        names += [f"evictions_to_{kind}" for kind in tier_kinds[1:]]
+        self._counts = Counter({name: 0 for name in names})
+
+    def add(self, name: str, amount: int = 1) -> None:
+        self._counts[name] += amount
+
+    def __getattr__(self, name: str) -> int:
+        counts = self.__dict__.get("_counts")
+        if counts is None or name not in counts:
+            raise AttributeError(name)
+        return counts[name]
 
     def as_dict(self) -> dict[str, int]:
-        return asdict(self)
+        return dict(self._counts)
 
 
 class PageStore:
-    """Pages by string key. `write_through` also writes every put to disk at once (so a restart
-    keeps it); otherwise pages reach disk only when evicted from memory."""
+    """Pages by string key over a chain of tiers. `write_through` also writes every put to the
+    last durable tier at once (so a restart keeps it); otherwise pages reach slower tiers only when
+    evicted from faster ones.
+
+    `PageStore(memory_bytes, disk_path, disk_bytes)` builds the default chain; `tiers=` takes any."""
 
     def __init__(
         self,
-        memory_bytes: int,
+        memory_bytes: int = 0,
         disk_path: str | os.PathLike[str] | None = None,
         disk_bytes: int = 0,
         write_through: bool = True,
         fsync: bool = False,
+        tiers: Sequence[Tier] | None = None,
     ) -> None:
-        self.memory = MemoryTier(memory_bytes)
-        has_disk = disk_path is not None and disk_bytes > 0
-        self.disk = DiskTier(disk_path, disk_bytes, fsync) if has_disk else None
-        self.write_through = write_through and self.disk is not None
-        self.stats = StoreStats()
+        if tiers is None:
+            tiers = [make_tier("memory", capacity_bytes=memory_bytes)]
+            if disk_path is not None and disk_bytes > 0:
+                tiers.append(make_tier("disk", path=disk_path, capacity_bytes=disk_bytes, fsync=fsync))
+        if not tiers:
+            raise ValueError("PageStore needs at least one tier")
+        self.tiers: list[Tier] = list(tiers)
+        durable = [i for i, tier in enumerate(self.tiers) if tier.durable]
+        self._write_through_tier = durable[-1] if write_through and durable else None
+        self.write_through = self._write_through_tier is not None
+        self.stats = StoreStats([tier.kind for tier in self.tiers])
         self._pins: dict[str, int] = {}
+
+    @property
+    def memory(self) -> Tier:
+        """The fastest tier."""
+        return self.tiers[0]
+
+    @property
+    def disk(self) -> Tier | None:
+        """The first disk tier, if any (stats and tests read it by name)."""
+        return next((tier for tier in self.tiers if tier.kind == "disk"), None)
 
     # ---- reads -------------------------------------------------------------------------------
     def get(self, key: str) -> Payload | None:
         """The page's bytes (read-only array when served from disk), or None on a miss."""
-        page = self.memory.get(key)
-        if page is not None:
+        for level, tier in enumerate(self.tiers):
+            page = tier.get(key)
+            if page is None:
+                continue
             if checksum(page.payload) == page.checksum:
-                self.stats.hits_memory += 1
-                self.stats.bytes_read += page.payload.nbytes
-                return page.payload
-            self.memory.pop(key)
-            self.stats.corruptions += 1
-        if self.disk is not None:
-            page = self.disk.get(key)
-            if page is not None:
-                if checksum(page.payload) == page.checksum:
-                    self.stats.hits_disk += 1
-                    self.stats.bytes_read += page.payload.nbytes
+                self.stats.add(f"hits_{tier.kind}")
+                self.stats.add("bytes_read", page.payload.nbytes)
+                if level > 0:
                     self._promote(key, page.payload, page.checksum)
-                    return page.payload
-                self.disk.pop(key)
-                self.stats.corruptions += 1
-        self.stats.misses += 1
+                return page.payload
+            tier.pop(key)
+            self.stats.add("corruptions")
+        self.stats.add("misses")
         return None
 
     def get_many(self, keys: Sequence[str]) -> list[Payload | None]:
@@ -89,7 +111,7 @@ class PageStore:
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is held in some tier (not verified: a later get may still miss)."""
-        return [key in self.memory or (self.disk is not None and key in self.disk) for key in keys]
+        return [any(key in tier for tier in self.tiers) for key in keys]
 
     # ---- writes ------------------------------------------------------------------------------
     def put(self, key: str, data: Payload | bytes, pin: bool = False) -> None:
@@ -105,19 +127,18 @@ class PageStore:
             if pin:
                 self._release_pin(key)
             raise
-        self.stats.puts += 1
-        self.stats.bytes_written += payload.nbytes
+        self.stats.add("puts")
+        self.stats.add("bytes_written", payload.nbytes)
 
     def put_many(self, items: Iterable[tuple[str, Payload | bytes]], pin: bool = False) -> None:
         for key, data in items:
             self.put(key, data, pin)
 
     def delete(self, keys: Iterable[str]) -> None:
-        """Remove pages from both tiers, pinned or not (pins on them are dropped too)."""
+        """Remove pages from every tier, pinned or not (pins on them are dropped too)."""
         for key in keys:
-            self.memory.pop(key)
-            if self.disk is not None:
-                self.disk.pop(key)
+            for tier in self.tiers:
+                tier.pop(key)
             self._pins.pop(key, None)
 
     # ---- pins --------------------------------------------------------------------------------
@@ -142,68 +163,62 @@ class PageStore:
 
     # ---- placement and eviction --------------------------------------------------------------
     def _place(self, key: str, payload: Payload, page_checksum: int) -> None:
-        on_disk = False
-        if self.write_through and self._make_room_on_disk(payload.nbytes, exclude=key):
-            self.disk.put(key, payload, page_checksum)
-            on_disk = True
-        if self._make_room_in_memory(payload.nbytes, exclude=key):
-            self.memory.put(key, payload, page_checksum)
+        through = self._write_through_tier
+        written = False
+        if through is not None and self._make_room(through, payload.nbytes, exclude=key):
+            self.tiers[through].put(key, payload, page_checksum)
+            written = True
+        for level, tier in enumerate(self.tiers):
+            if level == through and written:
+                return
+            if self._make_room(level, payload.nbytes, exclude=key):
+                tier.put(key, payload, page_checksum)
+                return
+            tier.pop(key)  # an older copy must not outlive the new one
+        if written:
             return
-        self.memory.pop(key)  # an older copy must not outlive the new one
-        if on_disk:
-            return
-        if self.disk is not None and self._make_room_on_disk(payload.nbytes, exclude=key):
-            self.disk.put(key, payload, page_checksum)
-            return
-        disk = f"disk {self.disk.bytes_used}/{self.disk.capacity_bytes} bytes" if self.disk else "no disk"
+        held = ", ".join(f"{t.kind} {t.bytes_used}/{t.capacity_bytes} bytes" for t in self.tiers)
         raise CapacityError(
-            f"page {key!r} of {payload.nbytes} bytes does not fit: memory {self.memory.bytes_used}"
-            f"/{self.memory.capacity_bytes} bytes, {disk}, {len(self._pins)} pinned pages; "
-            "unpin finished sessions or raise the capacity"
+            f"page {key!r} of {payload.nbytes} bytes does not fit: {held}, {len(self._pins)} pinned "
+            "pages; unpin finished sessions or raise the capacity"
         )
 
     def _promote(self, key: str, payload: Payload, page_checksum: int) -> None:
-        """Bring a disk hit back to memory when that needs no pinned page to move."""
-        if self._make_room_in_memory(payload.nbytes, exclude=key):
-            self.memory.put(key, payload, page_checksum)
+        """Bring a hit in a slower tier back to the fastest when that needs no pinned page to move."""
+        if self._make_room(0, payload.nbytes, exclude=key):
+            self.tiers[0].put(key, payload, page_checksum)
 
-    def _make_room_in_memory(self, nbytes: int, exclude: str) -> bool:
-        """Evict unpinned LRU pages from memory (to disk where it fits) until nbytes fit."""
-        freed_if_replaced = self.memory.nbytes(exclude) if exclude in self.memory else 0
-        need = self.memory.bytes_used - freed_if_replaced + nbytes - self.memory.capacity_bytes
+    def _make_room(self, level: int, nbytes: int, exclude: str, also: str | None = None) -> bool:
+        """Evict unpinned LRU pages of tier `level` (down the chain where they fit, else dropped)
+        until nbytes fit; `exclude` (the page being placed) and `also` (the page whose placement
+        caused this demotion) are never chosen."""
+        tier = self.tiers[level]
+        freed_if_replaced = tier.nbytes(exclude) if exclude in tier else 0
+        need = tier.bytes_used - freed_if_replaced + nbytes - tier.capacity_bytes
         if need <= 0:
             return True
-        victims = self._victims(self.memory.lru_keys(), self.memory.nbytes, need, exclude)
+        victims = self._victims(tier.lru_keys(), tier.nbytes, need, exclude, also)
         if victims is None:
             return False
         for victim in victims:
-            page = self.memory.pop(victim)
-            if self.disk is not None and victim in self.disk:
-                self.stats.evictions_to_disk += 1  # already there (write-through)
-            elif self.disk is not None and self._make_room_on_disk(page.payload.nbytes, victim, also=exclude):
-                self.disk.put(victim, page.payload, page.checksum)
-                self.stats.evictions_to_disk += 1
-            else:
-                self.stats.evictions_dropped += 1
+            self._demote(level, victim, exclude)
         return True
 
-    def _make_room_on_disk(self, nbytes: int, exclude: str, also: str | None = None) -> bool:
-        """Drop unpinned LRU pages from disk until nbytes fit; `exclude` (the page being placed) and
-        `also` (the page whose placement caused this demotion) are never chosen."""
-        if self.disk is None:
-            return False
-        freed_if_replaced = self.disk.nbytes(exclude) if exclude in self.disk else 0
-        need = self.disk.bytes_used - freed_if_replaced + nbytes - self.disk.capacity_bytes
-        if need <= 0:
-            return True
-        victims = self._victims(self.disk.lru_keys(), self.disk.nbytes, need, exclude, also)
-        if victims is None:
-            return False
-        for victim in victims:
-            self.disk.pop(victim)
-            if victim not in self.memory:
-                self.stats.evictions_dropped += 1
-        return True
+    def _demote(self, level: int, victim: str, cause: str) -> None:
+        """Move `victim` from tier `level` to the next tier down, or drop it there."""
+        tier = self.tiers[level]
+        lower = self.tiers[level + 1] if level + 1 < len(self.tiers) else None
+        if lower is not None and victim in lower:
+            tier.pop(victim)
+            self.stats.add(f"evictions_to_{lower.kind}")  # already there (write-through)
+            return
+        page = tier.get(victim) if lower is not None else None
+        tier.pop(victim)
+        if page is not None and self._make_room(level + 1, page.payload.nbytes, victim, also=cause):
+            lower.put(victim, page.payload, page.checksum)
+            self.stats.add(f"evictions_to_{lower.kind}")
+        elif not any(victim in other for other in self.tiers):
+            self.stats.add("evictions_dropped")
 
     def _victims(
         self, lru_keys, nbytes_of, need: int, exclude: str, also: str | None = None

@@ -1,7 +1,8 @@
-"""The two storage tiers of a page store: host memory and a disk directory.
+"""Storage tiers of a page store, fastest first: host memory and a disk directory, and a registry
+so that another kind of tier (another medium, a remote store) is one new class.
 
 Each tier keeps its pages in least-recently-used order and counts its bytes; it never decides
-what to evict (the store does, so that pins and the memory → disk → dropped order live in one
+what to evict (the store does, so that pins and the fastest → slowest → dropped order live in one
 place). Tiers return the checksum that was stored with a page; the store verifies it.
 """
 
@@ -11,6 +12,7 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Protocol
 
 import numpy as np
 import xxhash
@@ -28,8 +30,51 @@ class StoredPage:
     checksum: int
 
 
+class Tier(Protocol):
+    """What the store needs of a tier. `kind` names it in stats and metrics; `durable` tiers keep
+    their pages across a restart (write-through goes to the last durable tier)."""
+
+    kind: str
+    durable: bool
+    capacity_bytes: int
+    bytes_used: int
+
+    def __contains__(self, key: str) -> bool: ...
+    def __len__(self) -> int: ...
+    def put(self, key: str, payload: Payload, page_checksum: int) -> None: ...
+    def get(self, key: str) -> StoredPage | None: ...
+    def pop(self, key: str) -> Any:
+        """Remove the page (the return value is the tier's own; the store does not use it)."""
+        ...
+    def nbytes(self, key: str) -> int: ...
+    def lru_keys(self) -> Iterator[str]:
+        """Keys from least to most recently used (a snapshot: safe to pop while iterating)."""
+        ...
+
+
+TIER_KINDS: dict[str, type] = {}
+"""Tier classes by kind; `register_tier` adds one."""
+
+
+def register_tier(cls: type) -> type:
+    """Class decorator: make a tier kind available to `make_tier` under its `kind`."""
+    TIER_KINDS[cls.kind] = cls
+    return cls
+
+
+def make_tier(kind: str, **kwargs: Any) -> Tier:
+    """A tier of a registered kind, built with that class's own arguments."""
+    if kind not in TIER_KINDS:
+        raise ValueError(f"tier kind={kind!r} is invalid: allowed {', '.join(sorted(TIER_KINDS))}")
+    return TIER_KINDS[kind](**kwargs)
+
+
+@register_tier
 class MemoryTier:
     """Pages in host memory, in LRU order (oldest first)."""
+
+    kind = "memory"
+    durable = False
 
     def __init__(self, capacity_bytes: int) -> None:
         if capacity_bytes < 0:
@@ -69,6 +114,7 @@ class MemoryTier:
         return iter(list(self._pages))
 
 
+@register_tier
 class DiskTier:
     """Pages as files under `path`, one file each, written atomically (temp file + rename).
 
@@ -76,6 +122,9 @@ class DiskTier:
     the file so that a restarted store rebuilds its index by scanning the directory; LRU order
     survives a restart through file modification times (touched on every read).
     """
+
+    kind = "disk"
+    durable = True
 
     def __init__(self, path: str | os.PathLike[str], capacity_bytes: int, fsync: bool = False) -> None:
         if capacity_bytes < 0:

@@ -1,4 +1,4 @@
-"""GQA attention with the MSA index branch (DESIGN §2): write K/V/index-K, select blocks, attend.
+"""GQA attention with the MSA index branch (docs/design.md §2): write K/V/index-K, select blocks, attend.
 
 Shapes and conventions of the ops: `msaserve/kernels/__init__.py` and each op's naive.py.
 """

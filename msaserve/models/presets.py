@@ -1,4 +1,4 @@
-"""Named random-weight configs: `tiny` for CPU tests, `m3-proxy` for GPU benchmarks (DESIGN §4)."""
+"""Named random-weight configs: `tiny` for CPU tests, `m3-proxy` for GPU benchmarks (docs/design.md §4)."""
 
 from typing import Any
 

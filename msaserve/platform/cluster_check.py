@@ -230,7 +230,7 @@ def check_rayservice(rayservice: dict[str, Any] | None, namespace: str, name: st
                 "rayservice",
                 f"an upgrade is in progress (pending cluster {pending}): "
                 "with upgradeStrategy NewCluster it needs a second full set of GPUs; "
-                "see docs/deploy-kubernetes.md#upgrades",
+                "see docs/deployment.md#6-upgrade",
             )
         )
     if not status.get("numServeEndpoints"):

@@ -1,4 +1,4 @@
-"""`ServeConfig`: the one user-facing description of a deployment (DESIGN §4, platform).
+"""`ServeConfig`: the one user-facing description of a deployment (docs/design.md §4, platform).
 
 Loaded from YAML (`msaserve serve --config FILE`), passed as `args` to the Serve application
 builder (`msaserve.platform.app:app_builder`), and rendered into the Helm chart's serveConfigV2.

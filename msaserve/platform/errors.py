@@ -1,4 +1,4 @@
-"""Errors as values at the API (STYLE §7): every failure becomes an OpenAI-shaped body.
+"""Errors as values at the API (CONTRIBUTING.md §7): every failure becomes an OpenAI-shaped body.
 
 `{"error": {"message", "type", "param", "code"}}` with the right status; 429/503 carry Retry-After;
 every body's message ends with the request id so a user's report can be found in the logs.

@@ -1,6 +1,6 @@
 """The preprocess hook: image/video content parts → media items, on the Preprocess deployment.
 
-The gateway never decodes media itself (DESIGN §4): it sends the parts to the CPU Preprocess
+The gateway never decodes media itself (docs/design.md §4): it sends the parts to the CPU Preprocess
 deployment (`preprocess_deployment.py`, wrapping `msaserve.preprocess.Preprocessor`) and puts the
 returned items into `GenerateRequest.media`. A deployment serving a text-only model has no
 Preprocess deployment (or a model without a vision tower), and media parts get a 400 that says so.

@@ -1,4 +1,4 @@
-"""msaserve's metrics (DESIGN §4) through `ray.util.metrics`.
+"""msaserve's metrics (docs/design.md §4) through `ray.util.metrics`.
 
 Ray exports each one on its metrics port as `ray_<name>` (so `ray_msaserve_ttft_seconds_bucket`, ...),
 which Prometheus scrapes and the Ray dashboard / Grafana plot. Metrics are created lazily, inside the

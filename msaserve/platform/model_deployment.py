@@ -22,7 +22,7 @@ from msaserve.platform.engine_factory import build_engine
 from msaserve.platform.errors import from_engine_error
 from msaserve.platform.metrics import get_metrics
 from msaserve.platform.model_messages import ModelError, ModelInfo, SessionInfo
-from msaserve.platform.sessions import SessionTable
+from msaserve.platform.session_table import SessionTable
 from msaserve.router.stats import RoutingStatsRecorder, routing_stats_payload
 
 logger = logging.getLogger("ray.serve.msaserve.model")
@@ -39,16 +39,6 @@ def engine_config_from(config: ServeConfig) -> EngineConfig:
         config.engine, model=model.spec, device=model.device, dtype=dtype,
         attention_backend=model.attention_backend,
     )
-
-
-def attach_session_store(engine) -> None:
-    """Sessions go through the KV cache service the engine already swaps into: persisted as
-    they generate, adopted by whichever replica serves their next turn (after a move or a death)."""
-    from msaserve.engine.kv.service_swap import ServiceSwapStore
-
-    store = engine.engine.swapper.store
-    if isinstance(store, ServiceSwapStore):
-        engine.engine.attach_kv_client(store.client)
 
 
 def _media_token_ids(model) -> tuple[int, int] | None:
@@ -90,7 +80,7 @@ class ModelDeployment:
             # Loading weights is blocking CPU work: keep the replica's event loop free for info().
             engine = await asyncio.to_thread(build_engine, self.config, engine_config)
             if self.config.kvcache.enabled:
-                attach_session_store(engine)
+                engine.use_kv_service_for_sessions()
             await engine.start()
             self.routing.page_size = engine.page_size
             self.routing.media_token_ids = _media_token_ids(engine.engine.model)
@@ -103,7 +93,7 @@ class ModelDeployment:
     async def info(self) -> ModelInfo:
         if self.engine is None:
             return ModelInfo(name=self.name, ready=False, error=self.error)
-        model = self.engine.engine.model
+        model = self.engine.model
         has_vision = getattr(model, "visual", None) is not None
         return ModelInfo(
             name=self.name,
@@ -182,7 +172,7 @@ class ModelDeployment:
     async def release_session(self, session_id: str) -> list[int]:
         """The session moves away: drop its pages from this replica's prefix cache (its record in
         the KV cache service stays). Returns the page hashes dropped."""
-        if self.engine is None or self.engine.engine.sessions is None:
+        if self.engine is None or not self.engine.has_sessions:
             return []
         return await self.engine.call(lambda engine: engine.sessions.release(session_id))
 
@@ -193,7 +183,7 @@ class ModelDeployment:
         """Forget the session here and, with the KV cache service on, its record there too (any
         replica can delete it: the record is the service's). True if either held it."""
         known_here = self.sessions.delete(session_id)
-        if self.engine is None or self.engine.engine.sessions is None:
+        if self.engine is None or not self.engine.has_sessions:
             return known_here
         in_service = await self.engine.call(lambda engine: engine.sessions.delete(session_id))
         return known_here or in_service
@@ -219,11 +209,9 @@ class ModelDeployment:
             rate = (self._output_tokens - last_tokens) / max(now - last_time, 1e-9)
             self.metrics.set("tokens_per_second", rate, **tags)
             last_tokens, last_time = self._output_tokens, now
-            sessions = self.engine.engine.sessions
-            while sessions is not None and sessions.latencies:  # adoptions through the KV cache service
-                kind, seconds = sessions.latencies.popleft()
+            for kind, seconds in self.engine.drain_session_latencies():  # adoptions via the service
                 self.metrics.observe(f"{kind}_latency_seconds", seconds, **tags)
-            if sessions is not None and time.monotonic() >= next_unpin:  # idle sessions' pins go
+            if self.engine.has_sessions and time.monotonic() >= next_unpin:  # idle sessions' pins go
                 next_unpin = time.monotonic() + max(60.0, idle_s / 10)
                 released = await self.engine.call(lambda engine: engine.sessions.unpin_idle(idle_s))
                 if released:

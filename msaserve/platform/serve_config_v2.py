@@ -20,6 +20,10 @@ IMPORT_PATH = "msaserve.platform.app:app_builder"
 # The chart puts the API-key Secret into this environment variable of every Ray container.
 API_KEYS_ENV = "MSASERVE_API_KEYS"
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+# Deployments (msaserve/platform/app.py) that hold a request for its whole life: when one of their
+# replicas is stopped (node drain, scale-down, upgrade) Serve waits up to request_timeout_s for its
+# running requests instead of its default 20 s.
+DRAINED_DEPLOYMENTS = ("Gateway", "Model")
 # ServeConfig's definitions live under this prefix in values.schema.json's $defs, apart from the
 # chart's own.
 SCHEMA_DEF_PREFIX = "ServeConfig."
@@ -44,6 +48,10 @@ def render_serve_config_v2(config: ServeConfig) -> dict[str, Any]:
                 "route_prefix": "/",
                 "import_path": IMPORT_PATH,
                 "args": serve_args(config),
+                "deployments": [
+                    {"name": name, "graceful_shutdown_timeout_s": config.http.request_timeout_s}
+                    for name in DRAINED_DEPLOYMENTS
+                ],
             }
         ],
     }

@@ -1,4 +1,4 @@
-"""The KV-aware policy (DESIGN §4, router): send a request where its pages are, keep sessions
+"""The KV-aware policy (docs/design.md §4, router): send a request where its pages are, keep sessions
 together, and keep load balanced.
 
     cost(r) = w_prefill · (miss_pages(r) + w_queue · min(queued_pages(r), queue_horizon_pages))

@@ -3,12 +3,12 @@
 import asyncio
 
 import pytest
+import reference_decode
 from engine_helpers import greedy, random_prompt
 
 from msaserve.engine.async_engine import AsyncEngine
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.types import ContextTooLong, GenerateRequest, InvalidParameter, QueueFull, SamplingParams
-from msaserve.models import reference_decode
 
 
 def make_async(model, tokenizer, **overrides) -> AsyncEngine:

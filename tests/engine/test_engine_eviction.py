@@ -3,11 +3,11 @@ index-K handed to the sink are what the reference computes for those tokens."""
 
 import torch
 from engine_helpers import greedy, make_engine, random_prompt, run_to_completion
+from reference_decode import SequenceState
 
 from msaserve.engine.kv.swap import PageData
 from msaserve.engine.types import GenerateRequest
 from msaserve.kvcache.page_hash import page_hashes
-from msaserve.models.reference_decode import SequenceState
 
 
 class RecordingSink:

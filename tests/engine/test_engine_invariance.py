@@ -1,14 +1,14 @@
-"""Greedy tokens do not depend on how the engine gets them (DESIGN §2, property 2): chunk size,
+"""Greedy tokens do not depend on how the engine gets them (docs/design.md §2, property 2): chunk size,
 batch composition, prefix-cache hit or miss, preemption by swap or by recompute. Prompts are
 longer than K·P = 64 tokens of the tiny preset, so the MSA selection is really sparse."""
 
 import pytest
+import reference_decode
 import torch
 from engine_helpers import collect, greedy, make_engine, random_prompt, run_to_completion
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.types import GenerateRequest, SamplingParams
-from msaserve.models import reference_decode
 
 LENGTHS = [150, 71, 97, 20, 130, 66]
 MAX_TOKENS = 12

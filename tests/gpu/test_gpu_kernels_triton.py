@@ -41,9 +41,10 @@ BF16 = torch.bfloat16
 LENS = (300, 2048, 5000, 20011)
 
 
-def _m3(page_size: int = 128, index_heads: int = 1, group: int = 16, lens: tuple = LENS, n_init: int = 1):
+def _m3(page_size: int = 128, index_heads: int = 1, group: int = 16, lens: tuple = LENS, n_init: int = 1,
+        n_local: int = 1):
     return Shape(lens, page_size=page_size, num_kv_heads=4, group=group, head_dim=128,
-                 index_heads=index_heads, top_k=16, n_init=n_init)
+                 index_heads=index_heads, top_k=16, n_init=n_init, n_local=n_local)
 
 
 @pytest.mark.parametrize("fp8", [False, True])
@@ -88,6 +89,26 @@ def test_indexer_prefill(page_size: int, index_heads: int, n_init: int, fp8: boo
     check_indexer_prefill(TRITON, NAIVE, shape, BF16, "cuda", fp8=fp8, seed=page_size + n_init)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("n_local", [1, 2])
+def test_indexers_m3_form(n_local: int, fp8: bool) -> None:
+    """MiniMax-M3's selection: no init block, n_local forced blocks ending at the query's block, one
+    index-K head, bf16 or fp8 keys, prefill and decode (1 and 16 queries per sequence)."""
+    shape = _m3(lens=(300, 2048, 5000, 9001), n_init=0, n_local=n_local)
+    check_indexer_prefill(TRITON, NAIVE, shape, BF16, "cuda", fp8=fp8, seed=10 + n_local)
+    for num_q in (1, 16):
+        check_indexer_decode(TRITON, NAIVE, shape, num_q, BF16, "cuda", fp8=fp8, seed=num_q + n_local)
+
+
+@pytest.mark.parametrize("key_load", indexer_decode_triton.KEY_LOADS)
+@pytest.mark.parametrize("fp8_scan", indexer_decode_triton.FP8_SCANS)
+def test_indexer_decode_m3_form_scans_and_key_loads(fp8_scan: str, key_load: str) -> None:
+    """The M3 form (n_init 0, two local blocks) through both fp8 scans and both key loads."""
+    scan = functools.partial(indexer_decode_triton.indexer_decode, fp8_scan=fp8_scan, key_load=key_load)
+    ops = dataclasses.replace(TRITON, indexer_decode=scan)
+    check_indexer_decode(ops, NAIVE, _m3(n_init=0, n_local=2), 4, BF16, "cuda", fp8=True, seed=21)
+
+
 @pytest.mark.parametrize("num_q", [1, 16])
 @pytest.mark.parametrize("group", [1, 4, 6, 8, 16])
 def test_sparse_decode(group: int, num_q: int) -> None:
@@ -111,7 +132,8 @@ def test_sparse_prefill_tile_dense(group: int) -> None:
     check_sparse_prefill(ops, NAIVE, shape, BF16, "cuda", seed=group + 4, empty_slots=True)
 
 
-def test_decode_step_replays_in_a_cuda_graph() -> None:
+@pytest.mark.parametrize(("n_init", "n_local"), [(1, 1), (0, 2)])
+def test_decode_step_replays_in_a_cuda_graph(n_init: int, n_local: int) -> None:
     """Constant grids: a captured indexer + sparse decode step gives the eager result on new data."""
     inputs = make_paged_inputs(list(LENS), 128, 4, 128, 1, 128, BF16, "cuda")
     batch = len(LENS)
@@ -120,7 +142,7 @@ def test_decode_step_replays_in_a_cuda_graph() -> None:
 
     def step() -> torch.Tensor:
         selected = TRITON.indexer_decode(q_index, inputs.index_cache, inputs.block_tables,
-                                         inputs.seq_lens, 16, 1)
+                                         inputs.seq_lens, 16, n_init, n_local=n_local)
         return TRITON.sparse_decode(q, inputs.k_cache, inputs.v_cache, inputs.block_tables,
                                     inputs.seq_lens, selected)
 

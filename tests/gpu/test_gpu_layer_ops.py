@@ -13,11 +13,11 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
+from reference_decode import SequenceState, step_metadata
 from test_kernels_layer_ops_cases import check_add_rms_norm, check_rotary_and_write, check_silu_mul
 
 from msaserve.kernels.layer_ops import get_layer_ops
 from msaserve.models.loader import load_model
-from msaserve.models.reference_decode import SequenceState, step_metadata
 
 TRITON, NAIVE = get_layer_ops("cuda"), get_layer_ops("cpu")  # the spec runs on any device
 BF16 = torch.bfloat16
@@ -36,6 +36,14 @@ def test_rotary_and_write(tokens: int, heads: int, rotate: bool, num_caches: int
     check_rotary_and_write(TRITON, tokens, heads, 128, rotate, num_caches, BF16, "cuda", seed=heads)
 
 
+@pytest.mark.parametrize(("heads", "num_caches"), [(64, 0), (4, 2), (1, 1)])
+@pytest.mark.parametrize("tokens", [8, 999])
+def test_partial_rotary_and_write(tokens: int, heads: int, num_caches: int) -> None:
+    """MiniMax-M3's partial rotary: 64 of 128 dims rotate (query, key and index heads), the rest pass."""
+    check_rotary_and_write(TRITON, tokens, heads, 128, True, num_caches, BF16, "cuda", seed=heads + 1,
+                           rotary_dim=64)
+
+
 @pytest.mark.parametrize("rows", [8, 1000])
 def test_silu_mul(rows: int) -> None:
     check_silu_mul(TRITON, rows, 8192, BF16, "cuda")
@@ -47,7 +55,7 @@ def test_model_forward_with_fused_ops_matches_pytorch_ops(backend: str, min_cosi
     """m3-proxy (2 layers), 3000 prompt tokens in two chunks + 2 decode steps: the fused kernels
     and fused projections against the unfused model with the PyTorch ops. Dense attention has
     no selection, so only bf16 rounding separates the two; with MSA's random index weights many
-    page scores are near ties, and rounding flips some selections (DESIGN §2, property 4)."""
+    page scores are near ties, and rounding flips some selections (docs/design.md §2, property 4)."""
     model = load_model("m3-proxy", device="cuda", dtype=BF16, attention_backend=backend, progress=False,
                        num_layers=2).model
     fused = copy.deepcopy(model)

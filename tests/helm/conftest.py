@@ -10,7 +10,17 @@ import helm_python
 import jsonschema
 import pytest
 import yaml
-from helm_chart import CHART, SCHEMAS, VALUES_FILES, YAML_LOADER, load_values, render_docs, strict_crd_schema
+from helm_chart import (
+    CHART,
+    CRD_FILES,
+    SCHEMAS,
+    VALUES_FILES,
+    YAML_LOADER,
+    load_values,
+    render_docs,
+    strict_crd_schema,
+    with_site,
+)
 
 
 @pytest.fixture(scope="session")
@@ -21,7 +31,8 @@ def chart():
 
 @pytest.fixture(scope="session")
 def render(chart) -> Callable[[dict[str, Any]], list[dict[str, Any]]]:
-    return lambda values: render_docs(chart, values)
+    """Render values on top of the site values (ci/default-values.yaml)."""
+    return lambda values: render_docs(chart, with_site(values))
 
 
 @pytest.fixture(scope="session")
@@ -32,9 +43,9 @@ def rendered(chart) -> dict[str, list[dict[str, Any]]]:
 
 @pytest.fixture(scope="session")
 def crd_documents() -> dict[str, dict[str, Any]]:
-    """The CRD YAMLs as dicts, keyed by kind (parsed once: ~1 MB each)."""
+    """The CRD YAMLs as dicts, keyed by kind (parsed once: the KubeRay ones are ~1 MB each)."""
     docs = {}
-    for kind, file in (("RayService", "ray.io_rayservices.yaml"), ("RayCluster", "ray.io_rayclusters.yaml")):
+    for kind, file in CRD_FILES.items():
         docs[kind] = yaml.load((SCHEMAS / file).read_text(), Loader=YAML_LOADER)
         assert docs[kind]["spec"]["names"]["kind"] == kind
     return docs

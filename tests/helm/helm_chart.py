@@ -3,6 +3,7 @@
 Shared by tests/helm (imported by name: tests/ has no packages, hence the unique module name).
 """
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -10,15 +11,27 @@ import helm_python
 import yaml
 
 REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "helm" / "msaserve"
-SCHEMAS = Path(__file__).resolve().parent / "schemas"  # KubeRay CRDs, see schemas/README.md
+# MSASERVE_CHART points the tests at another copy of the chart and MSASERVE_CI_VALUES at its values
+# files, e.g. the chart before a fix (`git archive REV helm/msaserve | tar -x -C /tmp/old`), to see a
+# test fail on it; a profile that copy lacks then renders with that chart's own defaults.
+CHART = Path(os.environ.get("MSASERVE_CHART", REPO / "helm" / "msaserve"))
+CI_VALUES = Path(os.environ.get("MSASERVE_CI_VALUES", REPO / "helm" / "msaserve" / "ci"))
+SCHEMAS = Path(__file__).resolve().parent / "schemas"  # vendored CRDs and JSON schemas, see schemas/README.md
 VALUES_FILES = {
-    "default": None,
-    "gpu": CHART / "ci" / "gpu-values.yaml",
-    "minimal": CHART / "ci" / "minimal-values.yaml",
-    "all-features": CHART / "ci" / "all-features-values.yaml",
+    "default": CI_VALUES / "default-values.yaml",
+    "gpu": CI_VALUES / "gpu-values.yaml",
+    "minimal": CI_VALUES / "minimal-values.yaml",
+    "all-features": CI_VALUES / "all-features-values.yaml",
+    "m3": CI_VALUES / "m3-values.yaml",
 }
 KUBE_VERSIONS = ("1.30.0", "1.33.0")
+# kind → vendored CustomResourceDefinition (schemas/README.md says where each comes from).
+CRD_FILES = {
+    "RayService": "ray.io_rayservices.yaml",
+    "RayCluster": "ray.io_rayclusters.yaml",
+    "ServiceMonitor": "monitoring.coreos.com_servicemonitors.yaml",
+    "PodMonitor": "monitoring.coreos.com_podmonitors.yaml",
+}
 # libyaml parses the ~1 MB CRDs ~10x faster than the pure-Python loader.
 YAML_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 INT32 = (-(2**31), 2**31 - 1)
@@ -26,7 +39,23 @@ INT32 = (-(2**31), 2**31 - 1)
 
 def load_values(name: str) -> dict[str, Any]:
     path = VALUES_FILES[name]
-    return {} if path is None else yaml.safe_load(path.read_text())
+    if "MSASERVE_CI_VALUES" in os.environ and not path.exists():
+        return {}
+    return yaml.safe_load(path.read_text())
+
+
+def merged(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    """top over base, maps merged key by key as Helm merges values files."""
+    out = dict(base)
+    for key, value in top.items():
+        both_maps = isinstance(value, dict) and isinstance(base.get(key), dict)
+        out[key] = merged(base[key], value) if both_maps else value
+    return out
+
+
+def with_site(values: dict[str, Any]) -> dict[str, Any]:
+    """values on top of ci/default-values.yaml: what every install must give (image, Secrets)."""
+    return merged(load_values("default"), values)
 
 
 def render_docs(chart: helm_python.Chart, values: dict[str, Any]) -> list[dict[str, Any]]:

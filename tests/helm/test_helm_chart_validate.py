@@ -2,8 +2,8 @@
 
 Core kinds: kubernetes-validate (strict) for Kubernetes 1.30 and 1.33, including the pod templates
 and the API Service embedded in the RayService. RayService (and its rayClusterConfig as a
-RayCluster): the KubeRay CRD schemas in tests/helm/schemas. ServiceMonitor has no schema here, so its
-wiring to the metrics Service is checked by hand.
+RayCluster), ServiceMonitor and PodMonitor: the vendored CRD schemas in tests/helm/schemas, made
+strict. Every rendered object is checked by one of the two; none is left unvalidated.
 """
 
 import json
@@ -15,9 +15,8 @@ import kubernetes_validate
 import pytest
 from helm_chart import CHART, KUBE_VERSIONS, VALUES_FILES, load_values
 
-CRD_KINDS = {"RayService"}
-# monitoring.coreos.com: neither in kubernetes-validate nor tests/helm/schemas
-NO_SCHEMA_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"RayService"}  # its embedded pods and Service also go through kubernetes-validate
+MONITORING_KINDS = {"ServiceMonitor", "PodMonitor"}  # monitoring.coreos.com: the vendored CRDs
 
 
 def _pod_templates(rayservice: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
@@ -68,7 +67,7 @@ def test_core_objects_validate_strictly(rendered, values_name: str, kube_version
             for embedded in _embedded_core_objects(doc):
                 kubernetes_validate.validate(embedded, kube_version, strict=True)
                 checked.append(embedded["kind"])
-        elif doc["kind"] not in NO_SCHEMA_KINDS:
+        elif doc["kind"] not in MONITORING_KINDS:
             kubernetes_validate.validate(doc, kube_version, strict=True)
             checked.append(doc["kind"])
     assert {"Pod", "Service"} <= set(checked)
@@ -93,6 +92,26 @@ def test_rayservice_and_raycluster_match_the_kuberay_crds(rendered, crd_validato
         for e in crd_validators["RayCluster"].iter_errors(raycluster)
     ]
     assert errors == []
+
+
+@pytest.mark.parametrize("values_name", ["all-features", "m3"])
+def test_monitors_match_the_prometheus_operator_crds(rendered, crd_validators, values_name: str) -> None:
+    monitors = [d for d in rendered[values_name] if d["kind"] in MONITORING_KINDS]
+    assert monitors
+    for monitor in monitors:
+        errors = [
+            f"{monitor['kind']} {'.'.join(map(str, e.path))}: {e.message}"
+            for e in crd_validators[monitor["kind"]].iter_errors(monitor)
+        ]
+        assert errors == []
+
+
+def test_monitor_validation_can_fail(rendered, crd_validators) -> None:
+    [monitor] = [d for d in rendered["all-features"] if d["kind"] == "PodMonitor"]
+    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+    for bad_endpoint in ({**endpoint, "prot": "x"}, {**endpoint, "interval": "soon"}):
+        bad = {**monitor, "spec": {**monitor["spec"], "podMetricsEndpoints": [bad_endpoint]}}
+        assert list(crd_validators["PodMonitor"].iter_errors(bad)), bad_endpoint
 
 
 def test_crd_validation_is_strict_and_can_fail(rendered, crd_validators) -> None:
@@ -163,7 +182,9 @@ def test_grafana_dashboard_plots_real_metric_names(rendered) -> None:
     """Every series the dashboard queries is one msaserve exports (Ray prefixes `ray_`)."""
     from msaserve.platform.metrics import METRIC_NAMES
 
-    [config_map] = [d for d in rendered["all-features"] if d["kind"] == "ConfigMap"]
+    [config_map] = [
+        d for d in rendered["all-features"] if d["kind"] == "ConfigMap" and "msaserve.json" in d["data"]
+    ]
     dashboard = json.loads(config_map["data"]["msaserve.json"])
     exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
     used = {m.removesuffix("_bucket") for e in exprs for m in re.findall(r"ray_(msaserve_[a-z0-9_]+)", e)}

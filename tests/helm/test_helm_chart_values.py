@@ -11,7 +11,7 @@ from typing import Any
 import helm_python
 import pytest
 import yaml
-from helm_chart import load_values
+from helm_chart import load_values, with_site
 
 
 def _one(docs: list[dict[str, Any]], kind: str) -> dict[str, Any]:
@@ -28,12 +28,15 @@ def _all_containers(pod_spec: dict[str, Any]) -> list[dict[str, Any]]:
     return pod_spec.get("initContainers", []) + pod_spec["containers"]
 
 
-@pytest.mark.parametrize("values_name", ["default", "gpu", "minimal", "all-features"])
+@pytest.mark.parametrize("values_name", ["default", "gpu", "minimal", "all-features", "m3"])
 def test_security_and_resources_on_every_container(rendered, values_name: str) -> None:
+    cluster = _one(rendered[values_name], "RayService")["spec"]["rayClusterConfig"]
+    autoscaler = cluster["enableInTreeAutoscaling"]
     for name, group in _groups(rendered[values_name]).items():
         spec = group["template"]["spec"]
         assert spec["securityContext"]["runAsNonRoot"] is True, name
-        assert spec["automountServiceAccountToken"] is False, name
+        # Only the head runs a Kubernetes client: KubeRay's autoscaler sidecar, when it is on.
+        assert spec["automountServiceAccountToken"] is (name == "head" and autoscaler), name
         volumes = {v["name"]: v for v in spec["volumes"]}
         assert "emptyDir" in volumes["tmp"] and volumes["dshm"]["emptyDir"]["medium"] == "Memory", name
         for container in _all_containers(spec):
@@ -81,7 +84,7 @@ def test_gpu_group_from_values(rendered) -> None:
 
 def test_minimal_renders_only_what_it_needs(rendered) -> None:
     docs = rendered["minimal"]
-    assert sorted(d["kind"] for d in docs) == ["RayService", "Service", "ServiceAccount"]
+    assert sorted(d["kind"] for d in docs) == ["ConfigMap", "RayService", "ServiceAccount"]  # + drain script
     rayservice = _one(docs, "RayService")["spec"]
     assert [g["groupName"] for g in rayservice["rayClusterConfig"]["workerGroupSpecs"]] == ["cpu"]
     assert rayservice["rayClusterConfig"]["authOptions"] == {"mode": "disabled"}
@@ -122,19 +125,23 @@ def test_all_features_objects_are_wired_together(rendered) -> None:
         assert env["REPO_ID"]["value"] == "HuggingFaceTB/SmolLM2-135M-Instruct"
         assert env["TARGET"]["value"] == "/models/smollm2"
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
-        keys = {e["name"]: e for e in spec["containers"][0]["env"]}["MSASERVE_API_KEYS"]
-        assert keys["valueFrom"]["secretKeyRef"] == {"name": "msaserve-keys", "key": "keys"}
+    cpu_env = {e["name"]: e for e in groups["cpu"]["template"]["spec"]["containers"][0]["env"]}
+    keys = cpu_env["MSASERVE_API_KEYS"]
+    assert keys["valueFrom"]["secretKeyRef"] == {"name": "msaserve-keys", "key": "keys"}
     assert "initContainers" not in groups["kvcache"]["template"]["spec"]  # it never reads the model
-    dashboard_cm = _one(docs, "ConfigMap")
+    [dashboard_cm] = [d for d in docs if d["kind"] == "ConfigMap" and "msaserve.json" in d["data"]]
     assert dashboard_cm["metadata"]["namespace"] == "monitoring"
     assert dashboard_cm["metadata"]["labels"]["grafana_dashboard"] == "1"
 
 
-def test_default_secrets_are_generated(rendered) -> None:
-    secrets = {d["metadata"]["name"]: d for d in rendered["default"] if d["kind"] == "Secret"}
+def test_generated_secrets_only_when_asked(render) -> None:
+    """generate: true (Helm CLI) makes both Secrets; the default names existing ones and makes none."""
+    generated = {"existingSecret": "", "generate": True}
+    docs = render({"apiKeys": generated, "rayAuth": generated})
+    secrets = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Secret"}
     assert set(secrets) == {"demo-msaserve-api-keys", "demo-msaserve-ray-token"}
     assert set(secrets["demo-msaserve-ray-token"]["data"]) == {"auth_token"}
-    rayservice = _one(rendered["default"], "RayService")["spec"]
+    rayservice = _one(docs, "RayService")["spec"]
     assert rayservice["rayClusterConfig"]["authOptions"]["secretName"] == "demo-msaserve-ray-token"
 
 
@@ -192,6 +199,9 @@ SCHEMA_REFUSALS = [
     ({"serve": {"engine": {"max_num_seqs": 0}}}, "/serve/engine/max_num_seqs"),
     ({"serve": {"modle": {"spec": "tiny"}}}, "'modle' not allowed"),
     ({"serve": {"router": {"policy": "random"}}}, "/serve/router/policy"),
+    ({"kvcache": {"terminationGracePeriodSeconds": 30}}, "/kvcache/terminationGracePeriodSeconds"),
+    ({"gcsFaultTolerance": {"redisAdress": "r:6379"}}, "'redisAdress' not allowed"),
+    ({"networkPolicy": {"egress": {"to": {"cidr": "10.0.0.0/8"}}}}, "/networkPolicy/egress/to"),
 ]
 
 
@@ -229,24 +239,25 @@ TEMPLATE_REFUSALS = [
 @pytest.mark.parametrize(("values", "message"), TEMPLATE_REFUSALS)
 def test_templates_refuse_inconsistent_values(chart, values: dict[str, Any], message: str) -> None:
     with pytest.raises(helm_python.HelmRenderError) as refused:
-        chart.render(values=values, name="demo", namespace="ml", is_install=True)
+        chart.render(values=with_site(values), name="demo", namespace="ml", is_install=True)
     assert message in str(refused.value)
 
 
 def test_notes_say_how_to_reach_api_and_dashboard(chart) -> None:
-    notes = chart.render(values={}, name="demo", namespace="ml", is_install=True)[
+    notes = chart.render(values=with_site({}), name="demo", namespace="ml", is_install=True)[
         "msaserve/templates/NOTES.txt"
     ]
     assert "port-forward svc/demo-msaserve-api 8000:8000" in notes
-    assert "port-forward svc/demo-msaserve-dashboard 8265:8265" in notes
-    assert "secret demo-msaserve-ray-token -o jsonpath='{.data.auth_token}'" in notes
-    assert "secret demo-msaserve-api-keys" in notes
+    assert "port-forward svc/demo-msaserve-head-svc 8265:8265" in notes  # KubeRay's, follows the active head
+    assert "secret msaserve-ray-token -o jsonpath='{.data.auth_token}'" in notes
+    assert "secret msaserve-api-keys" in notes
+    assert "gcsFaultTolerance is off" in notes
 
 
 def test_names_fit_kubernetes_limits_for_the_longest_release_name(chart) -> None:
     """Helm allows 53-character release names; KubeRay appends a suffix to the RayService name."""
     release = "r" * 53
-    out = chart.render(values={}, name=release, namespace="ml", is_install=True)
+    out = chart.render(values=with_site({}), name=release, namespace="ml", is_install=True)
     docs = [
         d
         for path, text in out.items()
@@ -257,6 +268,7 @@ def test_names_fit_kubernetes_limits_for_the_longest_release_name(chart) -> None
     dns_label = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
     names = [d["metadata"]["name"] for d in docs]
     names.append(_one(docs, "RayService")["spec"]["serveService"]["metadata"]["name"])
+    names.append(_one(docs, "RayService")["metadata"]["name"] + "-head-svc")  # KubeRay's dashboard Service
     for name in names:
         assert len(name) <= 63 and dns_label.match(name), name
     assert len(_one(docs, "RayService")["metadata"]["name"]) <= 40

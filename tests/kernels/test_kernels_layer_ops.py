@@ -15,7 +15,11 @@ from test_kernels_layer_ops_cases import (
     interpreted_triton_ops,
 )
 
+from msaserve.kernels.layer_ops import get_layer_ops
+from msaserve.kernels.rotary import rotary_cos_sin
+
 TRITON = interpreted_triton_ops()
+NAIVE = get_layer_ops("cpu")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -33,6 +37,38 @@ def test_rotary_and_write_matches_spec(heads: int, rotate: bool, num_caches: int
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "dim", "rotary_dim", "num_caches"),
+                         [(4, 16, 8, 0), (3, 32, 16, 2), (1, 32, 8, 1), (2, 16, 16, 1), (2, 32, 6, 0)])
+def test_partial_rotary_and_write_matches_spec(heads: int, dim: int, rotary_dim: int, num_caches: int,
+                                               dtype: torch.dtype) -> None:
+    """M3's partial rotary: the first rotary_dim dims rotate, the rest pass through (main and index heads)."""
+    check_rotary_and_write(TRITON, 7, heads, dim, True, num_caches, dtype, "cpu", seed=dim + heads,
+                           rotary_dim=rotary_dim)
+
+
+def test_rotary_and_write_with_many_tokens() -> None:
+    """999 tokens of 128 dims, seed 2: the H200 test's draw, where the helper once gave tokens 0 and 256
+    one slot and the compiled kernel's write order decided the cache. The interpreter runs programs in
+    order, so here only the helper's distinct-slots assertion tells; it failed on that draw."""
+    check_rotary_and_write(TRITON, 999, 1, 128, True, 1, torch.float32, "cpu", seed=2, rotary_dim=64)
+
+
+def test_partial_rotary_spec_matches_transformers_m3() -> None:
+    """The spec against transformers' MiniMax-M3 `apply_rotary_pos_emb` (cos/sin rotary_dim wide)."""
+    m3 = pytest.importorskip("transformers.models.minimax_m3_vl.modeling_minimax_m3_vl")
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(5, 4, 32, generator=gen), torch.randn(5, 1, 32, generator=gen)
+    cos, sin = rotary_cos_sin(torch.tensor([0, 3, 17, 400, 9000]), 16, 5e6, torch.float32)
+    # transformers lays heads out [B, H, S, D] with cos, sin [B, S, R]
+    want_q, want_k = m3.apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             cos[None, :, 0], sin[None, :, 0])
+    got_q = NAIVE.rotary_and_write(q.clone(), cos, sin, True, rotary_dim=16)
+    got_k = NAIVE.rotary_and_write(k.clone(), cos, sin, True, rotary_dim=16)
+    assert torch.equal(got_q, want_q[0].transpose(0, 1)) and torch.equal(got_k, want_k[0].transpose(0, 1))
+    assert not torch.equal(got_q[..., :16], q[..., :16])  # and it did rotate
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rows", "cols"), [(4, 96), (1, 1500)])
 def test_silu_mul_matches_spec(rows: int, cols: int, dtype: torch.dtype) -> None:
     check_silu_mul(TRITON, rows, cols, dtype, "cpu")
@@ -46,5 +82,12 @@ def test_layer_ops_reject_bad_shapes() -> None:
     with pytest.raises(ValueError, match="slot_mapping"):
         TRITON.rotary_and_write(torch.randn(2, 1, 8), torch.ones(2, 1, 8), torch.ones(2, 1, 8), True,
                                 None, (torch.zeros(4, 8, 1, 8),))
+    for ops in (TRITON, NAIVE):
+        with pytest.raises(ValueError, match=r"rotary_dim=7 is invalid: allowed an even width"):
+            ops.rotary_and_write(torch.randn(2, 1, 8), torch.ones(2, 1, 8), torch.ones(2, 1, 8), True,
+                                 rotary_dim=7)
+        with pytest.raises(ValueError, match=r"rotary_dim=8 is invalid.*≤ the cos/sin width 4"):
+            ops.rotary_and_write(torch.randn(2, 1, 8), torch.ones(2, 1, 4), torch.ones(2, 1, 4), True,
+                                 rotary_dim=8)
     with pytest.raises(ValueError, match="gate_up"):
         TRITON.silu_mul(torch.randn(2, 7))

@@ -40,27 +40,37 @@ def check_add_rms_norm(ops: LayerOps, rows: int, cols: int, dtype: torch.dtype, 
 
 
 def check_rotary_and_write(ops: LayerOps, tokens: int, heads: int, dim: int, rotate: bool,
-                           num_caches: int, dtype: torch.dtype, device: str, seed: int = 0) -> None:
+                           num_caches: int, dtype: torch.dtype, device: str, seed: int = 0,
+                           rotary_dim: int | None = None) -> None:
     """The heads are a strided view of a wider projection output (as the fused GEMM gives them)
-    and the slots are scattered over the pages, including the last slot of a page."""
+    and the slots are scattered over the pages, including the last slot of a page. With rotary_dim,
+    cos and sin are that wide (partial rotary, as M3's) and the dims past it must pass unchanged."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     page_size, num_pages = 8, 2 * tokens // 8 + 3
     wide = torch.randn(tokens, (heads + 3) * dim, generator=gen).to(device=device, dtype=dtype)
     positions = torch.randint(0, 5000, (tokens,), generator=gen).to(device)
-    cos, sin = rotary_cos_sin(positions, dim, 10000.0, dtype)
-    slots = torch.randperm(num_pages * page_size, generator=gen)[:tokens]
-    slots[0] = page_size - 1
-    slots = slots.to(device=device, dtype=torch.int64)
+    cos, sin = rotary_cos_sin(positions, rotary_dim or dim, 10000.0, dtype)
+    perm = torch.randperm(num_pages * page_size, generator=gen)
+    # Token 0 takes a page's last slot, swapped with the token that held it: slots must stay distinct,
+    # or two tokens race for one slot (a plain `slots[0] = P - 1` collided at 999 tokens, seed 2).
+    last = int((perm == page_size - 1).nonzero()[0, 0])
+    perm[[0, last]] = perm[[last, 0]]
+    slots = perm[:tokens].to(device=device, dtype=torch.int64)
+    assert slots.unique().numel() == tokens, "slots must be distinct"
     cache_dtypes = [dtype, torch.float32][:num_caches]
     results = []
     for impl in (spec, ops):
         heads_view = wide.clone()[:, dim:dim + heads * dim].view(tokens, heads, dim)
         caches = tuple(torch.full((num_pages, page_size, heads, dim), POISON, device=device, dtype=d)
                        for d in cache_dtypes)
-        out = impl.rotary_and_write(heads_view, cos, sin, rotate, slots if caches else None, caches)
+        out = impl.rotary_and_write(heads_view, cos, sin, rotate, slots if caches else None, caches,
+                                    rotary_dim=rotary_dim)
         assert out.data_ptr() == heads_view.data_ptr(), "rotary_and_write works in place"
         results.append((heads_view, caches))
     (want, want_caches), (got, got_caches) = results
+    if rotary_dim is not None:  # the tail is the input's, bit for bit
+        tail = wide[:, dim:dim + heads * dim].view(tokens, heads, dim)[..., rotary_dim:]
+        assert torch.equal(got[..., rotary_dim:], tail) and torch.equal(want[..., rotary_dim:], tail)
     tol = _tolerance(dtype)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
     for got_cache, want_cache in zip(got_caches, want_caches, strict=True):

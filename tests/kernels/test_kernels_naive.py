@@ -1,4 +1,4 @@
-"""The MSA reference ops against DESIGN §2's definition and properties 1–4.
+"""The MSA reference ops against docs/design.md §2's definition and properties 1–4.
 
 The selection is also checked against a deliberately plain per-query loop written here, so the
 vectorised reference is not only checked against itself.
@@ -57,7 +57,7 @@ def select(case, top_k, n_init):
 
 
 def plain_selection(scores_row, t, page_size, top_k, n_init):
-    """DESIGN §2 selection for one (query, head), written as directly as possible."""
+    """docs/design.md §2 selection for one (query, head), written as directly as possible."""
     c = t // page_size
     if c < top_k:
         return list(range(c + 1))

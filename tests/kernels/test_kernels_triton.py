@@ -61,6 +61,19 @@ INDEXER_SHAPES = [
     Shape((40, 300, 129), page_size=64, num_kv_heads=3, group=1, head_dim=32, index_heads=1, top_k=3,
           n_init=0),
 ]
+# MSA in the M3 form: no init block, n_local forced blocks ending at the query's block, one index-K head.
+M3_SHAPES = [
+    Shape(_LENS_16, page_size=16, num_kv_heads=2, group=1, head_dim=32, index_heads=1, top_k=4, n_init=0),
+    Shape(_LENS_16, page_size=16, num_kv_heads=2, group=1, head_dim=32, index_heads=1, top_k=4, n_init=0,
+          n_local=2),
+    Shape((40, 300, 129), page_size=32, num_kv_heads=4, group=1, head_dim=32, index_heads=1, top_k=5,
+          n_init=1, n_local=3),
+]
+
+
+def _shape_id(shape: Shape) -> str:
+    return f"P{shape.page_size}-HkI{shape.index_heads}-init{shape.n_init}-local{shape.n_local}"
+
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -111,7 +124,7 @@ def test_indexer_decode_fp8_scans(dtype: torch.dtype, fp8_scan: str) -> None:
     the query's fp8 terms (three for fp32, two for bf16)."""
     ops = dataclasses.replace(TRITON, indexer_decode=functools.partial(_idec.indexer_decode,
                                                                        fp8_scan=fp8_scan))
-    for shape, seed in ((INDEXER_SHAPES[0], 5), (INDEXER_SHAPES[1], 6)):
+    for shape, seed in ((INDEXER_SHAPES[0], 5), (INDEXER_SHAPES[1], 6), (M3_SHAPES[1], 9)):
         for num_q in (1, 16):
             lens = tuple(max(n, num_q) for n in shape.seq_lens)
             check_indexer_decode(ops, NAIVE, dataclasses.replace(shape, seq_lens=lens), num_q, dtype, "cpu",
@@ -125,33 +138,41 @@ def test_indexer_decode_key_loads(fp8: bool, key_load: str) -> None:
     box per page (a [pages·P, HkI·DI] descriptor; both HkI = 1 and HkI = Hkv views)."""
     scan = functools.partial(_idec.indexer_decode, key_load=key_load)
     ops = dataclasses.replace(TRITON, indexer_decode=scan)
-    for shape, seed in ((INDEXER_SHAPES[0], 7), (INDEXER_SHAPES[1], 8)):
+    for shape, seed in ((INDEXER_SHAPES[0], 7), (INDEXER_SHAPES[1], 8), (M3_SHAPES[1], 10)):
         lens = tuple(max(n, 2) for n in shape.seq_lens)
         check_indexer_decode(ops, NAIVE, dataclasses.replace(shape, seq_lens=lens), 2, torch.float32, "cpu",
                              fp8=fp8, seed=seed)
 
 
 @pytest.mark.parametrize("num_q", [1, 16])
-@pytest.mark.parametrize("shape", INDEXER_SHAPES, ids=lambda s: f"P{s.page_size}-HkI{s.index_heads}")
+@pytest.mark.parametrize("shape", INDEXER_SHAPES + M3_SHAPES, ids=_shape_id)
 def test_indexer_decode_matches_naive(shape: Shape, num_q: int) -> None:
-    lens = tuple(max(n, num_q) for n in shape.seq_lens)
-    shape = Shape(lens, *[getattr(shape, f) for f in ("page_size", "num_kv_heads", "group", "head_dim",
-                                                      "index_heads", "top_k", "n_init")])
+    shape = dataclasses.replace(shape, seq_lens=tuple(max(n, num_q) for n in shape.seq_lens))
     check_indexer_decode(TRITON, NAIVE, shape, num_q, torch.float32, "cpu", seed=num_q)
 
 
-@pytest.mark.parametrize("shape", INDEXER_SHAPES, ids=lambda s: f"P{s.page_size}-HkI{s.index_heads}")
+@pytest.mark.parametrize("shape", INDEXER_SHAPES + M3_SHAPES, ids=_shape_id)
 def test_indexer_prefill_matches_naive(shape: Shape) -> None:
     check_indexer_prefill(TRITON, NAIVE, shape, torch.float32, "cpu", seed=3)
 
 
+@pytest.mark.parametrize("shape", [INDEXER_SHAPES[0], M3_SHAPES[1]], ids=_shape_id)
 @pytest.mark.parametrize("kind", ["decode", "prefill"])
-def test_indexers_with_fp8_index_keys(kind: str) -> None:
-    shape = INDEXER_SHAPES[0]
+def test_indexers_with_fp8_index_keys(kind: str, shape: Shape) -> None:
     if kind == "decode":
         check_indexer_decode(TRITON, NAIVE, shape, 2, torch.float32, "cpu", fp8=True, seed=5)
     else:
         check_indexer_prefill(TRITON, NAIVE, shape, torch.float32, "cpu", fp8=True, seed=5)
+
+
+@pytest.mark.parametrize("kind", ["decode", "prefill"])
+def test_indexers_m3_form_with_bf16_inputs(kind: str) -> None:
+    """bf16 queries and index keys (M3's dtype), n_init 0 and two local blocks."""
+    shape = M3_SHAPES[1]
+    if kind == "decode":
+        check_indexer_decode(TRITON, NAIVE, shape, 4, torch.bfloat16, "cpu", seed=12)
+    else:
+        check_indexer_prefill(TRITON, NAIVE, shape, torch.bfloat16, "cpu", seed=12)
 
 
 @pytest.mark.parametrize(("group", "num_q"), [(1, 1), (4, 1), (6, 1), (8, 1), (16, 1), (4, 16), (16, 16)])
@@ -252,3 +273,11 @@ def test_launchers_reject_bad_shapes() -> None:
         TRITON.indexer_decode(torch.randn(1, 1, 2, 32), index_cache[:, :, :1],
                               torch.zeros(1, 4, dtype=torch.int32), torch.tensor([40], dtype=torch.int32), 4,
                               fp8_scan="fast")
+
+
+def test_sparse_ops_take_m3_form_selections() -> None:
+    """The sparse kernels read whatever the indexer chose: M3's selections (no init block, two local
+    blocks) as well; nothing in them assumes block 0 is present."""
+    shape = dataclasses.replace(M3_SHAPES[1], group=4)
+    check_sparse_prefill(TRITON, NAIVE, shape, torch.float32, "cpu", seed=13)
+    check_sparse_decode(TRITON, NAIVE, shape, 2, torch.float32, "cpu", seed=13)

@@ -3,7 +3,7 @@
 
 Every check draws fresh random inputs with scattered physical pages, poisons freshly allocated
 memory (torch fills uninitialised tensors with NaN / max-int in deterministic mode), and compares:
-selections as sets up to near-ties (DESIGN §2 property 4), attention outputs given the same
+selections as sets up to near-ties (docs/design.md §2 property 4), attention outputs given the same
 selection, with the selection slots shuffled (property 3).
 """
 
@@ -27,6 +27,7 @@ class Shape:
     index_heads: int  # HkI: 1 or num_kv_heads
     top_k: int
     n_init: int = 1
+    n_local: int = 1  # forced blocks ending at the query's block (M3: index_local_blocks, with n_init 0)
 
 
 @dataclass(frozen=True)
@@ -92,8 +93,8 @@ def check_indexer_decode(ops: Ops, ref: Ops, shape: Shape, num_q: int, dtype: to
     args = (inputs.index_cache, inputs.block_tables, inputs.seq_lens, shape.top_k, shape.n_init,
             inputs.index_scale)
     with poisoned_allocations():
-        got = ops.indexer_decode(q_index, *args)
-    want = ref.indexer_decode(q_index, *args)
+        got = ops.indexer_decode(q_index, *args, n_local=shape.n_local)
+    want = ref.indexer_decode(q_index, *args, n_local=shape.n_local)
     flat_q = q_index.reshape(batch * num_q, *q_index.shape[2:])
     _check_selection(got, want, flat_q, inputs, _decode_cu(batch, num_q, device), shape, "indexer_decode")
 
@@ -115,8 +116,8 @@ def check_indexer_prefill(ops: Ops, ref: Ops, shape: Shape, dtype: torch.dtype, 
     args = (inputs.index_cache, inputs.block_tables, inputs.seq_lens, cu, shape.top_k, shape.n_init,
             inputs.index_scale)
     with poisoned_allocations():
-        got = ops.indexer_prefill(q_index, *args)
-    want = ref.indexer_prefill(q_index, *args)
+        got = ops.indexer_prefill(q_index, *args, n_local=shape.n_local)
+    want = ref.indexer_prefill(q_index, *args, n_local=shape.n_local)
     _check_selection(got, want, q_index, inputs, cu, shape, "indexer_prefill")
 
 
@@ -132,7 +133,7 @@ def check_sparse_decode(ops: Ops, ref: Ops, shape: Shape, num_q: int, dtype: tor
     q = torch.randn(batch, num_q, num_heads, shape.head_dim, generator=gen).to(device, dtype)
     q_index = q.view(batch, num_q, shape.num_kv_heads, shape.group, shape.head_dim).mean(3)
     selected = ref.indexer_decode(q_index, inputs.index_cache, inputs.block_tables, inputs.seq_lens,
-                                  shape.top_k, shape.n_init)
+                                  shape.top_k, shape.n_init, n_local=shape.n_local)
     args = (inputs.k_cache, inputs.v_cache, inputs.block_tables, inputs.seq_lens)
     with poisoned_allocations():
         got = ops.sparse_decode(q, *args, _shuffle_slots(selected, seed))
@@ -168,7 +169,7 @@ def check_sparse_prefill(ops: Ops, ref: Ops, shape: Shape, dtype: torch.dtype, d
     q = torch.randn(sum(chunks), num_heads, shape.head_dim, generator=gen).to(device, dtype)
     q_index = q.view(-1, shape.num_kv_heads, shape.group, shape.head_dim).mean(2)
     selected = ref.indexer_prefill(q_index, inputs.index_cache, inputs.block_tables, inputs.seq_lens, cu,
-                                   shape.top_k, shape.n_init)
+                                   shape.top_k, shape.n_init, n_local=shape.n_local)
     args = (inputs.k_cache, inputs.v_cache, inputs.block_tables, inputs.seq_lens, cu)
     if empty_slots:
         selected = _drop_slots(selected, seed)

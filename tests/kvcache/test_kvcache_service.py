@@ -3,12 +3,14 @@
 import itertools
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
 import ray
 import torch
 import xxhash
+from reference_decode import SequenceState, generate, step_metadata
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.kv import adoption
@@ -26,7 +28,6 @@ from msaserve.kvcache.keys import IncompatibleModel, ModelIdentity, index_key, k
 from msaserve.kvcache.page_hash import page_hashes
 from msaserve.kvcache.session_records import SessionNotFound, SessionRecord
 from msaserve.models.presets import get_preset
-from msaserve.models.reference_decode import SequenceState, generate, step_metadata
 from msaserve.models.transformer import MSATransformer, init_random_weights
 
 MODEL = ModelIdentity("tiny@test", num_layers=2, page_size=4, num_kv_heads=2, head_dim=8,
@@ -36,8 +37,11 @@ _names = itertools.count()
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    # Workers import the test helpers (reference_decode) from tests/, as the driver does.
+    tests_dir = str(Path(__file__).resolve().parents[1])
     ray.init(address="local", num_cpus=2, include_dashboard=False, configure_logging=False,
-             _node_ip_address="127.0.0.1", namespace="msaserve-kvcache-test")
+             _node_ip_address="127.0.0.1", namespace="msaserve-kvcache-test",
+             runtime_env={"env_vars": {"PYTHONPATH": tests_dir}})
     yield
     ray.shutdown()
 

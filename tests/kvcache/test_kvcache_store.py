@@ -151,3 +151,33 @@ def test_restart_keeps_lru_order_from_file_times(tmp_path):
     second = PageStore(memory_bytes=PAGE, disk_path=tmp_path, disk_bytes=3 * PAGE)
     second.put("d", payload(4))
     assert "b" not in second.disk and second.get("a") is not None
+
+
+def test_a_new_tier_kind_is_one_class(tmp_path):
+    """A third kind of tier joins the chain by registering one class: pages flow memory → the new
+    tier → disk as each fills, every hit is counted for its tier, and a hit below memory comes
+    back up."""
+    from msaserve.kvcache.tiers import TIER_KINDS, MemoryTier, make_tier, register_tier
+
+    @register_tier
+    class SlowMemoryTier(MemoryTier):
+        kind = "slow_memory"
+
+    try:
+        tiers = [make_tier("memory", capacity_bytes=2 * PAGE),
+                 make_tier("slow_memory", capacity_bytes=2 * PAGE),
+                 make_tier("disk", path=tmp_path, capacity_bytes=10 * PAGE)]
+        store = PageStore(tiers=tiers, write_through=False)
+        for i in range(6):
+            store.put(f"p{i}", payload(i))
+        assert [len(t) for t in store.tiers] == [2, 2, 2]
+        assert store.stats.evictions_to_slow_memory == 4 and store.stats.evictions_to_disk == 2
+        assert "p0" in store.tiers[2] and "p2" in store.tiers[1] and "p5" in store.tiers[0]
+        assert np.array_equal(store.get("p0"), payload(0)) and np.array_equal(store.get("p3"), payload(3))
+        assert store.stats.hits_disk == 1 and store.stats.hits_slow_memory == 1
+        assert "p0" in store.tiers[0] and "p3" in store.tiers[0]  # promoted
+        allowed = r"tier kind='tape' is invalid: allowed disk, memory, slow_memory"
+        with pytest.raises(ValueError, match=allowed):
+            make_tier("tape")
+    finally:
+        TIER_KINDS.pop("slow_memory")

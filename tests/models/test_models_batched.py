@@ -2,11 +2,11 @@
 
 import pytest
 import torch
+from reference_decode import SequenceState
 
 from msaserve.models.cache import allocate_caches
 from msaserve.models.metadata import AttentionMetadata
 from msaserve.models.presets import get_preset
-from msaserve.models.reference_decode import SequenceState
 from msaserve.models.transformer import MSATransformer, init_random_weights
 
 P = 16  # tiny's page size

@@ -1,9 +1,9 @@
 """`msaserve generate` end to end on the tiny preset, and its argument errors."""
 
 import pytest
+from reference_decode import generate
 
 from msaserve.models.loader import load_model
-from msaserve.models.reference_decode import generate
 from msaserve.platform.cli import main
 
 

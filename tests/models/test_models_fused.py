@@ -10,11 +10,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
+from reference_decode import SequenceState, step_metadata
 from test_kernels_layer_ops_cases import interpreted_triton_ops
 
 from msaserve.kernels.layer_ops import LayerOps, get_layer_ops
 from msaserve.models.loader import load_model
-from msaserve.models.reference_decode import SequenceState, step_metadata
 
 PROMPT = list(range(3, 90))  # 87 tokens: past K·P = 64, so MSA selects
 

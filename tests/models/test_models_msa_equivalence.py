@@ -1,12 +1,12 @@
-"""Model-level MSA properties on the tiny preset (DESIGN §2): MSA = dense when T ≤ K·P, and any
+"""Model-level MSA properties on the tiny preset (docs/design.md §2): MSA = dense when T ≤ K·P, and any
 split into prefill chunks and decode steps gives the same result."""
 
 import pytest
 import torch
+from reference_decode import SequenceState, generate, step_metadata
 
 from msaserve.models.cache import allocate_caches
 from msaserve.models.presets import get_preset
-from msaserve.models.reference_decode import SequenceState, generate, step_metadata
 from msaserve.models.transformer import MSATransformer, init_random_weights
 
 # fp32 throughout; differences come only from summation order.

@@ -4,10 +4,10 @@ import json
 
 import pytest
 import torch
+from reference_decode import generate
 
 from msaserve.models.loader import load_model
 from msaserve.models.presets import get_preset
-from msaserve.models.reference_decode import generate
 from msaserve.models.safetensors_loader import INDEX_FILE, load_safetensors, save_safetensors
 from msaserve.models.transformer import MSATransformer, init_random_weights
 

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from reference_decode import generate
 
 from msaserve.models import gguf_loader
 from msaserve.models.gguf_loader import ModelFileMissing, load_gguf, smollm2_gguf_path
-from msaserve.models.reference_decode import generate
 from msaserve.platform.cli import main as cli_main
 
 pytestmark = pytest.mark.slow

@@ -36,7 +36,7 @@ class SessionScript:
 
 def reference_engine(config: ServeConfig) -> tuple[LLMEngine, object]:
     """The replicas' model and tokenizer in this process, with room for a large batch (greedy
-    tokens do not depend on batch composition: DESIGN §2, property 2)."""
+    tokens do not depend on batch composition: docs/design.md §2, property 2)."""
     engine_config = dataclasses.replace(
         engine_config_from(config), max_num_seqs=64, max_waiting=1 << 20, num_pages=4096
     )

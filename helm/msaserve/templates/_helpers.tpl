@@ -33,8 +33,25 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end -}}
 
+{{/*
+Labels of the Ray pod templates: no chart version or appVersion. The pod templates are part of
+rayClusterConfig, and KubeRay replaces the whole cluster (blue/green, twice the GPUs) whenever that
+changes; a chart bump alone must not.
+*/}}
+{{- define "msaserve.podLabels" -}}
+{{ include "msaserve.selectorLabels" . }}
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The image, pinned by values alone (never by .Chart.AppVersion, see podLabels). */}}
 {{- define "msaserve.image" -}}
-{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- if .Values.image.digest -}}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" .Values.image.repository .Values.image.tag -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "msaserve.serviceAccountName" -}}
@@ -57,8 +74,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s-api" (include "msaserve.fullname" .) -}}
 {{- end -}}
 
-{{- define "msaserve.dashboardServiceName" -}}
-{{- printf "%s-dashboard" (include "msaserve.fullname" .) -}}
+{{/* KubeRay's head Service of the RayService: it follows the active cluster's head. */}}
+{{- define "msaserve.headServiceName" -}}
+{{- printf "%s-head-svc" (include "msaserve.fullname" .) -}}
+{{- end -}}
+
+{{/* Seconds the preStop drain may take: the grace period less the time `ray stop` needs after it. */}}
+{{- define "msaserve.drainBudget" -}}
+{{- sub (int .terminationGracePeriodSeconds) 60 -}}
 {{- end -}}
 
 {{- define "msaserve.kvcacheClaimName" -}}
@@ -85,7 +108,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   protocol: TCP
 {{- end -}}
 
-{{/* Environment of every Ray container. Ray reads HOME for caches: /tmp keeps the root fs read-only. */}}
+{{/*
+Environment of every Ray container. Ray reads HOME for caches: /tmp keeps the root fs read-only.
+ctx: dict "root" $ "apiKeys" <bool>; the API keys go only to the group the gateway is pinned to.
+*/}}
 {{- define "msaserve.env" -}}
 - name: HOME
   value: /tmp
@@ -97,12 +123,12 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   value: /tmp/.cache/huggingface
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
-{{- if .Values.apiKeys.enabled }}
+{{- if and .apiKeys .root.Values.apiKeys.enabled }}
 - name: MSASERVE_API_KEYS
   valueFrom:
     secretKeyRef:
-      name: {{ include "msaserve.apiKeysSecretName" . }}
-      key: {{ .Values.apiKeys.secretKey }}
+      name: {{ include "msaserve.apiKeysSecretName" .root }}
+      key: {{ .root.Values.apiKeys.secretKey }}
 {{- end }}
 {{- end -}}
 
@@ -115,6 +141,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   emptyDir:
     medium: Memory
     sizeLimit: {{ .group.shmSize }}
+{{- if .drain }}
+- name: drain
+  configMap:
+    name: {{ include "msaserve.fullname" .root }}-drain
+{{- end }}
 {{- end -}}
 
 {{- define "msaserve.baseVolumeMounts" -}}
@@ -122,6 +153,21 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
   mountPath: /tmp
 - name: dshm
   mountPath: /dev/shm
+{{- if .drain }}
+- name: drain
+  mountPath: /etc/msaserve/drain
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/*
+preStop of a worker: drain the Ray node (files/drain.py), so that Serve moves the replicas and lets
+running requests finish before Kubernetes sends SIGTERM. ctx: the group's values.
+*/}}
+{{- define "msaserve.drainLifecycle" -}}
+preStop:
+  exec:
+    command: ["python", "/etc/msaserve/drain/drain.py", "--budget-seconds", "{{ include "msaserve.drainBudget" . }}"]
 {{- end -}}
 
 {{/* The model volume (absent when the model is inside the image). */}}
@@ -200,10 +246,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end -}}
 
-{{/* Scheduling and security fields of a pod spec; ctx: dict "root" $ "group" <group values>. */}}
+{{/*
+Scheduling and security fields of a pod spec; ctx: dict "root" $ "group" <group values>
+"apiToken" <bool>. Only the head with the autoscaler gets a Kubernetes API token: KubeRay's
+autoscaler sidecar patches the RayCluster with it (KubeRay binds its Role to this ServiceAccount).
+*/}}
 {{- define "msaserve.podScheduling" -}}
 serviceAccountName: {{ include "msaserve.serviceAccountName" .root }}
-automountServiceAccountToken: false
+automountServiceAccountToken: {{ if .apiToken }}true{{ else }}false{{ end }}
 securityContext:
   {{- toYaml .root.Values.podSecurityContext | nindent 2 }}
 {{- with .root.Values.imagePullSecrets }}

@@ -14,4 +14,11 @@ applications:
     import_path: msaserve.platform.app:app_builder
     {{- /* JSON (valid YAML) keeps large integers exact; toYaml would print 1.5e+11. */}}
     args: {{ toJson .Values.serve }}
+    {{- /* A replica that is stopped (node drain, scale-down, upgrade) finishes its running requests
+    first: Serve's default of 20 s would cut a million-token request that may run request_timeout_s. */}}
+    deployments:
+      {{- range list "Gateway" "Model" }}
+      - name: {{ . }}
+        graceful_shutdown_timeout_s: {{ dig "request_timeout_s" 600.0 $http | float64 }}
+      {{- end }}
 {{- end -}}

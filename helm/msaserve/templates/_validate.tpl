@@ -70,4 +70,92 @@ same rules to a ServeConfig in `msaserve deploy-config`.
 {{- if and (eq .Values.upgradeStrategy.type "NewClusterWithIncrementalUpgrade") (not .Values.upgradeStrategy.incremental.gatewayClassName) -}}
 {{- fail "upgradeStrategy.type NewClusterWithIncrementalUpgrade routes traffic through a Gateway: set upgradeStrategy.incremental.gatewayClassName (Gateway API must be installed)" -}}
 {{- end -}}
+{{- include "msaserve.validateDay2" . -}}
+{{- include "msaserve.validateSite" . -}}
+{{- end -}}
+
+{{/* Drains, placement and QoS: what keeps upgrades, node drains and memory pressure from cutting sessions. */}}
+{{- define "msaserve.validateDay2" -}}
+{{- $serve := .Values.serve -}}
+{{- $timeout := dig "http" "request_timeout_s" 600.0 $serve | float64 -}}
+{{- range $name := list "cpuWorkers" "gpuWorkers" -}}
+{{- $g := index $.Values $name -}}
+{{- $budget := include "msaserve.drainBudget" $g | float64 -}}
+{{- if lt $budget $timeout -}}
+{{- fail (printf "%s.terminationGracePeriodSeconds=%v leaves the preStop drain %v s (60 s go to ray stop) but serve.http.request_timeout_s is %v: running requests would be cut; set it to at least %v" $name $g.terminationGracePeriodSeconds $budget $timeout (add 60 (ceil $timeout | int))) -}}
+{{- end -}}
+{{- end -}}
+{{- if lt (float64 .Values.upgradeStrategy.oldClusterDeletionDelaySeconds) $timeout -}}
+{{- fail (printf "upgradeStrategy.oldClusterDeletionDelaySeconds=%v is less than serve.http.request_timeout_s=%v: KubeRay would delete the old cluster while its requests still run; set it to at least %v" .Values.upgradeStrategy.oldClusterDeletionDelaySeconds $timeout (ceil $timeout | int)) -}}
+{{- end -}}
+{{- $egress := .Values.networkPolicy.egress -}}
+{{- if and .Values.networkPolicy.enabled $egress.enabled (not $egress.to) (or .Values.autoscaler.enabled .Values.gcsFaultTolerance.enabled (eq .Values.model.source "download")) -}}
+{{- fail "networkPolicy.egress.enabled with an empty networkPolicy.egress.to: the autoscaler sidecar (Kubernetes API), the GCS's Redis or the model download could not reach their destination; list them in networkPolicy.egress.to" -}}
+{{- end -}}
+{{- if and .Values.gcsFaultTolerance.enabled (not .Values.gcsFaultTolerance.redisAddress) -}}
+{{- fail "gcsFaultTolerance.enabled is true: set gcsFaultTolerance.redisAddress (host:port of the external Redis that keeps the GCS tables)" -}}
+{{- end -}}
+{{- if and .Values.podDisruptionBudget.enabled (eq (toString .Values.podDisruptionBudget.head.maxUnavailable) "0") -}}
+{{- fail "podDisruptionBudget.head.maxUnavailable is 0: the head pod could never be evicted and every `kubectl drain` of its node would hang; set it to 1 and turn on gcsFaultTolerance so that a head restart keeps the replicas" -}}
+{{- end -}}
+{{- $groups := list (list "kvcache" .Values.kvcache.enabled) (list "gpuWorkers" .Values.gpuWorkers.enabled) -}}
+{{- range $groups -}}
+{{- $name := index . 0 -}}
+{{- $g := index $.Values $name -}}
+{{- if and (index . 1) (not (hasKey ($g.rayStartParams | default dict) "num-cpus")) -}}
+{{- fail (printf "%s.rayStartParams has no num-cpus: Ray would advertise the pod's CPU limit and place gateway, preprocess and task work on it; set %s.rayStartParams.num-cpus" $name $name) -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.gpuWorkers.enabled -}}
+{{- $g := .Values.gpuWorkers -}}
+{{- $opts := dig "deployments" "model" "ray_actor_options" dict $serve -}}
+{{- $perPod := divf (float64 $g.gpusPerPod) (dig "num_gpus" 1.0 $opts | float64) | floor -}}
+{{- $needed := mulf $perPod (dig "num_cpus" 1.0 $opts | float64) -}}
+{{- if lt (float64 (index $g.rayStartParams "num-cpus")) $needed -}}
+{{- fail (printf "gpuWorkers.rayStartParams.num-cpus=%v but the %v model replicas of a GPU pod ask for %v CPUs (serve.deployments.model.ray_actor_options.num_cpus): they could not all start; raise num-cpus" (index $g.rayStartParams "num-cpus") $perPod $needed) -}}
+{{- end -}}
+{{- $pods := list (list "gpuWorkers.resources" $g.resources) -}}
+{{- if eq .Values.model.source "download" -}}
+{{- $pods = append $pods (list "model.download.resources" .Values.model.download.resources) -}}
+{{- end -}}
+{{- range $pods -}}
+{{- $where := index . 0 -}}
+{{- $r := index . 1 -}}
+{{- range $kind := list "cpu" "memory" -}}
+{{- if ne (toString (index $r.requests $kind)) (toString (index $r.limits $kind)) -}}
+{{- fail (printf "%s: requests.%s=%v differs from limits.%s=%v; GPU pods must be Guaranteed (requests = limits for every container) or the kubelet evicts them first under memory pressure; make them equal" $where $kind (index $r.requests $kind) $kind (index $r.limits $kind)) -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{/* What only the site can give: the image and the Secrets (last, so the checks above speak first). */}}
+{{- define "msaserve.validateSite" -}}
+{{- if or (not .Values.image.repository) (and (not .Values.image.tag) (not .Values.image.digest)) -}}
+{{- fail (printf "image.repository=%q image.tag=%q: msaserve publishes no image. Build the repository's Dockerfile, push it to a registry your nodes pull from (docker build -t REGISTRY/msaserve:0.1.0 . && docker push REGISTRY/msaserve:0.1.0) and set image.repository and image.tag (or image.digest)" .Values.image.repository .Values.image.tag) -}}
+{{- end -}}
+{{- $k := .Values.apiKeys -}}
+{{- if and $k.enabled (not $k.existingSecret) (not $k.keys) (not $k.generate) -}}
+{{- fail "apiKeys.enabled is true but no keys are given: set apiKeys.existingSecret to a Secret with the keys under apiKeys.secretKey (kubectl create secret generic, or an ExternalSecret), or apiKeys.keys, or apiKeys.generate: true (Helm CLI only: a GitOps tool would change the key on every sync)" -}}
+{{- end -}}
+{{- if and $k.enabled (not $k.existingSecret) $k.keys $k.generate -}}
+{{- fail "apiKeys.keys and apiKeys.generate are both set: keep one" -}}
+{{- end -}}
+{{- $a := .Values.rayAuth -}}
+{{- if and (eq $a.mode "token") (not $a.existingSecret) (not $a.generate) -}}
+{{- fail "rayAuth.mode is token but no token is given: set rayAuth.existingSecret to a Secret with key auth_token (kubectl create secret generic NAME --from-literal=auth_token=$(openssl rand -hex 32), or an ExternalSecret), or rayAuth.generate: true (Helm CLI only)" -}}
+{{- end -}}
+{{- if $k.enabled -}}
+{{- $pinned := dig "deployments" "gateway" "ray_actor_options" "resources" dict .Values.serve -}}
+{{- $cpuOnly := list -}}
+{{- range $r, $_ := .Values.cpuWorkers.rayResources -}}
+{{- if and (hasKey $pinned $r) (not (hasKey ($.Values.gpuWorkers.rayResources | default dict) $r)) (not (hasKey ($.Values.kvcache.rayResources | default dict) $r)) -}}
+{{- $cpuOnly = append $cpuOnly $r -}}
+{{- end -}}
+{{- end -}}
+{{- if not $cpuOnly -}}
+{{- fail (printf "apiKeys.enabled is true but serve.deployments.gateway.ray_actor_options.resources (%v) names none of the CPU group's own rayResources (%v): the gateway could start on a pod without MSASERVE_API_KEYS (only the CPU group's pods hold it); set serve.deployments.gateway.ray_actor_options.resources: {msaserve_cpu_group: 1}" $pinned .Values.cpuWorkers.rayResources) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}

@@ -1,6 +1,7 @@
 {{/*
 One entry of workerGroupSpecs. ctx: dict "root" $ "group" <group values> "groupName" <name>
-"component" <label> "gpus" <int, 0 for CPU groups> "volumes" <yaml> "mounts" <yaml> "model" <bool>.
+"component" <label> "gpus" <int, 0 for CPU groups> "volumes" <yaml> "mounts" <yaml> "model" <bool>
+"apiKeys" <bool: the gateway runs here, so the pods get MSASERVE_API_KEYS>.
 */}}
 {{- define "msaserve.workerGroup" -}}
 {{- $root := .root -}}
@@ -18,7 +19,7 @@ One entry of workerGroupSpecs. ctx: dict "root" $ "group" <group values> "groupN
   template:
     metadata:
       labels:
-        {{- include "msaserve.labels" $root | nindent 8 }}
+        {{- include "msaserve.podLabels" $root | nindent 8 }}
         app.kubernetes.io/component: {{ .component }}
       {{- with $g.podAnnotations }}
       annotations:
@@ -26,6 +27,7 @@ One entry of workerGroupSpecs. ctx: dict "root" $ "group" <group values> "groupN
       {{- end }}
     spec:
       {{- include "msaserve.podScheduling" . | nindent 6 }}
+      terminationGracePeriodSeconds: {{ $g.terminationGracePeriodSeconds }}
       {{- if .model }}
       {{- with include "msaserve.modelInitContainers" $root | trim }}
       initContainers:
@@ -40,7 +42,7 @@ One entry of workerGroupSpecs. ctx: dict "root" $ "group" <group values> "groupN
           ports:
             {{- include "msaserve.workerPorts" $root | nindent 12 }}
           env:
-            {{- include "msaserve.env" $root | nindent 12 }}
+            {{- include "msaserve.env" (dict "root" $root "apiKeys" .apiKeys) | nindent 12 }}
             {{- with $g.env }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
@@ -55,10 +57,12 @@ One entry of workerGroupSpecs. ctx: dict "root" $ "group" <group values> "groupN
               {{- if .gpus }}
               nvidia.com/gpu: {{ .gpus }}
               {{- end }}
+          lifecycle:
+            {{- include "msaserve.drainLifecycle" $g | nindent 12 }}
           securityContext:
             {{- toYaml $root.Values.containerSecurityContext | nindent 12 }}
           volumeMounts:
-            {{- include "msaserve.baseVolumeMounts" $root | nindent 12 }}
+            {{- include "msaserve.baseVolumeMounts" (dict "drain" true) | nindent 12 }}
             {{- if .model }}
             {{- with include "msaserve.modelVolumeMount" $root | trim }}
             {{- . | nindent 12 }}
@@ -68,7 +72,7 @@ One entry of workerGroupSpecs. ctx: dict "root" $ "group" <group values> "groupN
             {{- . | nindent 12 }}
             {{- end }}
       volumes:
-        {{- include "msaserve.baseVolumes" . | nindent 8 }}
+        {{- include "msaserve.baseVolumes" (dict "root" $root "group" $g "drain" true) | nindent 8 }}
         {{- if .model }}
         {{- with include "msaserve.modelVolume" $root | trim }}
         {{- . | nindent 8 }}

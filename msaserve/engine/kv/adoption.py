@@ -9,7 +9,8 @@
    resident before they are (a lazy import later would overwrite them).
 2. Each step, the wrapped indexer ops (`wrap_ops`) learn which pages layer l selected and fetch
    the K+V of those not yet resident, for layer l only, before attention reads them. The
-   selection always contains the local page and the init pages (DESIGN §2), so these come too.
+   selection always contains the `n_local` pages ending at the query's page and, when `n_init > 0`,
+   the init pages (docs/design.md §2), so these come too.
 3. `prefetch` keeps a bounded number of background reads in flight for the rest, and `poll`
    imports the ones that arrived, so lazily fetched steps become rare and then stop.
 

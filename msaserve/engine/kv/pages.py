@@ -1,6 +1,6 @@
 """Page contents ↔ payloads, between a replica's layer caches and the service.
 
-Two payload kinds, chosen by the adoption access pattern (DESIGN §4):
+Two payload kinds, chosen by the adoption access pattern (docs/design.md §4):
 - **K+V of one page in one layer** (`[2, P, Hkv, D]` bytes): a decode step learns which pages it
   needs one layer at a time (layer l's selection depends on layer l's input), and the selections
   differ per layer, so fetching per (page, layer) moves exactly the selected bytes. With the M3

@@ -1,6 +1,6 @@
 """The service as a second-level prefix cache: pages evicted on one replica, found by another.
 
-For the engine's block manager (DESIGN §3, prefix caching):
+For the engine's block manager (docs/design.md §3, prefix caching):
 - on eviction of a cached page (before it is reused): `store(hashes, caches, pages)` uploads the
   page unless the service already holds it (content-addressed: each prefix is stored once);
 - on admission, after the local prefix-cache lookup matched `k` pages: `held_prefix(hashes[k:])`

@@ -1,4 +1,4 @@
-"""The KV cache service as the engine's second-level prefix cache (DESIGN §3).
+"""The KV cache service as the engine's second-level prefix cache (docs/design.md §3).
 
 - Evicted prefix-cache pages go to the service (content-addressed: a prefix is stored once,
   whichever replica evicted it), and so do the pages of persisted sessions (same chained hashes).

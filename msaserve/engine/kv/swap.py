@@ -1,7 +1,7 @@
 """Preemption by swapping: a preempted sequence's pages go to a page store and come back later,
 so resuming costs a copy instead of recomputing the prefill.
 
-`SwapStore` is the seam to the KV cache service (DESIGN §4, kvcache/): the engine only needs
+`SwapStore` is the seam to the KV cache service (docs/design.md §4, kvcache/): the engine only needs
 put/pop/delete of a sequence's page contents. `HostSwapStore` keeps them in (pinned) host memory.
 """
 

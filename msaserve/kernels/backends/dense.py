@@ -1,6 +1,8 @@
-"""`dense`: dense causal attention, the baseline. On CUDA the decode rows run the paged
-flash-decoding kernel (graph-capturable, `dense/gpu.py`); elsewhere SDPA. The index branch is
-skipped (`sparse=False`), so the MSA ops are never called; they are the reference ones."""
+"""`dense`: dense causal attention, the baseline. On CUDA every prefill and decode call runs the
+fastest dense kernel measured for its shape and mask kind (`dense/gpu.py`, `dense/select.py`: SDPA's
+backends, FlexAttention, flash-attn-4 when installed, the paged flash-decoding kernel; a captured
+decode step is always the paged kernel); elsewhere SDPA. The index branch is skipped
+(`sparse=False`), so the MSA ops are never called; they are the reference ones."""
 
 import torch
 

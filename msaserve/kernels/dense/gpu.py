@@ -1,19 +1,55 @@
 """The dense backend's attention ops on CUDA (the baseline every serving benchmark compares with).
 
-Decode steps run the paged flash-decoding kernel (`paged_decode.py`), straight from the paged cache
-and inside CUDA graphs. Prefill steps run SDPA per sequence (`sdpa.py`, flash kernels); the
-sequences of such a step that decode one token alongside the prefill chunks (continuous batching
-mixes them) go to the paged kernel too, instead of gathering their whole history for SDPA.
+Each op runs the fastest dense kernel measured for its shape (`select.py`, once per shape key):
+- prefill: per sequence, the pages are gathered into a contiguous K/V and the fastest of SDPA's
+  cuDNN / flash / efficient backends, FlexAttention and flash-attn-4 (when installed) runs on it,
+  for its mask kind (whole-prompt causal, or a chunk at the end of a longer KV);
+- decode: the paged flash-decoding kernel (`paged_decode.py`, straight from the paged cache)
+  against gathering the pages and running the fastest contiguous kernel. Inside CUDA-graph capture
+  only the paged kernel runs (the gather path synchronises with the host), so a captured decode
+  step is the paged kernel whatever was measured eagerly.
+The sequences of a prefill step that decode one token alongside the prefill chunks (continuous
+batching mixes them) go to the decode op, instead of gathering their whole history per sequence.
 """
 
 import itertools
+import math
 
 import torch
 
-from msaserve.kernels.dense import sdpa
-from msaserve.kernels.dense.paged_decode import dense_decode
+from msaserve.kernels.dense import paged_decode, sdpa
+from msaserve.kernels.dense.select import ShapeKey, bucket, default_selector, device_name
 
 __all__ = ["dense_decode", "dense_prefill"]
+
+PAGED = "paged_triton"
+GATHER = "gather_contiguous"
+
+
+def dense_decode(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """q: [B, Q, Hq, D]; caches [num_pages, P, Hkv, D] → o [B, Q, Hq, D] (query i of a sequence
+    sees the keys up to its own position)."""
+    if q.is_cuda and torch.cuda.is_current_stream_capturing():
+        return paged_decode.dense_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale)
+    selector = default_selector()
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    batch, num_q, num_q_heads, head_dim = q.shape
+    key = ShapeKey("paged_decode", batch, num_q_heads, k_cache.shape[2], bucket(num_q),
+                   bucket(block_tables.shape[1] * k_cache.shape[1]), head_dim,
+                   str(q.dtype).removeprefix("torch."), device_name(q.device))
+    runs = {
+        PAGED: lambda: paged_decode.dense_decode(q, k_cache, v_cache, block_tables, seq_lens, scale),
+        GATHER: lambda: sdpa.dense_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
+                                          attend=selector.attention),
+    }
+    return runs[selector.choose_among(key, runs, fallback=PAGED).winner]()
 
 
 def dense_prefill(
@@ -26,11 +62,13 @@ def dense_prefill(
     softmax_scale: float | None = None,
 ) -> torch.Tensor:
     """q: [Tq, Hq, D]; caches [num_pages, P, Hkv, D] → o [Tq, Hq, D] (causal, GQA)."""
-    bounds = cu_seqlens_q.tolist()  # one host sync; SDPA's per-sequence loop needs the offsets anyway
+    attend = default_selector().attention
+    bounds = cu_seqlens_q.tolist()  # one host sync; the per-sequence loop needs the offsets anyway
     q_lens = [end - start for start, end in itertools.pairwise(bounds)]
     single = [b for b, n in enumerate(q_lens) if n == 1]
     if not single:
-        return sdpa.dense_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale)
+        return sdpa.dense_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale,
+                                  attend=attend)
     device = q.device
     out = torch.empty_like(q)
     rows = torch.tensor(single, device=device)
@@ -45,5 +83,5 @@ def dense_prefill(
         cu = torch.tensor([0, *itertools.accumulate(q_lens[b] for b in multi)], dtype=torch.int32,
                           device=device)
         out[tokens] = sdpa.dense_prefill(q[tokens], k_cache, v_cache, block_tables[rows], seq_lens[rows],
-                                         cu, softmax_scale)
+                                         cu, softmax_scale, attend=attend)
     return out

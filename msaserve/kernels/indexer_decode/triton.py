@@ -1,5 +1,5 @@
-"""Decode indexer (DESIGN §2) in Triton: block-max scores of 1–16 queries per sequence against
-every resident index page, and the top-K selection with the forced local/init blocks.
+"""Decode indexer (docs/design.md §2) in Triton: block-max scores of 1–16 queries per sequence against
+every resident index page, and the top-K selection with the forced local/init blocks (n_local, n_init).
 
 Shape of the work: the key axis is long (up to 8K pages of P tokens) and the query axis tiny
 (Q · heads-per-key-head ≤ 64 rows), so the keys sit on the MMA's M side (`keys @ qᵀ`) and the
@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from msaserve.kernels.indexer_prefill.naive import check_forced_blocks
 from msaserve.kernels.triton_common import (
     EMPTY_ID_BASE,
     INTERPRET,
@@ -171,20 +172,21 @@ def _tma_page_scores(key_desc, scale_ptr, tables_ptr, j0, end, col, stride_sp, s
 @triton.jit
 def _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, j0, end, local, row_ok,
                 P: tl.constexpr, NR: tl.constexpr, PAGES: tl.constexpr, N_INIT: tl.constexpr,
-                HAS_SCALE: tl.constexpr, Q_TERMS: tl.constexpr):
+                N_LOCAL: tl.constexpr, HAS_SCALE: tl.constexpr, Q_TERMS: tl.constexpr):
     """Block maxima of PAGES pages for the NR rows, folded into the running top-K (vals, ids)."""
     logits = _page_logits(keys, key_scale, q_t, q_t1, q_t2, HAS_SCALE, Q_TERMS)  # [PAGES·P, NR]
     scores = tl.max(tl.reshape(logits, [PAGES, P, NR]), axis=1)  # [PAGES, NR] block maxima
-    return _fold_scores(vals, ids, scores, j0, end, local, row_ok, NR, PAGES, N_INIT)
+    return _fold_scores(vals, ids, scores, j0, end, local, row_ok, NR, PAGES, N_INIT, N_LOCAL)
 
 
 @triton.jit
 def _fold_scores(vals, ids, scores, j0, end, local, row_ok,
-                 NR: tl.constexpr, PAGES: tl.constexpr, N_INIT: tl.constexpr):
+                 NR: tl.constexpr, PAGES: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr):
     """Block maxima [PAGES, NR] of pages j0 … folded into the running top-K (vals, ids)."""
     offs_pg = tl.arange(0, PAGES)
     blocks = j0 + offs_pg
-    forced = (blocks[:, None] == local[None, :]) | (blocks[:, None] < N_INIT)
+    # forced: the N_LOCAL blocks ending at the row's block c, and blocks < N_INIT (both only ≤ c: `valid`)
+    forced = (blocks[:, None] > local[None, :] - N_LOCAL) | (blocks[:, None] < N_INIT)
     scores = tl.where(forced, float("inf"), scores)
     valid = row_ok[None, :] & (blocks[:, None] <= local[None, :]) & (blocks[:, None] < end)
     # Once the running top-K has filled, a page rarely beats its worst entry: test that cheaply
@@ -210,7 +212,8 @@ def _score_split_kernel(
     stride_sp, stride_st, stride_sh,
     stride_tb, num_splits,
     NUM_Q: tl.constexpr, HPK: tl.constexpr, NR: tl.constexpr, P: tl.constexpr, DI: tl.constexpr,
-    KP: tl.constexpr, N_INIT: tl.constexpr, HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+    KP: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr, HAS_SCALE: tl.constexpr,
+    UPCAST: tl.constexpr,
     Q_TERMS: tl.constexpr, TMA: tl.constexpr, PAGES: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One (sequence, split, key head): running top-K of its pages for the NR = Q·HPK rows.
@@ -254,7 +257,7 @@ def _score_split_kernel(
         for j0 in range(first, end, PAGES):
             scores = _tma_page_scores(key_desc, scale_ptr, tables_ptr, j0, end, hk * DI, stride_sp, stride_st,
                                       q_t, q_t1, q_t2, P, NR, PAGES, HAS_SCALE, Q_TERMS)
-            vals, ids = _fold_scores(vals, ids, scores, j0, end, local, row_ok, NR, PAGES, N_INIT)
+            vals, ids = _fold_scores(vals, ids, scores, j0, end, local, row_ok, NR, PAGES, N_INIT, N_LOCAL)
     elif PREFETCH:  # double-buffer in registers: the next pages' loads are in flight during this fold
         keys, key_scale = _load_pages(cache_ptr, scale_ptr, tables_ptr, first, end, stride_cp, stride_ct,
                                       stride_sp, stride_st, P, DI, PAGES, HAS_SCALE)
@@ -262,14 +265,14 @@ def _score_split_kernel(
             next_keys, next_scale = _load_pages(cache_ptr, scale_ptr, tables_ptr, j0 + PAGES, end, stride_cp,
                                                 stride_ct, stride_sp, stride_st, P, DI, PAGES, HAS_SCALE)
             vals, ids = _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, j0, end, local,
-                                    row_ok, P, NR, PAGES, N_INIT, HAS_SCALE, Q_TERMS)
+                                    row_ok, P, NR, PAGES, N_INIT, N_LOCAL, HAS_SCALE, Q_TERMS)
             keys, key_scale = next_keys, next_scale
     else:  # let the compiler pipeline the loads (num_stages)
         for j0 in range(first, end, PAGES):
             keys, key_scale = _load_pages(cache_ptr, scale_ptr, tables_ptr, j0, end, stride_cp, stride_ct,
                                           stride_sp, stride_st, P, DI, PAGES, HAS_SCALE)
             vals, ids = _fold_pages(vals, ids, keys, key_scale, q_t, q_t1, q_t2, j0, end, local,
-                                    row_ok, P, NR, PAGES, N_INIT, HAS_SCALE, Q_TERMS)
+                                    row_ok, P, NR, PAGES, N_INIT, N_LOCAL, HAS_SCALE, Q_TERMS)
     base = ((b * tl.num_programs(2) + hk) * num_splits + split) * NR * KP
     offs = base + rows[:, None] * KP + tl.arange(0, KP)[None, :]
     tl.store(cand_val_ptr + offs, vals)
@@ -357,6 +360,7 @@ def _launch(
     seq_lens: torch.Tensor,
     top_k: int,
     n_init: int,
+    n_local: int,
     fp8_scan: Fp8Scan,
     key_load: KeyLoad,
 ) -> torch.Tensor:
@@ -368,7 +372,7 @@ def _launch(
     check(block_tables.dim() == 2 and block_tables.shape[0] == batch,
           f"block_tables has shape {tuple(block_tables.shape)}, expected [{batch}, max_pages]")
     check_shape("seq_lens", seq_lens, (batch,))
-    check(top_k >= 1 and 0 <= n_init < top_k, f"need 0 ≤ n_init < top_k, got n_init={n_init}, top_k={top_k}")
+    check_forced_blocks(top_k, n_init, n_local)
     check(page_size == pow2(page_size) and index_dim == pow2(index_dim),
           f"page size {page_size} and index dim {index_dim} must be powers of two")
     check_last_contiguous(q_index=q_index, index_cache=index_cache)
@@ -396,7 +400,7 @@ def _launch(
         scale.stride(0), scale.stride(1), scale.stride(2),
         block_tables.stride(0), splits,
         NUM_Q=num_q, HPK=heads_per_key, NR=num_rows, P=page_size, DI=index_dim, KP=kp, N_INIT=n_init,
-        HAS_SCALE=index_scale is not None, UPCAST=INTERPRET,
+        N_LOCAL=n_local, HAS_SCALE=index_scale is not None, UPCAST=INTERPRET,
         Q_TERMS=_query_terms(q_index, index_scale, fp8_scan), TMA=key_desc is not None,
     )
     out = torch.empty((batch, num_q, num_heads, top_k), device=q_index.device, dtype=torch.int32)
@@ -424,13 +428,15 @@ def indexer_decode(
     *,
     fp8_scan: Fp8Scan = DEFAULT_FP8_SCAN,
     key_load: KeyLoad = DEFAULT_KEY_LOAD,
+    n_local: int = 1,
 ) -> torch.Tensor:
     """q_index: [B, Q, Hkv, DI] (query i of sequence b at position seq_lens[b] - Q + i);
     index_cache: [num_pages, P, HkI, DI] (bf16/fp16/fp32, or fp8-e4m3 with index_scale
     [num_pages, P, HkI] fp32); block_tables: [B, max_pages]; seq_lens: [B]
-    → selected [B, Q, Hkv, top_k] int32 (ascending, -1 pad).
+    → selected [B, Q, Hkv, top_k] int32 (ascending, -1 pad); n_init, n_local as in the spec's
+    `select_blocks`.
     fp8_scan: how fp8 keys meet the query (module docstring); ignored for other key dtypes.
     key_load: how key pages reach the MMA: "pointer" gathers or "tma" copies (DEFAULT_KEY_LOAD).
     """
-    return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, top_k, n_init, fp8_scan,
-                   key_load)
+    return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, top_k, n_init, n_local,
+                   fp8_scan, key_load)

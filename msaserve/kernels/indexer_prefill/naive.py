@@ -1,4 +1,4 @@
-"""Reference MSA indexer (DESIGN §2): block-max scores and top-K selection, plain PyTorch.
+"""Reference MSA indexer (docs/design.md §2): block-max scores and top-K selection, plain PyTorch.
 
 This file is the specification the Triton kernels are tested against. It favours clarity over
 speed but processes queries in bounded chunks so that it also serves CPU inference.
@@ -47,25 +47,41 @@ def block_scores(
     return logits.view(*logits.shape[:2], num_blocks, page_size).amax(dim=-1)
 
 
+def check_forced_blocks(top_k: int, n_init: int, n_local: int) -> None:
+    """The forced blocks (n_init leading, n_local ending at the query's block) must fit in top_k slots."""
+    if n_local < 1:
+        raise ValueError(f"n_local={n_local} is invalid: allowed n_local ≥ 1 (the query's own block)")
+    if n_init < 0 or n_init + n_local > top_k:
+        raise ValueError(
+            f"n_init={n_init} with n_local={n_local} is invalid: allowed 0 ≤ n_init and "
+            f"n_init + n_local ≤ top_k={top_k}"
+        )
+
+
 def select_blocks(
     scores: torch.Tensor,
     positions: torch.Tensor,
     page_size: int,
     top_k: int,
     n_init: int,
+    n_local: int = 1,
 ) -> torch.Tensor:
-    """Forced local block c = ⌊t/P⌋ and init blocks 0..n_init-1, then top scores among
-    n_init..c-1 (ties to the lower block id); every block 0..c when c < top_k.
+    """MSA selection (docs/design.md §2, M3 form) for queries at `positions`, c = ⌊t/P⌋:
+    forced are the n_local blocks max(0, c-n_local+1)..c and the init blocks 0..n_init-1 (≤ c);
+    the other top_k − |forced| slots take the top scores among the remaining blocks < c (ties to
+    the lower block id); every block 0..c when c < top_k. n_init=1, n_local=1 is the msaserve form,
+    n_init=0, n_local=index_local_blocks MiniMax-M3's.
 
     scores: [Tq, Hkv, num_blocks] fp32; positions: [Tq] → [Tq, Hkv, top_k] int32, ascending, -1 pad.
     """
+    check_forced_blocks(top_k, n_init, n_local)
     num_q, num_heads, num_blocks = scores.shape
-    block_ids = torch.arange(num_blocks, device=scores.device)
+    block_ids = torch.arange(num_blocks, device=scores.device)[None, :]
     local = (positions // page_size)[:, None]  # [Tq, 1]
     # Candidates compete for the free slots; forced blocks get +inf so they always win,
     # blocks after c get -inf so they never do. The stable sort sends ties to the lower id.
-    candidate = (block_ids[None, :] >= n_init) & (block_ids[None, :] < local)
-    forced = (block_ids[None, :] == local) | (block_ids[None, :] < torch.clamp(local, max=n_init))
+    candidate = block_ids < local
+    forced = (block_ids <= local) & ((block_ids > local - n_local) | (block_ids < n_init))
     ranked = torch.where(candidate[:, None, :], scores, torch.full_like(scores, float("-inf")))
     ranked = torch.where(forced[:, None, :], torch.full_like(scores, float("inf")), ranked)
     order = torch.sort(ranked, dim=-1, descending=True, stable=True).indices
@@ -91,14 +107,16 @@ def indexer_prefill(
     top_k: int,
     n_init: int = 1,
     index_scale: torch.Tensor | None = None,
+    n_local: int = 1,
 ) -> torch.Tensor:
-    """Select the top-K blocks for every query of a varlen batch of chunks.
+    """Select the top-K blocks for every query of a varlen batch of chunks (`select_blocks`).
 
     q_index: [Tq, Hkv, DI]; index_cache: [num_pages, P, HkI, DI] (bf16/fp16/fp32 or fp8 with
     index_scale [num_pages, P, HkI] fp32 multiplying each key); block_tables: [B, max_pages] int32;
     seq_lens: [B]; cu_seqlens_q: [B + 1] → selected [Tq, Hkv, top_k] int32 (ascending, -1 pad).
     The chunk's own index keys must already be written to the cache.
     """
+    check_forced_blocks(top_k, n_init, n_local)
     page_size = index_cache.shape[1]
     out = torch.full(
         (q_index.shape[0], q_index.shape[1], top_k), -1, dtype=torch.int32, device=q_index.device
@@ -117,5 +135,5 @@ def indexer_prefill(
             positions = torch.arange(first + q0 - start, first + q1 - start, device=q_index.device)
             visible = int(positions[-1]) + 1
             scores = block_scores(q_index[q0:q1], keys[:visible], positions, page_size)
-            out[q0:q1] = select_blocks(scores, positions, page_size, top_k, n_init)
+            out[q0:q1] = select_blocks(scores, positions, page_size, top_k, n_init, n_local)
     return out

@@ -1,17 +1,18 @@
-"""Prefill indexer (DESIGN §2) in Triton: causal block-max scores of a chunk of queries against the
+"""Prefill indexer (docs/design.md §2) in Triton: causal block-max scores of a chunk of queries against the
 paged index cache (prefix + chunk), fused with the top-K selection per (query, KV group).
 
 Each program owns a tile of rows = (query, index head sharing one key head) of one sequence and
 one key head; it streams the sequence's index pages 0..c_max once (`q @ keysᵀ`, a causal GEMM),
 reduces each page to its block-max and folds it into a running top-K held in registers, so no
-[Tq, num_blocks] score tensor is ever written. Only the local block can hold keys after a query
-and it is forced, so scores need no causal mask inside a page.
+[Tq, num_blocks] score tensor is ever written. Only the query's own block c can hold keys after
+it, and c is always forced (n_local ≥ 1), so scores need no causal mask inside a page.
 """
 
 import torch
 import triton
 import triton.language as tl
 
+from msaserve.kernels.indexer_prefill.naive import check_forced_blocks
 from msaserve.kernels.triton_common import (
     EMPTY_ID_BASE,
     INTERPRET,
@@ -67,8 +68,8 @@ def _indexer_prefill_kernel(
     stride_sp, stride_st, stride_sh,
     stride_tb, stride_ot, stride_oh,
     HPK: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr, DI: tl.constexpr,
-    KP: tl.constexpr, TOP_K: tl.constexpr, N_INIT: tl.constexpr, HAS_SCALE: tl.constexpr,
-    UPCAST: tl.constexpr,
+    KP: tl.constexpr, TOP_K: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
+    HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
 ):
     tile = tl.program_id(0)
     hk = tl.program_id(1)
@@ -107,7 +108,8 @@ def _indexer_prefill_kernel(
                                     + offs_p * stride_st)
                 logits = logits * key_scale[None, :]
             score = tl.max(logits, axis=1)
-            score = tl.where((j == local) | (j < N_INIT), float("inf"), score)
+            # forced: the N_LOCAL blocks ending at c and the blocks < N_INIT (only j ≤ c enters below)
+            score = tl.where((j > local - N_LOCAL) | (j < N_INIT), float("inf"), score)
             vals, ids = topk_insert(vals, ids, score, j, row_ok & (j <= local))
         chosen = sorted_selection(ids, EMPTY_ID_BASE)  # [BLOCK_M, KP]
         offs_k = tl.arange(0, KP)
@@ -127,6 +129,7 @@ def _launch(
     cu_seqlens_q: torch.Tensor,
     top_k: int,
     n_init: int,
+    n_local: int,
 ) -> torch.Tensor:
     num_tokens, num_heads, index_dim = q_index.shape
     num_pages, page_size, key_heads, _ = index_cache.shape
@@ -135,7 +138,7 @@ def _launch(
     check_shape("index_cache", index_cache, (num_pages, page_size, key_heads, index_dim))
     check_shape("seq_lens", seq_lens, (batch,))
     check_shape("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
-    check(top_k >= 1 and 0 <= n_init < top_k, f"need 0 ≤ n_init < top_k, got n_init={n_init}, top_k={top_k}")
+    check_forced_blocks(top_k, n_init, n_local)
     check(page_size == pow2(page_size) and index_dim == pow2(index_dim),
           f"page size {page_size} and index dim {index_dim} must be powers of two")
     check_last_contiguous(q_index=q_index, index_cache=index_cache)
@@ -159,7 +162,8 @@ def _launch(
         scale.stride(0), scale.stride(1), scale.stride(2),
         block_tables.stride(0), out.stride(0), out.stride(1),
         HPK=heads_per_key, BQ=queries_per_tile, BLOCK_M=block_m, P=page_size, DI=index_dim,
-        KP=pow2(top_k), TOP_K=top_k, N_INIT=n_init, HAS_SCALE=index_scale is not None, UPCAST=INTERPRET,
+        KP=pow2(top_k), TOP_K=top_k, N_INIT=n_init, N_LOCAL=n_local, HAS_SCALE=index_scale is not None,
+        UPCAST=INTERPRET,
     )
     return out
 
@@ -176,10 +180,12 @@ def indexer_prefill(
     top_k: int,
     n_init: int = 1,
     index_scale: torch.Tensor | None = None,
+    n_local: int = 1,
 ) -> torch.Tensor:
     """q_index: [Tq, Hkv, DI]; index_cache: [num_pages, P, HkI, DI] (bf16/fp16/fp32, or fp8-e4m3 with
     index_scale [num_pages, P, HkI] fp32); block_tables: [B, max_pages] int32; seq_lens: [B];
-    cu_seqlens_q: [B + 1] → selected [Tq, Hkv, top_k] int32 (ascending, -1 pad).
-    The chunk's own index keys must already be written to the cache.
+    cu_seqlens_q: [B + 1] → selected [Tq, Hkv, top_k] int32 (ascending, -1 pad); n_init, n_local as in
+    the spec's `select_blocks`. The chunk's own index keys must already be written to the cache.
     """
-    return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, cu_seqlens_q, top_k, n_init)
+    return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, cu_seqlens_q, top_k, n_init,
+                   n_local)

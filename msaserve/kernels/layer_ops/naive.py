@@ -29,11 +29,18 @@ def rotary_and_write(
     rotate: bool,
     slot_mapping: torch.Tensor | None = None,
     caches: tuple[torch.Tensor, ...] = (),
+    rotary_dim: int | None = None,
 ) -> torch.Tensor:
-    """heads [T, H, D] (rotated in place when `rotate`); cos, sin [T, 1, D]; each cache
-    [num_pages, P, H, D] gets the (rotated) heads at slot_mapping [T] int64 → the heads."""
+    """heads [T, H, D] (rotated in place when `rotate`); cos, sin [T, 1, ≥ R]; each cache
+    [num_pages, P, H, D] gets the (rotated) heads at slot_mapping [T] int64 → the heads.
+
+    Partial rotary (MiniMax-M3): only the first R = rotary_dim dims of each head are rotated, with the
+    first R entries of cos and sin, and dims R..D-1 pass through unchanged; None rotates all D.
+    """
     if rotate:
-        heads.copy_(apply_rotary(heads, cos, sin))
+        dim = check_rotary_dim(heads.shape[-1], cos.shape[-1], rotary_dim)
+        part = heads[..., :dim]
+        part.copy_(apply_rotary(part, cos[..., :dim], sin[..., :dim]))
     if caches:
         assert slot_mapping is not None, "caches are written at slot_mapping"
         page_size = caches[0].shape[1]
@@ -41,6 +48,17 @@ def rotary_and_write(
         for cache in caches:
             cache[pages, offsets] = heads.to(cache.dtype)
     return heads
+
+
+def check_rotary_dim(head_dim: int, cos_dim: int, rotary_dim: int | None) -> int:
+    """The rotated width R: rotary_dim, or the whole head when None; even, ≤ the head and ≤ cos's width."""
+    dim = head_dim if rotary_dim is None else rotary_dim
+    if dim <= 0 or dim % 2 or dim > head_dim or dim > cos_dim:
+        raise ValueError(
+            f"rotary_dim={rotary_dim} is invalid: allowed an even width 0 < rotary_dim ≤ head dim {head_dim} "
+            f"and ≤ the cos/sin width {cos_dim}"
+        )
+    return dim
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

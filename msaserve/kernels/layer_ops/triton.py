@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from msaserve.kernels.layer_ops.naive import check_rotary_dim
 from msaserve.kernels.triton_common import check, check_last_contiguous, pow2
 
 # ---------------------------------------------------------------- jit kernels
@@ -43,9 +44,10 @@ def _rotary_write_kernel(
     stride_xt, stride_xh, stride_ct, stride_st,
     stride_ap, stride_at, stride_ah, stride_bp, stride_bt, stride_bh,
     num_heads, page_size,
-    D: tl.constexpr, HB: tl.constexpr, ROTATE: tl.constexpr, NUM_CACHES: tl.constexpr,
+    D: tl.constexpr, R: tl.constexpr, HB: tl.constexpr, ROTATE: tl.constexpr, NUM_CACHES: tl.constexpr,
 ):
-    """HB heads of one token: rotate in place (HF rotate_half), then store into up to two caches."""
+    """HB heads of one token: rotate the first R of D dims in place (HF rotate_half over those R; the
+    rest pass through), then store into up to two caches."""
     t = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * HB + tl.arange(0, HB)
     offs_d = tl.arange(0, D)
@@ -53,17 +55,19 @@ def _rotary_write_kernel(
     ptrs = x_ptr + t * stride_xt + heads[:, None] * stride_xh + offs_d[None, :]
     x = tl.load(ptrs, mask=ok, other=0.0)  # [HB, D]
     if ROTATE:
-        half: tl.constexpr = D // 2
-        partner = tl.load(x_ptr + t * stride_xt + heads[:, None] * stride_xh + ((offs_d + half) % D)[None, :],
+        half: tl.constexpr = R // 2
+        rotated = offs_d < R
+        partner_d = tl.where(rotated, (offs_d + half) % R, offs_d)
+        partner = tl.load(x_ptr + t * stride_xt + heads[:, None] * stride_xh + partner_d[None, :],
                           mask=ok, other=0.0).to(tl.float32)
-        partner = tl.where(offs_d[None, :] < half, -partner, partner)  # rotate_half(x)
-        cos = tl.load(cos_ptr + t * stride_ct + offs_d).to(tl.float32)
-        sin = tl.load(sin_ptr + t * stride_st + offs_d).to(tl.float32)
+        partner = tl.where(offs_d[None, :] < half, -partner, partner)  # rotate_half(x[..., :R])
+        cos = tl.load(cos_ptr + t * stride_ct + offs_d, mask=rotated, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + t * stride_st + offs_d, mask=rotated, other=0.0).to(tl.float32)
         # Products of two values of the activation dtype are exact in fp32; round each as
         # PyTorch does (x·cos, rotate_half(x)·sin, their sum).
         a = (x.to(tl.float32) * cos[None, :]).to(x.dtype).to(tl.float32)
         b = (partner * sin[None, :]).to(x.dtype).to(tl.float32)
-        x = (a + b).to(x.dtype)
+        x = tl.where(rotated[None, :], (a + b).to(x.dtype), x)
         tl.store(ptrs, x, mask=ok)
     if NUM_CACHES > 0:
         slot = tl.load(slot_ptr + t)
@@ -125,10 +129,13 @@ def rotary_and_write(
     rotate: bool,
     slot_mapping: torch.Tensor | None = None,
     caches: tuple[torch.Tensor, ...] = (),
+    rotary_dim: int | None = None,
 ) -> torch.Tensor:
-    """heads [T, H, D] (rotated in place when `rotate`); cos, sin [T, 1, D]; each cache
-    [num_pages, P, H, D] gets the (rotated) heads at slot_mapping [T] int64 → the heads."""
+    """heads [T, H, D] (rotated in place when `rotate`); cos, sin [T, 1, ≥ R]; each cache
+    [num_pages, P, H, D] gets the (rotated) heads at slot_mapping [T] int64 → the heads.
+    Only the first R = rotary_dim dims are rotated (None: all D), as in the spec."""
     tokens, num_heads, dim = heads.shape
+    rotated_dim = check_rotary_dim(dim, cos.shape[-1], rotary_dim) if rotate else dim
     check(dim == pow2(dim), f"rotary_and_write needs a power-of-two head dim, got {dim}")
     check(len(caches) <= 2, f"rotary_and_write writes at most two caches, got {len(caches)}")
     check_last_contiguous(heads=heads, cos=cos, sin=sin)
@@ -149,7 +156,7 @@ def rotary_and_write(
         heads.stride(0), heads.stride(1), cos.stride(0), sin.stride(0),
         a.stride(0), a.stride(1), a.stride(2), b.stride(0), b.stride(1), b.stride(2),
         num_heads, a.shape[1],
-        D=dim, HB=heads_per_program, ROTATE=rotate, NUM_CACHES=len(caches), num_warps=4,
+        D=dim, R=rotated_dim, HB=heads_per_program, ROTATE=rotate, NUM_CACHES=len(caches), num_warps=4,
     )
     return heads
 

@@ -1,4 +1,4 @@
-"""Paged sparse decode attention (DESIGN §2) in Triton.
+"""Paged sparse decode attention (docs/design.md §2) in Triton.
 
 (sequence, query, KV head) is flattened into the batch axis of a paged-attention kernel whose
 page-table row is the selection; the group's G query heads share one tile (rows of the MMA), so

@@ -1,4 +1,4 @@
-"""Reference MSA attention (DESIGN §2): softmax over p ≤ t in the selected blocks, fp32 math."""
+"""Reference MSA attention (docs/design.md §2): softmax over p ≤ t in the selected blocks, fp32 math."""
 
 import math
 

@@ -1,4 +1,4 @@
-"""Sparse prefill attention (DESIGN §2), KV-block-major, in Triton.
+"""Sparse prefill attention (docs/design.md §2), KV-block-major, in Triton.
 
 The selection [Tq, Hkv, K] is inverted into work tiles: per (sequence, KV head, block) the queries
 that chose it, cut into work items of up to 1024/G queries. A program loads its K/V page once and

@@ -1,4 +1,4 @@
-"""Single-sequence reference decoding: the invariant baseline tests and the CLI compare against.
+"""Single-sequence reference decoding: the invariant baseline the tests (and two benchmarks) compare against.
 
 One sequence, a contiguous identity block table (logical page i = physical page i), optional
 chunked prefill, then one token per decode step. No batching, no scheduler.
