@@ -203,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--summary", action="store_true", help="also merge the figures into summary.json")
     parser.add_argument("--from-sweep", help="recompute the figures from a sweep JSON this script wrote")
     parser.add_argument("--markdown", action="store_true", help="also print the sweep as markdown tables")
+    parser.add_argument("--record-command", help="the command to record (with --from-sweep: the sweep's)")
     args = parser.parse_args(argv)
     cal = Calibration.load(args.calibration) if args.calibration else Calibration.default()
     kv_cfg = KVAwareConfig(**json.loads(args.kv_aware))
@@ -220,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
         rows = sweep(trace, counts, scales, cal, args.stats_period_s, kv_cfg, args.seed, policies,
                      args.max_ongoing)
     heads = [h for h in (headline(rows, n, args.slo_p90_ttft_s) for n in counts) if h is not None]
-    command = "python benchmarks/router/simulate.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = args.record_command or (
+        "python benchmarks/router/simulate.py " + " ".join(argv if argv is not None else sys.argv[1:]))
     trace_note = f"trace {Path(args.trace).name} ({len(trace)} requests)"
     entries = write_results(Path(args.out), heads, command.strip(), cal, args.prefix, trace_note,
                             args.slo_p90_ttft_s)
