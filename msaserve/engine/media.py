@@ -63,7 +63,11 @@ def prepare_media(
             )
         return token_ids, None
     if tower is None or image_id is None or video_id is None:
-        raise InvalidParameter("media", f"{len(media)} items", "none: this model has no vision tower")
+        raise InvalidParameter(
+            "media", f"{len(media)} items",
+            "none: this model has no vision tower (serve a checkpoint whose config.json has a "
+            "vision_config, e.g. model_type minimax_m3_vl, to send images or video)",
+        )
     for index, item in enumerate(media):
         _check_item(index, item, tower)
     try:

@@ -1,8 +1,13 @@
 """The engine's face for loading a model: what its callers (the CLI, the Serve deployments) need, so
 that they reach `msaserve.models` only through the engine (the layering in docs/design.md §1)."""
 
+from msaserve.models.checkpoint_plan import CheckpointMismatch
 from msaserve.models.gguf_loader import ModelFileMissing
 from msaserve.models.loader import LoadedModel, load_model
+from msaserve.models.registry import UnsupportedModelType
 from msaserve.models.tokenizer import Tokenizer
 
-__all__ = ["LoadedModel", "ModelFileMissing", "Tokenizer", "load_model"]
+__all__ = [
+    "CheckpointMismatch", "LoadedModel", "ModelFileMissing", "Tokenizer", "UnsupportedModelType",
+    "load_model",
+]

@@ -93,7 +93,15 @@ def expand_placeholders(
     token_ids: Sequence[int], media_items: Sequence[MediaLike], image_token_id: int, video_token_id: int
 ) -> list[int]:
     """Each image/video token in `token_ids` (one per medium, in order) → that medium's
-    num_placeholder_tokens copies. Raises ValueError when the tokens and the media disagree."""
+    num_placeholder_tokens copies. A prompt that already holds every placeholder (MiniMax-M3's
+    processor text: runs wrapped in start/end markers, timestamps between a video's frames) is
+    returned as it is once its placeholders' kinds are checked. Raises ValueError when the tokens
+    and the media disagree."""
+    placeholders = [t for t in token_ids if t in (image_token_id, video_token_id)]
+    total = sum(m.num_placeholder_tokens for m in media_items)
+    if len(placeholders) == total != len(media_items):
+        _check_expanded_kinds(placeholders, media_items, image_token_id, video_token_id)
+        return list(token_ids)
     placeholder = {"image": image_token_id, "video": video_token_id}
     out: list[int] = []
     media = iter(media_items)
@@ -117,10 +125,23 @@ def expand_placeholders(
     return out
 
 
+def _check_expanded_kinds(
+    placeholders: list[int], media_items: Sequence[MediaLike], image_token_id: int, video_token_id: int
+) -> None:
+    placeholder = {"image": image_token_id, "video": video_token_id}
+    cursor = 0
+    for index, item in enumerate(media_items):
+        run = placeholders[cursor : cursor + item.num_placeholder_tokens]
+        if any(token != placeholder[item.kind] for token in run):
+            raise ValueError(f"medium {index} ({item.kind}) has placeholders of another kind in the prompt")
+        cursor += item.num_placeholder_tokens
+
+
 def placeholder_spans(
     expanded_ids: Sequence[int], media_items: Sequence[MediaLike], image_token_id: int, video_token_id: int
 ) -> list[tuple[int, int]]:
-    """(start, length) of each medium's placeholders in an expanded prompt, in media order."""
+    """(start, length) of each medium's placeholders in an expanded prompt, in media order: from
+    its first placeholder to its last (other tokens may lie between, as in an M3 video)."""
     ids = np.asarray(expanded_ids, dtype=np.int64)
     positions = np.flatnonzero((ids == image_token_id) | (ids == video_token_id)).tolist()
     total = sum(m.num_placeholder_tokens for m in media_items)
@@ -128,7 +149,8 @@ def placeholder_spans(
         raise ValueError(f"the prompt has {len(positions)} placeholder tokens; the media need {total}")
     spans, cursor = [], 0
     for item in media_items:
-        spans.append((positions[cursor], item.num_placeholder_tokens))
+        first, last = positions[cursor], positions[cursor + item.num_placeholder_tokens - 1]
+        spans.append((first, last + 1 - first))
         cursor += item.num_placeholder_tokens
     return spans
 

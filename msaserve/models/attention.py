@@ -147,7 +147,7 @@ class MSAAttention(nn.Module):
             batch, num_q = meta.num_seqs, int(meta.decode_query_len)
             selected = ops.indexer_decode(
                 index_q.view(batch, num_q, c.num_kv_heads, c.index_head_dim), cache.index_cache,
-                meta.block_tables, meta.seq_lens, c.top_k, c.n_init, cache.index_scale,
+                meta.block_tables, meta.seq_lens, c.top_k, c.n_init, cache.index_scale, n_local=c.n_local,
             )  # [B, Q, Hkv, K]
             out = ops.sparse_decode(
                 q.view(batch, num_q, c.num_heads, c.head_dim), cache.k_cache, cache.v_cache,
@@ -157,7 +157,7 @@ class MSAAttention(nn.Module):
         else:
             selected = ops.indexer_prefill(
                 index_q, cache.index_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                c.top_k, c.n_init, cache.index_scale,
+                c.top_k, c.n_init, cache.index_scale, n_local=c.n_local,
             )  # [T, Hkv, K]
             out = ops.sparse_prefill(
                 q, cache.k_cache, cache.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,

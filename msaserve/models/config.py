@@ -57,6 +57,10 @@ class MSAConfig(BaseModel):
     )
     top_k: int = Field(default=16, ge=1, le=4096, description="Blocks K each query attends to (1–4096).")
     n_init: int = Field(default=1, ge=0, description="Leading blocks always selected; 0 ≤ n_init < top_k.")
+    n_local: int = Field(
+        default=1, ge=1,
+        description="Blocks ending at the query's own block always selected (≥ 1; n_init + n_local ≤ top_k).",
+    )
     bos_token_id: int | None = Field(default=None, ge=0, description="Beginning-of-sequence token id.")
     eos_token_id: int | None = Field(default=None, ge=0, description="End-of-sequence token id.")
     pad_token_id: int | None = Field(default=None, ge=0, description="Padding token id.")
@@ -92,6 +96,11 @@ class MSAConfig(BaseModel):
                 )
         if self.n_init >= self.top_k:
             raise ValueError(f"n_init={self.n_init} is invalid: allowed 0 ≤ n_init < top_k={self.top_k}")
+        if self.n_init + self.n_local > self.top_k:
+            raise ValueError(
+                f"n_local={self.n_local} is invalid: allowed 1 ≤ n_local ≤ top_k - n_init = "
+                f"{self.top_k - self.n_init}"
+            )
         for name in ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "video_token_id"):
             value = getattr(self, name)
             if value is not None and value >= self.vocab_size:
@@ -148,7 +157,9 @@ class MSAConfig(BaseModel):
     def to_hf_dict(self) -> dict[str, Any]:
         """HF-style dict (inverse of `from_hf_dict`), MSA fields under `msa`."""
         data = self.model_dump()
-        msa_keys = ("index_source", "num_index_heads", "index_head_dim", "page_size", "top_k", "n_init")
+        msa_keys = (
+            "index_source", "num_index_heads", "index_head_dim", "page_size", "top_k", "n_init", "n_local"
+        )
         out: dict[str, Any] = {"architectures": ["MSAForCausalLM"], "model_type": "msa"}
         inverse = {ours: hf for hf, ours in _HF_NAMES.items()}
         for key, value in data.items():

@@ -16,7 +16,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 from msaserve.models.config import MSAConfig
 from msaserve.models.gguf_loader import ModelFileMissing, load_gguf, smollm2_gguf_path
 from msaserve.models.presets import PRESETS, get_preset
-from msaserve.models.safetensors_loader import load_safetensors
+from msaserve.models.registry import architecture_of
 from msaserve.models.tokenizer import Tokenizer
 from msaserve.models.transformer import MSATransformer, init_random_weights
 from msaserve.models.vision import VisionConfig, VisionTower
@@ -52,7 +52,7 @@ def load_model(
         model, tokenizer, config = load_gguf(path, device, dtype, attention_backend, progress, **overrides)
         return LoadedModel(model, tokenizer, config)
     if path.is_dir():
-        model, config = load_safetensors(path, device, dtype, attention_backend, progress)
+        model, config = architecture_of(path).load(path, device, dtype, attention_backend, progress)
         return LoadedModel(model, _directory_tokenizer(path, config), config)
     raise ModelFileMissing(
         f"model {spec!r} not found: expected 'smollm2', a preset ({', '.join(PRESETS)}), a directory "
@@ -88,15 +88,19 @@ def attach_random_vision_tower(
 
 
 def _directory_tokenizer(directory: Path, config: MSAConfig) -> Tokenizer:
-    """tokenizer.json (+ chat template from tokenizer_config.json) if the checkpoint has one,
-    else the byte-level tokenizer of the presets."""
+    """tokenizer.json (+ chat template from tokenizer_config.json, or chat_template.jinja as
+    transformers 5 writes it) if the checkpoint has one, else the byte-level tokenizer of the presets."""
     path = directory / "tokenizer.json"
     if not path.is_file():
         return Tokenizer.byte_level(config.vocab_size)
-    eos = {config.eos_token_id} if config.eos_token_id is not None else set()
+    eos = set(getattr(config, "eos_token_ids", ()))
+    if config.eos_token_id is not None:
+        eos.add(config.eos_token_id)
     tokenizer_config = directory / "tokenizer_config.json"
     template = None
     if tokenizer_config.is_file():
         template = json.loads(tokenizer_config.read_text()).get("chat_template")
+    if template is None and (directory / "chat_template.jinja").is_file():
+        template = (directory / "chat_template.jinja").read_text()
     backend = BackendTokenizer.from_file(str(path))
     return Tokenizer(backend, bos_token_id=config.bos_token_id, eos_token_ids=eos, chat_template=template)

@@ -35,7 +35,8 @@ from msaserve.platform.openai_types import (
     ResponseFunctionCall,
     ResponseToolCall,
 )
-from msaserve.platform.tools import CLOSE, StreamingToolParser, forced_name, parse_reply
+from msaserve.platform.tool_formats import tool_format_of
+from msaserve.platform.tools import StreamingToolParser, forced_name, parse_reply
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
@@ -84,7 +85,7 @@ async def _start(ctx: Any, body: ChatCompletionRequest, request: Request, info: 
         max_tokens,
         logprobs=body.logprobs,
         top_logprobs=body.top_logprobs or 0,
-        extra_stop=[CLOSE] if prefix_forces_call else [],
+        extra_stop=[tool_format_of(info.tokenizer).close] if prefix_forces_call else [],
     )
     prompt, prefix, parts = render_prompt(info.tokenizer, body)
     items = await media.preprocess(ctx, parts, info)
@@ -114,7 +115,8 @@ async def _complete(
         finish_reason = out.finish_reason
     record_metrics(ctx, gen, "/v1/chat/completions")
     text = prefix + "".join(texts)
-    content, calls = parse_reply(text, known, forced_name(body)) if known else (text, [])
+    fmt = tool_format_of(tokenizer)
+    content, calls = parse_reply(text, known, forced_name(body), fmt) if known else (text, [])
     tool_calls = None
     if calls:
         finish_reason = "tool_calls"
@@ -152,7 +154,8 @@ async def _stream(
         choice = ChatChunkChoice(delta=delta, finish_reason=finish, logprobs=logprobs)
         return sse(ChatCompletionChunk(id=chunk_id, model=ctx.model_name, choices=[choice]))
 
-    parser = StreamingToolParser(known, prefix, forced_name(body)) if known else None
+    fmt = tool_format_of(tokenizer)
+    parser = StreamingToolParser(known, prefix, forced_name(body), fmt) if known else None
     yield chunk(ChatDelta(role="assistant", content=""))
     finish_reason = None
     try:

@@ -42,7 +42,7 @@ def preprocess_app(config: ServeConfig) -> Application | None:
         return None
     deployment = serve.deployment(PreprocessDeployment, name="Preprocess")
     options = config.deployments.preprocess.to_serve_options()
-    return deployment.options(**options).bind(config.preprocess.model_dump())
+    return deployment.options(**options).bind(config.preprocess.model_dump(), config.model.spec)
 
 
 def build_app(config: ServeConfig) -> Application:

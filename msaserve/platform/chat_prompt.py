@@ -1,16 +1,26 @@
 """OpenAI chat messages → the prompt text the model's chat template renders.
 
 Tool definitions become a system message, assistant tool calls and tool results are written in the
-Hermes format (`tools.py`), and content parts are flattened to text. Media parts (image_url,
+Hermes format (`tools.py`) — unless the model's chat template defines its own tool format
+(`tool_formats.py`), which then gets them as structured messages and `tools` to render itself.
+Content parts are flattened to text. Media parts (image_url,
 video_url) are collected for the preprocess hook; a deployment without one answers 400.
 """
 
+import json
 from typing import Any
 
 from msaserve.platform.errors import APIError
 from msaserve.platform.media import MEDIA_MARKER
 from msaserve.platform.openai_types import ChatCompletionRequest, ChatMessage, ContentPart
-from msaserve.platform.tools import forced_prefix, render_tool_call, render_tool_result, tools_system_prompt
+from msaserve.platform.tool_formats import tool_format_of
+from msaserve.platform.tools import (
+    ToolFormat,
+    forced_prefix,
+    render_tool_call,
+    render_tool_result,
+    tools_system_prompt,
+)
 
 
 def _text_of(message: ChatMessage, index: int, media: list[ContentPart]) -> str:
@@ -35,8 +45,12 @@ def _text_of(message: ChatMessage, index: int, media: list[ContentPart]) -> str:
     return "".join(texts)
 
 
-def template_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[ContentPart]]:
+def template_messages(
+    request: ChatCompletionRequest, fmt: ToolFormat | None = None
+) -> tuple[list[dict[str, Any]], list[ContentPart]]:
     """([{"role", "content": str}], media parts in order)."""
+    if fmt is not None and fmt.native:
+        return native_tool_messages(request)
     media: list[ContentPart] = []
     out: list[dict[str, Any]] = []
     use_tools = bool(request.tools) and request.tool_choice != "none"
@@ -58,9 +72,42 @@ def template_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, An
     return out, media
 
 
+def native_tool_messages(request: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[ContentPart]]:
+    """Messages for a template that renders tools itself: assistant `tool_calls` with their
+    arguments as objects, `tool` messages kept as such."""
+    media: list[ContentPart] = []
+    out: list[dict[str, Any]] = []
+    for i, message in enumerate(request.messages):
+        entry: dict[str, Any] = {
+            "role": "system" if message.role == "developer" else message.role,
+            "content": _text_of(message, i, media),
+        }
+        if message.role == "assistant" and message.tool_calls:
+            entry["tool_calls"] = [
+                {"id": call.id, "type": "function",
+                 "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)}}
+                for call in message.tool_calls
+            ]
+        if message.role == "tool" and message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
+        out.append(entry)
+    return out, media
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
 def render_prompt(tokenizer: Any, request: ChatCompletionRequest) -> tuple[str, str, list[ContentPart]]:
     """(prompt text, assistant prefix already in it, media parts)."""
-    messages, media = template_messages(request)
-    prefix = forced_prefix(request)
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    fmt = tool_format_of(tokenizer)
+    messages, media = template_messages(request, fmt)
+    prefix = forced_prefix(request, fmt)
+    tools = None
+    if fmt.native and request.tools and request.tool_choice != "none":
+        tools = [tool.model_dump(exclude_none=True) for tool in request.tools]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=tools)
     return text + prefix, prefix, media

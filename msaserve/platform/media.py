@@ -6,7 +6,8 @@ returned items into `GenerateRequest.media`. A deployment serving a text-only mo
 Preprocess deployment (or a model without a vision tower), and media parts get a 400 that says so.
 
 The rendered prompt holds MEDIA_MARKER where each medium was; `encode_prompt` turns each into the
-model's image/video token (one per medium: the engine expands it to the medium's patch count).
+model's image/video token (one per medium: the engine expands it to the medium's patch count), or,
+for items whose processor wrote their `placeholder_text` (MiniMax-M3), into that text.
 """
 
 from typing import Any
@@ -17,6 +18,10 @@ from msaserve.platform.errors import APIError
 from msaserve.platform.model_messages import ModelError
 from msaserve.platform.openai_types import ContentPart
 
+SERVE_A_VISION_MODEL = (
+    "To send images or video, serve a checkpoint with one: a directory whose config.json has a "
+    "vision_config (e.g. model_type minimax_m3_vl: `msaserve serve --model <dir>`), or the 'tiny' preset."
+)
 MEDIA_MARKER = "<|msaserve_media|>"
 """Stands for one medium in the rendered prompt text; never sent to the model as text."""
 
@@ -27,7 +32,8 @@ async def preprocess(ctx: Any, parts: list[ContentPart], info: Any) -> list[obje
     if ctx.preprocess is None or info.image_token_id is None:
         raise APIError(
             400,
-            f"{parts[0].type} content parts need a vision model; {ctx.model_name!r} accepts text only",
+            f"{parts[0].type} content parts need a vision model; {ctx.model_name!r} accepts text only: "
+            f"it has no vision tower. {SERVE_A_VISION_MODEL}",
             param="messages",
             code="unsupported_content",
         )
@@ -58,6 +64,13 @@ def encode_prompt(tokenizer: Any, prompt: str, items: list[Any], info: Any) -> t
             400, f"message text must not contain {MEDIA_MARKER!r} (it marks where media go)",
             param="messages", code="invalid_value",
         )
+    if all(getattr(item, "placeholder_text", None) for item in items):
+        # The model's processor wrote each medium's placeholder text (MiniMax-M3): the prompt is
+        # tokenized whole with it, as transformers' processor does, and needs no expansion.
+        rest = zip(items, pieces[1:], strict=True)
+        text = pieces[0] + "".join(item.placeholder_text + piece for item, piece in rest)
+        ids = tokenizer.encode(text)
+        return ids, len(ids)
     ids = tokenizer.encode(pieces[0])
     for item, text in zip(items, pieces[1:], strict=True):
         ids.append(info.image_token_id if item.kind == "image" else info.video_token_id)

@@ -15,7 +15,8 @@ import asyncio
 from ray import serve
 
 from msaserve.preprocess.config import PreprocessConfig
-from msaserve.preprocess.pipeline import Preprocessor, PreprocessResult
+from msaserve.preprocess.pipeline import PreprocessResult
+from msaserve.preprocess.select import preprocessor_for
 
 
 @serve.deployment(
@@ -25,10 +26,10 @@ from msaserve.preprocess.pipeline import Preprocessor, PreprocessResult
     max_ongoing_requests=4,
 )
 class PreprocessDeployment:
-    def __init__(self, config: PreprocessConfig | dict | None = None) -> None:
+    def __init__(self, config: PreprocessConfig | dict | None = None, model_spec: str | None = None) -> None:
         if isinstance(config, dict):
             config = PreprocessConfig(**config)
-        self.preprocessor = Preprocessor(config or PreprocessConfig())
+        self.preprocessor = preprocessor_for(model_spec, config or PreprocessConfig())
 
     async def process(self, content_parts: list[dict]) -> PreprocessResult:
         """OpenAI content parts → PreprocessResult; raises MediaError (4xx) for bad media."""

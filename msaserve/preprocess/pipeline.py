@@ -34,6 +34,9 @@ class MediaItem:
     part_index: int  # index of the content part it came from
     source_size: tuple[int, int]  # (width, height) before resize
     num_frames: int = 1  # frames sampled (videos), before padding to the temporal patch
+    # Models whose processor writes more than one placeholder per medium (MiniMax-M3):
+    grids: list[tuple[int, int, int]] | None = None  # attention chunks of grid_thw (a video's)
+    placeholder_text: str | None = None  # the exact text the medium's marker becomes in the prompt
 
 
 @dataclass

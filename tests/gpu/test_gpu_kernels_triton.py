@@ -13,6 +13,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks" / "kernels"))  # tile_dense
 
 from kernel_inputs import make_paged_inputs
 from test_kernels_triton_cases import (
@@ -23,6 +24,7 @@ from test_kernels_triton_cases import (
     check_sparse_decode,
     check_sparse_prefill,
 )
+from tile_dense import sparse_prefill_tile_dense
 
 from msaserve.kernels import triton_common
 from msaserve.kernels.dispatch import get_ops
@@ -124,9 +126,9 @@ def test_sparse_prefill(group: int, page_size: int) -> None:
 
 @pytest.mark.parametrize("group", [1, 4, 6, 8, 16])
 def test_sparse_prefill_tile_dense(group: int) -> None:
-    """Common blocks of each tile computed tile-dense, the rest KV-block-major (tile_dense_share)."""
-    ops = dataclasses.replace(TRITON, sparse_prefill=functools.partial(sparse_prefill_triton.sparse_prefill,
-                                                                       tile_dense_share=0.5))
+    """The tile-dense experiment (benchmarks/kernels/tile_dense.py): common blocks of each tile
+    computed tile-dense, the rest KV-block-major."""
+    ops = dataclasses.replace(TRITON, sparse_prefill=lambda *args: sparse_prefill_tile_dense(*args, 0.5))
     shape = _m3(group=group, lens=(300, 2048, 5000, 9001))
     check_sparse_prefill(ops, NAIVE, shape, BF16, "cuda", seed=group + 3)
     check_sparse_prefill(ops, NAIVE, shape, BF16, "cuda", seed=group + 4, empty_slots=True)
@@ -171,8 +173,9 @@ def test_sparse_prefill_32k_chunk_equals_two_16k_chunks(tile_dense_share: float 
     gen = torch.Generator(device="cuda").manual_seed(0)
     tokens, page_size, hkv, group, dim, top_k = 32768, 128, 4, 16, 128, 16
     pages = tokens // page_size
-    sparse_prefill = functools.partial(sparse_prefill_triton.sparse_prefill,
-                                       tile_dense_share=tile_dense_share)
+    sparse_prefill = sparse_prefill_triton.sparse_prefill
+    if tile_dense_share is not None:  # the experiment (benchmarks/kernels/tile_dense.py)
+        sparse_prefill = functools.partial(_tile_dense_with_share, share=tile_dense_share)
 
     def rand(*shape):
         return torch.randn(*shape, device="cuda", generator=gen, dtype=torch.bfloat16)
@@ -211,3 +214,7 @@ def test_bulk_lse_merge_equals_the_fixed_launch(monkeypatch: pytest.MonkeyPatch)
     fixed = torch.full_like(tuned, float("nan"))
     triton_common.lse_merge(part_o, part_lse, valid, fixed)
     torch.testing.assert_close(tuned, fixed, rtol=1e-2, atol=1e-2)
+
+
+def _tile_dense_with_share(*args, share: float) -> torch.Tensor:
+    return sparse_prefill_tile_dense(*args[:7], share, *args[7:])

@@ -54,14 +54,18 @@ class EngineSessions:
     def __init__(
         self, client: KVCacheClient, caches: list[LayerKVCache], block_manager: BlockManager,
         scheduler: Scheduler, sparse: bool, sync_every: int = 16, prefetch_pages: int = 64,
+        dense_layers: tuple[int, ...] = (),
     ) -> None:
         """sparse: whether the model's ops run the MSA indexer (dense ops never select pages, so
-        an adopted session's K/V is then fetched whole at adoption)."""
+        an adopted session's K/V is then fetched whole at adoption). dense_layers: layers that
+        attend densely even then (MiniMax-M3's full_attention layers): their K/V is fetched whole
+        at adoption too, while the MSA layers fetch what they select."""
         self.client = client
         self.caches = caches
         self.block_manager = block_manager
         self.scheduler = scheduler
         self.sparse = sparse
+        self.dense_layers = dense_layers
         self.sync_every = sync_every
         self.prefetch_pages = prefetch_pages
         self.page_size = block_manager.page_size
@@ -145,9 +149,9 @@ class EngineSessions:
         self.adoptions[seq.request_id] = fetcher.stats
         while len(self.adoptions) > 1_000:
             del self.adoptions[next(iter(self.adoptions))]
-        if not self.sparse:  # dense attention reads every page: fetch them all now
-            for layer in range(len(self.caches)):
-                fetcher.ensure(layer, range(fetcher.num_pages))
+        # Dense attention reads every page: fetch them all now.
+        for layer in range(len(self.caches)) if not self.sparse else self.dense_layers:
+            fetcher.ensure(layer, range(fetcher.num_pages))
         self.stats.adopted += 1
         self.stats.adopted_tokens += covered
         self.stats.index_seconds += fetcher.stats.index_seconds

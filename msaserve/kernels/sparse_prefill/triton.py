@@ -6,25 +6,19 @@ loops over sub-tiles of BQ = BLOCK_M/G queries, packing each query's G heads int
 MMA; it writes one partial (o, lse) per (query, head, slot). A second kernel merges the
 ≤ K partials of each (query, KV head) by LSE.
 
-Option `tile_dense_share` (tile_dense.py): blocks that most of a tile of consecutive queries chose
-are computed flash-attention style for the tile first, one partial per query for all of them; the
-block-major kernel takes the rest.
+`_launch` takes an optional `prepass` that writes some partials itself before the block-major kernel
+runs and hands it the rest of the selection: the tile-dense experiment (benchmarks/kernels/tile_dense.py,
+measured slower on the H200 and kept out of the product) plugs in there.
 """
 
 import math
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
 from msaserve.kernels.dense.sdpa import dense_prefill
-from msaserve.kernels.sparse_prefill.tile_dense import (
-    block_rows,
-    max_dense_blocks,
-    plan_tiles,
-    queries_per_tile,
-    tile_dense_kernel,
-)
 from msaserve.kernels.triton_common import (
     INTERPRET,
     check,
@@ -36,10 +30,6 @@ from msaserve.kernels.triton_common import (
 )
 
 _LOG2E = 1.4426950408889634
-# Off: on the H200 the tile-dense option was slower at every share tried (0.83–0.92× of
-# KV-block-major alone at s = 0.375–0.75, all 128K chunks; docs/performance-kernels.md). bench_msa.py
-# keeps timing both, table sparse_prefill_tile_dense.
-DEFAULT_TILE_DENSE_SHARE: float | None = None
 
 # ---------------------------------------------------------------- heuristics
 
@@ -206,28 +196,10 @@ def _query_positions(cu_seqlens_q: torch.Tensor, seq_lens: torch.Tensor, num_tok
     return seq, pos.to(torch.int32)
 
 
-def _tile_dense(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-    selected: torch.Tensor, seq: torch.Tensor, pos: torch.Tensor, part_o: torch.Tensor,
-    part_lse: torch.Tensor, scale: float, min_share: float,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Run the tile-dense kernel on the tiles' common blocks, writing their partials; → (the
-    selection left to the block-major kernel, the merge's valid-partials mask), both [Tq, Hkv, K]."""
-    num_tokens, num_kv_heads, top_k = selected.shape
-    group = q.shape[1] // num_kv_heads
-    bq = queries_per_tile(group)
-    tail, dense_ids, dense_count, dense_slot, merge_valid = plan_tiles(
-        selected, seq, block_tables.shape[1], bq, min_share)
-    tile_dense_kernel[(dense_count.shape[0], num_kv_heads)](
-        q, k_cache, v_cache, block_tables, pos, seq, selected.to(torch.int32).contiguous(), dense_ids,
-        dense_count, dense_slot, part_o, part_lse, scale * _LOG2E, num_tokens,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        HKV=num_kv_heads, TOP_K=top_k, KP=pow2(top_k), G=group, P=k_cache.shape[1], D=q.shape[2],
-        DMAX=max_dense_blocks(top_k, min_share), BQ=bq, UPCAST=INTERPRET, BLOCK_M=block_rows(group),
-    )
-    return tail, merge_valid
+Prepass = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+"""(q, k_cache, v_cache, block_tables, selected, seq, pos, part_o, part_lse, scale) → (the selection
+left to the block-major kernel, the merge's valid-partials mask), both [Tq, Hkv, K]; it writes the
+partials of the slots it took into part_o / part_lse."""
 
 
 def _launch(
@@ -239,7 +211,7 @@ def _launch(
     cu_seqlens_q: torch.Tensor,
     selected: torch.Tensor,
     scale: float,
-    tile_dense_share: float | None,
+    prepass: Prepass | None = None,
 ) -> torch.Tensor:
     num_tokens, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -254,8 +226,6 @@ def _launch(
     check(page_size == pow2(page_size) and head_dim == pow2(head_dim),
           f"page size {page_size} and head dim {head_dim} must be powers of two")
     check_last_contiguous(q=q, k_cache=k_cache, v_cache=v_cache)
-    check(tile_dense_share is None or 0.0 < tile_dense_share <= 1.0,
-          f"tile_dense_share is {tile_dense_share}; allowed a share in (0, 1], or None")
     out = torch.empty_like(q)
     if num_tokens == 0:
         return out
@@ -266,9 +236,9 @@ def _launch(
     part_o = q.new_empty((num_tokens * num_kv_heads * top_k, group, head_dim))
     part_lse = q.new_empty((num_tokens * num_kv_heads * top_k, group), dtype=torch.float32)
     valid = selected
-    if tile_dense_share is not None:
-        selected, valid = _tile_dense(q, k_cache, v_cache, block_tables, selected, seq, pos, part_o, part_lse,
-                                      scale, tile_dense_share)
+    if prepass is not None:
+        selected, valid = prepass(q, k_cache, v_cache, block_tables, selected, seq, pos, part_o, part_lse,
+                                  scale)
     key, entry, tile_start, tile_count = _invert_selection(
         selected, seq, block_tables.shape[1], _queries_per_item(group),
         max_segments=batch * num_kv_heads * block_tables.shape[1],
@@ -299,18 +269,13 @@ def sparse_prefill(
     cu_seqlens_q: torch.Tensor,
     selected: torch.Tensor | None,
     softmax_scale: float | None = None,
-    *,
-    tile_dense_share: float | None = DEFAULT_TILE_DENSE_SHARE,
 ) -> torch.Tensor:
     """q: [Tq, Hq, D]; k_cache, v_cache: [num_pages, P, Hkv, D]; block_tables: [B, max_pages];
     seq_lens: [B]; cu_seqlens_q: [B + 1]; selected: [Tq, Hkv, K] logical block ids in any order,
     distinct per row, -1 = none (None = dense causal, served by SDPA) → o [Tq, Hq, D] in q's dtype.
     Query heads h*G .. h*G+G-1 share KV head h.
-    tile_dense_share: None = KV-block-major only; else the share of a tile's queries that must
-    have chosen a block for it to be computed tile-dense (module docstring).
     """
     if selected is None:
         return dense_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, softmax_scale)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, selected, scale,
-                   tile_dense_share)
+    return _launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, selected, scale)

@@ -8,7 +8,14 @@ import torch
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.llm_engine import LLMEngine
-from msaserve.engine.model_loading import LoadedModel, ModelFileMissing, Tokenizer, load_model
+from msaserve.engine.model_loading import (
+    CheckpointMismatch,
+    LoadedModel,
+    ModelFileMissing,
+    Tokenizer,
+    UnsupportedModelType,
+    load_model,
+)
 from msaserve.engine.types import GenerateRequest, SamplingParams
 
 
@@ -16,7 +23,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("generate", help="generate text from a prompt (CPU, one sequence)")
     parser.add_argument("--prompt", required=True, help="the prompt text")
     parser.add_argument(
-        "--model", default="smollm2", help="smollm2 (default), tiny, a safetensors directory or a .gguf file"
+        "--model", default="smollm2",
+        help="smollm2 (default), tiny, a checkpoint directory (model_type msa, llama, minimax_m3_vl, "
+        "minimax_m3_vl_text) or a .gguf file",
     )
     parser.add_argument(
         "--attention",
@@ -59,7 +68,7 @@ def run(args: argparse.Namespace) -> int:
     torch.set_grad_enabled(False)
     try:
         loaded = load_model(args.model, attention_backend=args.attention)
-    except ModelFileMissing as error:
+    except (ModelFileMissing, UnsupportedModelType, CheckpointMismatch) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     tokenizer = loaded.tokenizer

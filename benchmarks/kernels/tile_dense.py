@@ -1,4 +1,6 @@
-"""Tile-dense part of sparse prefill (an option of triton.py): fewer partials per query.
+"""An experiment, kept out of the product: a tile-dense prepass for sparse prefill (plugged into
+`msaserve/kernels/sparse_prefill/triton.py` through its `prepass` hook) that leaves fewer partials per
+query. `sparse_prefill_tile_dense` is the whole op with it; bench_msa.py times it beside the default.
 
 The KV-block-major kernel writes one partial (o, lse) per (query, head, selected block), and the
 merge reads them all back: at the M3 shape that traffic, not the MMAs, bounds it. Consecutive
@@ -24,7 +26,10 @@ import torch
 import triton
 import triton.language as tl
 
-from msaserve.kernels.triton_common import configs, pow2
+from msaserve.kernels.sparse_prefill import triton as sparse_prefill_triton
+from msaserve.kernels.triton_common import INTERPRET, check, configs, pow2
+
+_LOG2E = 1.4426950408889634
 
 
 def queries_per_tile(group: int) -> int:
@@ -165,3 +170,41 @@ def tile_dense_kernel(
 def block_rows(group: int) -> int:
     """MMA rows of a tile program (BQ · G rounded up to a power of two, at least 16)."""
     return pow2(queries_per_tile(group) * group, 16)
+
+
+def tile_dense_prepass(min_share: float):
+    """The prepass for `sparse_prefill_triton._launch`: run the tile-dense kernel on each tile's
+    common blocks, writing their partials; → (the selection left to the block-major kernel, the
+    merge's valid-partials mask), both [Tq, Hkv, K]."""
+
+    def prepass(q, k_cache, v_cache, block_tables, selected, seq, pos, part_o, part_lse, scale):
+        num_tokens, num_kv_heads, top_k = selected.shape
+        group = q.shape[1] // num_kv_heads
+        bq = queries_per_tile(group)
+        tail, dense_ids, dense_count, dense_slot, merge_valid = plan_tiles(
+            selected, seq, block_tables.shape[1], bq, min_share)
+        tile_dense_kernel[(dense_count.shape[0], num_kv_heads)](
+            q, k_cache, v_cache, block_tables, pos, seq, selected.to(torch.int32).contiguous(), dense_ids,
+            dense_count, dense_slot, part_o, part_lse, scale * _LOG2E, num_tokens,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            HKV=num_kv_heads, TOP_K=top_k, KP=pow2(top_k), G=group, P=k_cache.shape[1], D=q.shape[2],
+            DMAX=max_dense_blocks(top_k, min_share), BQ=bq, UPCAST=INTERPRET, BLOCK_M=block_rows(group),
+        )
+        return tail, merge_valid
+
+    return prepass
+
+
+def sparse_prefill_tile_dense(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+    seq_lens: torch.Tensor, cu_seqlens_q: torch.Tensor, selected: torch.Tensor, share: float,
+    softmax_scale: float | None = None,
+) -> torch.Tensor:
+    """`sparse_prefill` (same shapes) with each tile's blocks chosen by ≥ `share` of its queries
+    computed tile-dense first."""
+    check(0.0 < share <= 1.0, f"tile_dense_share is {share}; allowed a share in (0, 1]")
+    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+    return sparse_prefill_triton._launch(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, selected,
+                                         scale, prepass=tile_dense_prepass(share))
