@@ -1,13 +1,17 @@
 """The KV-aware policy (docs/design.md §4, router): send a request where its pages are, keep sessions
 together, and keep load balanced.
 
-    cost(r) = w_prefill · prefill_pages(r) + w_decode · active_pages(r)
+    cost(r) = w_prefill · (miss_pages(r) + w_queue · min(queued_pages(r), queue_horizon_pages))
+              + w_decode · active_pages(r)
               − affinity_credit   [r is the session's home and not overloaded]
               − index_credit      [the session's MSA index is resident on r]
 
-`prefill_pages(r)` is the work r must do before this request's first token: the request's pages
-that r does not hold (leading-prefix match on chained hashes) plus the prefill pages already
-queued on r. `active_pages(r)` is pages held by r's live sequences (decode cost per step grows
+`miss_pages(r)` is the request's pages that r does not hold (leading-prefix match on chained
+hashes), `queued_pages(r)` the prefill already queued on r: the work before this request's first
+token. The queue is priced up to a horizon (load adaptation): past it every replica has enough
+work not to idle and only the work a miss adds still matters, so near and past capacity requests
+stay with their prefixes instead of following the shortest of several long queues.
+`active_pages(r)` is pages held by r's live sequences (decode cost per step grows
 with it, and it is KV pressure that evicts cached prefixes).
 
 Overloaded replicas (they cannot fit the request in their free pages, or their load is past the
@@ -46,13 +50,22 @@ class KVAwareConfig:
     """Weight of the prefill pages already queued on the replica, relative to this request's own
     (below 1: a miss adds work for everyone, queued work only delays; 0.5 chosen on the Mooncake
     trace in benchmarks/router/simulate.py)."""
+    queue_horizon_pages: float = 256.0
+    """Load adaptation: queued prefill is priced up to this many pages. Below it a queue is time
+    this request waits; past it every candidate has work enough not to idle, and a miss only adds
+    work that delays everyone behind it, so the prefix decides (256 pages of 512 tokens: chosen on
+    the Mooncake trace, docs/performance-router.md)."""
+    spill_on_full_kv: bool = False
+    """Whether a replica without free pages for the request counts as overloaded (skipped while
+    another can take it; a session leaves it). Off: near capacity every replica's pages are full
+    of running sequences, and spilling on it scattered sessions away from their prefixes."""
     affinity_credit: float = 16.0
     """Pages of prefill a session's home replica is credited with."""
     index_credit: float = 16.0
     """Pages credited where the session's MSA index is resident (KV cache service)."""
     imbalance_abs: float = 16.0
     """Sequences: the guard needs max − min load above this…"""
-    imbalance_rel: float = 2.0
+    imbalance_rel: float = 3.0
     """…and max load above this multiple of the mean."""
 
     def __post_init__(self) -> None:
@@ -73,7 +86,7 @@ class KVAwarePolicy(Policy):
 
     def overloaded(self, r: ReplicaState, request: RequestView, candidates: Sequence[ReplicaState]) -> bool:
         """Too full to take this request without waiting, or far more loaded than the others."""
-        if r.num_total_pages and r.free_pages < request.num_pages:
+        if self.config.spill_on_full_kv and r.num_total_pages and r.free_pages < request.num_pages:
             return True
         others = [c.load for c in candidates if c.replica_id != r.replica_id]
         if not others:
@@ -87,7 +100,8 @@ class KVAwarePolicy(Policy):
         cfg = self.config
         hit = r.hit_pages(request.page_hashes, now)
         miss = len(request.page_hashes) - hit
-        prefill = miss + cfg.w_queue * r.queued_prefill_pages(self.state.mean_miss_pages)
+        queued = min(r.queued_prefill_pages(self.state.mean_miss_pages), cfg.queue_horizon_pages)
+        prefill = miss + cfg.w_queue * queued
         cost = cfg.w_prefill * prefill + cfg.w_decode * r.active_pages
         if home_ok:
             cost -= cfg.affinity_credit
