@@ -67,7 +67,7 @@ class ModelDeployment:
         self.engine = None
         self.error: str | None = None
         self.sessions = SessionTable()
-        self.drain = DrainRate()
+        self.drain_rate = DrainRate()
         self.routing = RoutingStatsRecorder()
         self.routing.replica_id = self.replica_id
         self.draining = False
@@ -135,7 +135,7 @@ class ModelDeployment:
             except EngineError as e:
                 api = from_engine_error(e)
                 if isinstance(e, QueueFull):  # when the queue ahead will have drained
-                    api.retry_after_s = self.drain.retry_after_s(self.engine.stats().num_waiting)
+                    api.retry_after_s = self.drain_rate.retry_after_s(self.engine.stats().num_waiting)
                 yield ModelError(api.status, api.message, api.param, api.code, api.retry_after_s)
                 return
             last = first
@@ -152,7 +152,7 @@ class ModelDeployment:
             await stream.aclose()
             self.sessions.end(request.session_id, last.stats if last else None)
             if last is not None:
-                self.drain.note_finished()
+                self.drain_rate.note_finished()
 
     def record_routing_stats(self) -> dict:
         if self.engine is None:
