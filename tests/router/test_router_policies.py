@@ -222,5 +222,5 @@ def test_a_policy_is_one_class() -> None:
         assert "first_replica_test" not in POLICIES  # the product's names are fixed at import
     finally:
         POLICY_CLASSES.pop("first_replica_test")
-    with pytest.raises(ValueError, match="router.policy='nope' is invalid: allowed round_robin, pow2"):
+    with pytest.raises(ValueError, match=r"router\.policy='nope' is invalid: allowed round_robin, pow2"):
         make_policy("nope", RouterState())
