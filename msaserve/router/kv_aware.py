@@ -22,17 +22,16 @@ across replicas is imbalanced (both thresholds crossed, `policies.is_imbalanced`
 falls back to power of two choices: the state it reasons about is then likely stale.
 """
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from msaserve.router.policies import (
+    POLICY_CLASSES,
     Decision,
     Policy,
-    Pow2Policy,
-    PrefixAffinityPolicy,
     Reason,
-    RoundRobinPolicy,
     is_imbalanced,
     pow2_choice,
     usable,
@@ -83,6 +82,10 @@ class KVAwarePolicy(Policy):
                  config: KVAwareConfig | None = None) -> None:
         super().__init__(state, rng)
         self.config = config or KVAwareConfig()
+
+    @classmethod
+    def from_config(cls, state: RouterState, rng: random.Random | None, config: KVAwareConfig) -> Policy:
+        return cls(state, rng, config)
 
     def overloaded(self, r: ReplicaState, request: RequestView, candidates: Sequence[ReplicaState]) -> bool:
         """Too full to take this request without waiting, or far more loaded than the others."""
@@ -139,24 +142,22 @@ class KVAwarePolicy(Policy):
         return "prefix_hit" if hit > 0 else "least_cost"
 
 
-POLICIES = ("round_robin", "pow2", "prefix_affinity", "kv_aware")
+POLICIES = tuple(POLICY_CLASSES)
+"""The product's policies (registered by the classes of policies.py and this module), the names
+ServeConfig's `router.policy` accepts."""
 
 
 def make_policy(name: str, state: RouterState, rng: random.Random | None = None, *,
                 kv_aware: KVAwareConfig | None = None, imbalance_abs: float | None = None,
                 imbalance_rel: float | None = None) -> Policy:
-    """The policy named in ServeConfig's `router.policy`."""
-    if name == "round_robin":
-        return RoundRobinPolicy(state, rng)
-    if name == "pow2":
-        return Pow2Policy(state, rng)
-    if name == "prefix_affinity":
-        cfg = kv_aware or KVAwareConfig()
-        return PrefixAffinityPolicy(
-            state, rng,
-            imbalance_abs=cfg.imbalance_abs if imbalance_abs is None else imbalance_abs,
-            imbalance_rel=cfg.imbalance_rel if imbalance_rel is None else imbalance_rel,
-        )
-    if name == "kv_aware":
-        return KVAwarePolicy(state, rng, kv_aware)
-    raise ValueError(f"router.policy={name!r} is invalid: allowed {', '.join(POLICIES)}")
+    """The policy registered under `name`, built from the cost-model settings (imbalance_* override
+    the config's guard)."""
+    cls = POLICY_CLASSES.get(name)
+    if cls is None:
+        raise ValueError(f"router.policy={name!r} is invalid: allowed {', '.join(POLICY_CLASSES)}")
+    cfg = kv_aware or KVAwareConfig()
+    if imbalance_abs is not None:
+        cfg = dataclasses.replace(cfg, imbalance_abs=imbalance_abs)
+    if imbalance_rel is not None:
+        cfg = dataclasses.replace(cfg, imbalance_rel=imbalance_rel)
+    return cls.from_config(state, rng, cfg)

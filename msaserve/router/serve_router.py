@@ -102,7 +102,8 @@ def build_core(kwargs: Mapping[str, Any]) -> RouterCore:
     if unknown:
         raise ValueError(f"request_router_kwargs has unknown keys {sorted(unknown)}: allowed "
                          f"{sorted(known | cfg_fields | set(PLATFORM_ALIASES) | {'stats_period_s'})}")
-    cfg = KVAwareConfig(**{k: float(v) for k, v in kwargs.items() if k in cfg_fields})
+    cfg = KVAwareConfig(**{k: v if isinstance(v, bool) else float(v)
+                           for k, v in kwargs.items() if k in cfg_fields})
     core = RouterCore(kwargs.get("policy", "kv_aware"), kwargs.get("page_size"), kv_aware=cfg,
                       estimate_expiry_s=kwargs.get("estimate_expiry_s", 30.0),
                       default_max_tokens=kwargs.get("default_max_tokens", 256), seed=kwargs.get("seed"))

@@ -203,3 +203,24 @@ def test_config_and_factory_errors_name_the_field():
         make_policy("fastest", RouterState())
     for name in ("round_robin", "pow2", "prefix_affinity", "kv_aware"):
         assert make_policy(name, RouterState()).name == name
+
+
+def test_a_policy_is_one_class() -> None:
+    """Adding a routing policy is one new class: defining it registers it under its name, and
+    make_policy builds it from the router's settings."""
+    from msaserve.router.kv_aware import POLICIES, make_policy
+    from msaserve.router.policies import POLICY_CLASSES, Policy, RoundRobinPolicy
+
+    class FirstReplica(Policy):
+        name = "first_replica_test"
+
+        def choose(self, request, replicas, now):
+            return RoundRobinPolicy(self.state, self.rng).choose(request, replicas[:1], now)
+
+    try:
+        assert isinstance(make_policy("first_replica_test", RouterState()), FirstReplica)
+        assert "first_replica_test" not in POLICIES  # the product's names are fixed at import
+    finally:
+        POLICY_CLASSES.pop("first_replica_test")
+    with pytest.raises(ValueError, match=r"router\.policy='nope' is invalid: allowed round_robin, pow2"):
+        make_policy("nope", RouterState())
