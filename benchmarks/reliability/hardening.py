@@ -80,12 +80,15 @@ def part_fuzz(command: str, examples: int) -> dict:
     }
 
 
-def part_tenants(command: str, trials: int) -> dict:
+PROBES = ("read", "delete", "list", "prefix_hit", "owner_lost_it")
+
+
+def _tenant_probes(auth_config: dict, trials: int) -> tuple[dict[str, int], int]:
+    """({probe: cross-tenant successes}, attempts) for `trials` sessions of key A probed by key B."""
     from inprocess_app import TINY_CONFIG, inprocess_gateway
 
-    config = {**TINY_CONFIG, "auth": {"api_keys": [KEY_A, KEY_B]}}
     prompt = "a shared prefix long enough to fill several pages of the tiny model. " * 4
-    leaks, attempts = 0, 0
+    found = dict.fromkeys(PROBES, 0)
 
     def auth(key: str, session: str | None = None) -> dict:
         return {"Authorization": f"Bearer {key}"} | ({"X-Session-Id": session} if session else {})
@@ -94,25 +97,46 @@ def part_tenants(command: str, trials: int) -> dict:
         body = {"model": "msaserve/tiny", "messages": [{"role": "user", "content": content}], "max_tokens": 1}
         return gateway.request("POST", "/v1/chat/completions", json=body, headers=auth(key, session)).json()
 
-    under = conditions()
-    with inprocess_gateway(config) as g:
+    with inprocess_gateway({**TINY_CONFIG, "auth": auth_config}) as g:
         for i in range(trials):
             session = f"s-{i}"
-            chat(g, KEY_A, prompt + f"a{i}", session)
-            probes = [
-                g.request("GET", f"/v1/sessions/{session}", headers=auth(KEY_B)).status_code != 404,
-                g.request("DELETE", f"/v1/sessions/{session}", headers=auth(KEY_B)).status_code != 404,
-                session in {s["id"] for s in g.request("GET", "/v1/sessions", headers=auth(KEY_B)).json()
-                            ["data"]},
-                chat(g, KEY_B, prompt + f"b{i}")["usage"]["prompt_tokens_details"]["cached_tokens"] > 0,
-                g.request("GET", f"/v1/sessions/{session}", headers=auth(KEY_A)).status_code != 200,
-            ]
-            attempts += len(probes)
-            leaks += sum(probes)
-    print(f"tenants: {leaks} leaks in {attempts} cross-tenant probes")
-    note = (f"{trials} trials x (B reads A's session, B deletes it, B lists it, B's same-prefix prompt hits "
-            "A's prefix-cache pages, A's session gone after B's attempts); in process, tiny engine")
-    return {"hardening.cross_tenant_leaks": entry(leaks, "leaks", command, note, under)}
+            unique = f"trial {i}: " + prompt  # a prefix only this trial's A request sent before B's
+            chat(g, KEY_A, unique + "a", session)
+            listed = g.request("GET", "/v1/sessions", headers=auth(KEY_B)).json()["data"]
+            def status(method: str, key: str, session: str = session) -> int:
+                return g.request(method, f"/v1/sessions/{session}", headers=auth(key)).status_code
+
+            outcome = {
+                "read": status("GET", KEY_B) != 404,
+                "delete": status("DELETE", KEY_B) != 404,
+                "list": session in {s["id"] for s in listed},
+                "prefix_hit": chat(g, KEY_B, unique + "b")["usage"]["prompt_tokens_details"]["cached_tokens"]
+                > 0,
+                "owner_lost_it": status("GET", KEY_A) != 200,
+            }
+            for probe, leaked in outcome.items():
+                found[probe] += leaked
+    return found, trials * len(PROBES)
+
+
+def part_tenants(command: str, trials: int) -> dict:
+    under = conditions()
+    leaks, attempts = _tenant_probes({"api_keys": [KEY_A, KEY_B]}, trials)
+    # Control: the same probes with the operator's opt-in to a shared prefix cache must see the hit
+    # (so the probe can detect a leak), and nothing else.
+    control, _ = _tenant_probes({"api_keys": [KEY_A, KEY_B], "share_prefix_cache": True}, trials)
+    print(f"tenants: {sum(leaks.values())} leaks in {attempts} cross-tenant probes {leaks}; "
+          f"control with auth.share_prefix_cache: {control}")
+    note = (f"{trials} trials x {len(PROBES)} probes (key B reads / deletes / lists key A's session, B's "
+            f"prompt with A's prefix hits A's prefix-cache pages, A's session gone after B's attempts); in "
+            f"process, tiny engine; per probe {leaks}; control with auth.share_prefix_cache=true: {control}")
+    return {
+        "hardening.cross_tenant_leaks": entry(sum(leaks.values()), "leaks", command, note, under),
+        "hardening.cross_tenant_probes": entry(attempts, "probes", command, note, under),
+        "hardening.shared_cache_control_prefix_hits": entry(
+            control["prefix_hit"], "hits", command, note, under
+        ),
+    }
 
 
 def part_slowloris(command: str) -> dict:

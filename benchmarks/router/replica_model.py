@@ -140,6 +140,10 @@ class SimReplica:
     events: list = field(default_factory=list)
     """("stored" | "removed", page hash) in order, drained by each routing-stats payload."""
 
+    def num_ongoing(self) -> int:
+        """Requests in this replica (what Serve's queue-length probe returns)."""
+        return len(self.waiting) + len(self.prefilling) + len(self.decoding)
+
     def free_pages(self) -> int:
         return self.capacity - self.referenced - self.private_pages
 

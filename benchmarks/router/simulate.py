@@ -17,21 +17,23 @@ max(30 s, 5% of the arrival span) after the last arrival.
 """
 
 import argparse
-import datetime
 import json
 import math
 import random
-import subprocess
 import sys
-from collections import Counter
+from collections import Counter, deque
+from collections.abc import Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from ray_baselines import RayPow2Sim, RayPrefixAffinitySim
 from replica_model import Calibration, SimReplica, SimRequest
+from report import headline, merge_into_summary, plot, print_markdown, print_table, summarize, write_results
 
 from msaserve.engine.types import EngineStats, KVEvent
 from msaserve.router.kv_aware import POLICIES, KVAwareConfig, make_policy
+from msaserve.router.policies import Decision
 from msaserve.router.state import RequestView, RouterState, estimate_expiry_for
 from msaserve.router.stats import RoutingStatsRecorder, parse_routing_stats, routing_stats_payload
 
@@ -76,173 +78,107 @@ def _publish(replica: SimReplica, recorder: RoutingStatsRecorder, state: RouterS
     state.apply_stats(replica.replica_id, parsed, now)
 
 
+POLICY_NAMES = (*POLICIES, "ray_pow2", "ray_prefix_affinity")
+"""Our policies (production code) and the simulated Ray Serve routers (ray_baselines.py)."""
+
+
+def build_policy(name: str, state: RouterState, rng: random.Random, kv_cfg: KVAwareConfig,
+                 replicas: dict[str, SimReplica], max_ongoing: int):
+    def queue_len(rid: str) -> int:
+        return replicas[rid].num_ongoing()
+
+    if name == "ray_pow2":
+        return RayPow2Sim(state, rng, queue_len, max_ongoing)
+    if name == "ray_prefix_affinity":
+        return RayPrefixAffinitySim(state, rng, queue_len, max_ongoing)
+    return make_policy(name, state, rng, kv_aware=kv_cfg)
+
+
+def _place(policy, view: RequestView, state: RouterState, replicas: dict[str, SimReplica],
+           max_ongoing: int, t: float) -> Decision | None:
+    """Where Serve sends the request: the policy's ranking, first replica below max_ongoing_requests
+    (Serve's queue-length probe); None if every one is full (it waits in the router)."""
+    candidates = [state.replicas[rid] for rid in replicas]
+    if isinstance(policy, RayPow2Sim | RayPrefixAffinitySim):
+        return policy.choose(view, candidates, t)
+    for decision in policy.rank(view, candidates, t):
+        if replicas[decision.replica_id].num_ongoing() < max_ongoing:
+            return decision
+    return None
+
+
 def run(trace: list[dict], policy_name: str, n_replicas: int, scale: float, cal: Calibration,
-        stats_period_s: float, kv_cfg: KVAwareConfig, seed: int = 0) -> dict:
+        stats_period_s: float, kv_cfg: KVAwareConfig, seed: int = 0, max_ongoing: int = 256,
+        retry_s: float = 0.05) -> dict:
     clock = [0.0]
     state = RouterState(estimate_expiry_s=estimate_expiry_for(stats_period_s))
-    policy = make_policy(policy_name, state, random.Random(seed), kv_aware=kv_cfg)
     replicas = {f"r{i}": SimReplica(f"r{i}", cal, cal.capacity_pages) for i in range(n_replicas)}
+    policy = build_policy(policy_name, state, random.Random(seed), kv_cfg, replicas, max_ongoing)
     recorders = {rid: RoutingStatsRecorder(clock=lambda: clock[0]) for rid in replicas}
     state.sync_replicas(replicas)
     t0 = trace[0]["timestamp"]
     requests, decisions, predicted = [], Counter(), 0
+    waiting: deque[tuple[SimRequest, RequestView]] = deque()  # in the router (all replicas full)
     next_stats = 0.0
-    for i, row in enumerate(trace):
-        t = (row["timestamp"] - t0) / 1000.0 / scale
-        while next_stats <= t:
-            clock[0] = next_stats
-            for rid, replica in replicas.items():
-                replica.advance(next_stats)
-                _publish(replica, recorders[rid], state, next_stats)
-            next_stats += stats_period_s
-        for replica in replicas.values():
-            replica.advance(t)
-        req = SimRequest(i, t, row["input_length"], max(1, row["output_length"]), list(row["hash_ids"]))
-        req.out_pages = math.ceil((req.input_tokens + req.output_tokens) / cal.page_tokens) - len(req.blocks)
-        view = RequestView(str(i), req.blocks, req.pages)
-        decision = policy.choose(view, [state.replicas[rid] for rid in replicas], t)
-        state.on_routed(view, decision.replica_id, t)
+
+    def advance(until: float) -> None:
+        nonlocal next_stats
+        while True:
+            retry_at = clock[0] + retry_s if waiting else math.inf
+            step = min(next_stats, retry_at, until)
+            for replica in replicas.values():
+                replica.advance(step)
+            clock[0] = step
+            if step == next_stats:
+                for rid, replica in replicas.items():
+                    _publish(replica, recorders[rid], state, step)
+                next_stats += stats_period_s
+            while waiting and dispatch(*waiting[0], step):
+                waiting.popleft()
+            if step == until:
+                return
+
+    def dispatch(req: SimRequest, view: RequestView, t: float) -> bool:
+        nonlocal predicted
+        decision = _place(policy, view, state, replicas, max_ongoing, t)
+        if decision is None:
+            return False
+        hit = state.on_routed(view, decision.replica_id, t)
         decisions[decision.reason] += 1
-        predicted += decision.predicted_hit_pages
+        predicted += hit
         req.replica = decision.replica_id
         replicas[decision.replica_id].waiting.append(req)
+        return True
+
+    for i, row in enumerate(trace):
+        t = (row["timestamp"] - t0) / 1000.0 / scale
+        advance(t)
+        req = SimRequest(i, t, row["input_length"], max(1, row["output_length"]), list(row["hash_ids"]))
+        req.out_pages = math.ceil((req.input_tokens + req.output_tokens) / cal.page_tokens) - len(req.blocks)
+        view = RequestView(str(i), req.blocks, req.pages, row.get("session_id"))
         requests.append(req)
+        if waiting or not dispatch(req, view, t):
+            waiting.append((req, view))
+    while waiting:
+        advance(clock[0] + 1.0)
     for replica in replicas.values():
         replica.advance(math.inf)
     return summarize(requests, replicas, decisions, predicted, cal)
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    k = (len(ordered) - 1) * q
-    lo, hi = math.floor(k), math.ceil(k)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
-
-
-def summarize(requests: list[SimRequest], replicas: dict[str, SimReplica], decisions: Counter,
-              predicted_hit_pages: int, cal: Calibration) -> dict:
-    ttft = [r.first_token - r.arrival for r in requests]  # type: ignore[operator]
-    last_arrival = max(r.arrival for r in requests)
-    span = last_arrival - min(r.arrival for r in requests)
-    makespan = max(r.finish for r in requests) - min(r.arrival for r in requests)  # type: ignore[type-var]
-    drain = max(r.finish for r in requests) - last_arrival  # type: ignore[operator]
-    hit_tokens = sum(min(r.hit_blocks * cal.page_tokens, r.input_tokens) for r in requests)
-    busy = [rep.busy_s for rep in replicas.values()]
-    return {
-        "ttft_p50_s": _percentile(ttft, 0.5),
-        "ttft_p90_s": _percentile(ttft, 0.9),
-        "prefix_hit_rate": hit_tokens / sum(r.input_tokens for r in requests),
-        "predicted_hit_pages": predicted_hit_pages,
-        "actual_hit_pages": sum(r.hit_blocks for r in requests),
-        "throughput_tok_s": sum(r.output_tokens for r in requests) / makespan,
-        "throughput_req_s": len(requests) / makespan,
-        "offered_req_s": len(requests) / span if span > 0 else math.inf,
-        "load_imbalance": max(busy) / (sum(busy) / len(busy)) if sum(busy) else 1.0,
-        "drain_s": drain,
-        "sustained": drain <= max(30.0, 0.05 * span),
-        "decisions": dict(decisions),
-    }
-
-
 def sweep(trace: list[dict], replica_counts: list[int], scales: list[float], cal: Calibration,
-          stats_period_s: float, kv_cfg: KVAwareConfig, seed: int) -> list[dict]:
+          stats_period_s: float, kv_cfg: KVAwareConfig, seed: int, policies: Sequence[str],
+          max_ongoing: int) -> list[dict]:
     rows = []
     for n in replica_counts:
         for scale in scales:
-            for policy in POLICIES:
-                result = run(trace, policy, n, scale * n / 4, cal, stats_period_s, kv_cfg, seed)
+            for policy in policies:
+                result = run(trace, policy, n, scale * n / 4, cal, stats_period_s, kv_cfg, seed, max_ongoing)
                 rows.append({"replicas": n, "scale": scale, "policy": policy, **result})
-                print(f"  {n} replicas, scale {scale:.2f}, {policy:16s} "
+                print(f"  {n} replicas, scale {scale:.2f}, {policy:20s} "
                       f"p90 TTFT {result['ttft_p90_s']:8.2f} s  hit {result['prefix_hit_rate']:.3f}",
                       file=sys.stderr, flush=True)
     return rows
-
-
-def headline(rows: list[dict], n: int) -> dict | None:
-    """At the highest load pow2 sustains with n replicas: pow2's p90 TTFT over kv_aware's."""
-    pow2 = [r for r in rows if r["replicas"] == n and r["policy"] == "pow2" and r["sustained"]]
-    if not pow2:
-        return None
-    top = max(pow2, key=lambda r: r["scale"])
-    kv = next(r for r in rows
-              if r["replicas"] == n and r["policy"] == "kv_aware" and r["scale"] == top["scale"])
-    return {"replicas": n, "scale": top["scale"], "offered_req_s": top["offered_req_s"],
-            "ratio": top["ttft_p90_s"] / kv["ttft_p90_s"], "pow2_p90_s": top["ttft_p90_s"],
-            "kv_aware_p90_s": kv["ttft_p90_s"], "kv_aware_hit_rate": kv["prefix_hit_rate"],
-            "pow2_hit_rate": top["prefix_hit_rate"], "kv_aware_throughput_tok_s": kv["throughput_tok_s"],
-            "kv_aware_load_imbalance": kv["load_imbalance"]}
-
-
-def _git_revision() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-
-
-def write_results(path: Path, heads: list[dict], command: str, cal: Calibration) -> None:
-    meta = {"command": command, "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
-            "git_revision": _git_revision(),
-            "hardware": f"simulated H200 replicas ({cal.source}); simulator ran on a 2-core CPU"}
-    entries = {}
-    for h in heads:
-        suffix = "" if h["replicas"] == 4 else f"_{h['replicas']}_replicas"
-        entries[f"router.p90_ttft_ratio_vs_pow2{suffix}"] = {"value": round(h["ratio"], 3), "unit": "x",
-                                                             **meta}
-        entries[f"router.prefix_hit_rate{suffix}"] = {"value": round(h["kv_aware_hit_rate"], 4),
-                                                     "unit": "fraction of prompt tokens", **meta}
-        entries[f"router.kv_aware_p90_ttft{suffix}"] = {"value": round(h["kv_aware_p90_s"], 3), "unit": "s",
-                                                        **meta}
-        entries[f"router.pow2_p90_ttft{suffix}"] = {"value": round(h["pow2_p90_s"], 3), "unit": "s", **meta}
-        entries[f"router.max_pow2_sustained_rate{suffix}"] = {"value": round(h["offered_req_s"], 3),
-                                                             "unit": "requests/s", **meta}
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(entries, indent=2) + "\n")
-
-
-def plot(rows: list[dict], path: Path) -> bool:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib not installed: no plot", file=sys.stderr)
-        return False
-    counts = sorted({r["replicas"] for r in rows})
-    fig, axes = plt.subplots(1, len(counts), figsize=(6 * len(counts), 4.2), squeeze=False)
-    for ax, n in zip(axes[0], counts, strict=True):
-        for policy in POLICIES:
-            pts = sorted((r["offered_req_s"], r["ttft_p90_s"]) for r in rows
-                         if r["replicas"] == n and r["policy"] == policy)
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=policy)
-        ax.set_yscale("log")
-        ax.set_xlabel("offered load (requests/s, Mooncake trace time-scaled)")
-        ax.set_ylabel("p90 TTFT (s)")
-        ax.set_title(f"{n} replicas")
-        ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    return True
-
-
-def print_table(rows: list[dict], heads: list[dict]) -> None:
-    print(f"{'N':>2} {'scale':>5} {'req/s':>6} {'policy':16s} {'p50 s':>8} {'p90 s':>8} {'hit':>6} "
-          f"{'tok/s':>8} {'imbal':>6} sust  decisions")
-    for r in rows:
-        print(f"{r['replicas']:>2} {r['scale']:>5.2f} {r['offered_req_s']:>6.2f} {r['policy']:16s} "
-              f"{r['ttft_p50_s']:>8.2f} {r['ttft_p90_s']:>8.2f} {r['prefix_hit_rate']:>6.3f} "
-              f"{r['throughput_tok_s']:>8.0f} {r['load_imbalance']:>6.3f} "
-              f"{'yes' if r['sustained'] else 'no ':4s} "
-              f"{r['decisions']}")
-    for h in heads:
-        print(f"{h['replicas']} replicas, highest load pow2 sustains (scale {h['scale']:.2f}, "
-              f"{h['offered_req_s']:.2f} req/s): p90 TTFT pow2 {h['pow2_p90_s']:.2f} s / kv_aware "
-              f"{h['kv_aware_p90_s']:.2f} s = {h['ratio']:.2f}x; prefix hit rate kv_aware "
-              f"{h['kv_aware_hit_rate']:.3f} (pow2 {h['pow2_hit_rate']:.3f})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -250,34 +186,58 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--trace", default=DEFAULT_TRACE, help="JSONL trace (Mooncake format)")
     parser.add_argument("--replicas", default="4,8", help="comma-separated replica counts")
-    parser.add_argument("--scales", default="0.3,0.4,0.5,0.55,0.6,0.65,0.7,0.8,1.0",
+    parser.add_argument("--scales", default="0.3,0.4,0.5,0.6,0.7,0.8,0.9,1.0,1.1,1.2,1.4",
                         help="arrival-rate scales for 4 replicas (×N/4 for N replicas)")
+    parser.add_argument("--policies", default=",".join(POLICY_NAMES))
     parser.add_argument("--calibration", help="JSON overriding Calibration fields (measured engine speeds)")
     parser.add_argument("--stats-period-s", type=float, default=1.0, help="routing-stats period")
+    parser.add_argument("--max-ongoing", type=int, default=256,
+                        help="Serve's max_ongoing_requests per replica (the platform's default)")
+    parser.add_argument("--slo-p90-ttft-s", type=float, default=10.0)
     parser.add_argument("--kv-aware", default="{}", help="JSON of KVAwareConfig fields")
     parser.add_argument("--limit", type=int, help="first N trace rows only (smoke runs)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix", default="router.", help="figure name prefix in the results JSON")
     parser.add_argument("--out", default="benchmarks/results/router.json")
     parser.add_argument("--plot", default="docs/router_p90_ttft.png")
+    parser.add_argument("--summary", action="store_true", help="also merge the figures into summary.json")
+    parser.add_argument("--from-sweep", help="recompute the figures from a sweep JSON this script wrote")
+    parser.add_argument("--markdown", action="store_true", help="also print the sweep as markdown tables")
+    parser.add_argument("--record-command", help="the command to record (with --from-sweep: the sweep's)")
     args = parser.parse_args(argv)
     cal = Calibration.load(args.calibration) if args.calibration else Calibration.default()
     kv_cfg = KVAwareConfig(**json.loads(args.kv_aware))
     trace = load_trace(args.trace, args.limit)
     counts = [int(x) for x in args.replicas.split(",")]
     scales = [float(x) for x in args.scales.split(",")]
+    policies = args.policies.split(",")
     print(f"trace {args.trace}: {len(trace)} requests; calibration: {cal.source}; "
           f"{cal.capacity_pages} pages of {cal.page_tokens} tokens per replica", file=sys.stderr)
-    run(trace[:200], "kv_aware", counts[0], scales[0], cal, args.stats_period_s, kv_cfg, args.seed)  # warm-up
-    rows = sweep(trace, counts, scales, cal, args.stats_period_s, kv_cfg, args.seed)
-    heads = [h for h in (headline(rows, n) for n in counts) if h is not None]
-    command = "python benchmarks/router/simulate.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    write_results(Path(args.out), heads, command.strip(), cal)
+    if args.from_sweep:
+        rows = json.loads(Path(args.from_sweep).read_text())["rows"]
+        policies = sorted({r["policy"] for r in rows}, key=lambda p: POLICY_NAMES.index(p))
+        counts = sorted({r["replicas"] for r in rows})
+    else:
+        rows = sweep(trace, counts, scales, cal, args.stats_period_s, kv_cfg, args.seed, policies,
+                     args.max_ongoing)
+    heads = [h for h in (headline(rows, n, args.slo_p90_ttft_s) for n in counts) if h is not None]
+    command = args.record_command or (
+        "python benchmarks/router/simulate.py " + " ".join(argv if argv is not None else sys.argv[1:]))
+    trace_note = f"trace {Path(args.trace).name} ({len(trace)} requests)"
+    entries = write_results(Path(args.out), heads, command.strip(), cal, args.prefix, trace_note,
+                            args.slo_p90_ttft_s)
+    if args.summary:
+        merge_into_summary(entries, Path(args.out))
     sweep_path = Path(args.out).with_name(Path(args.out).stem + "_sweep.json")
-    sweep_path.write_text(json.dumps({"calibration": cal.to_dict(), "kv_aware": kv_cfg.__dict__,
-                                      "stats_period_s": args.stats_period_s, "rows": rows}, indent=1) + "\n")
+    if not args.from_sweep:
+        sweep_path.write_text(json.dumps({"calibration": cal.to_dict(), "kv_aware": kv_cfg.__dict__,
+                                          "stats_period_s": args.stats_period_s, "rows": rows}, indent=1)
+                              + "\n")
     if args.plot:
-        plot(rows, Path(args.plot))
-    print_table(rows, heads)
+        plot(rows, Path(args.plot), policies, Path(args.trace).stem)
+    if args.markdown:
+        print_markdown(rows, policies)
+    print_table(rows, heads, args.slo_p90_ttft_s)
     return 0
 
 

@@ -17,13 +17,9 @@ import numpy as np
 import torch
 
 from msaserve.engine.types import InvalidParameter
+from msaserve.kvcache.page_hash import expand_placeholders, media_hashes_per_page
 from msaserve.models.config import MSAConfig
-from msaserve.models.vision import (
-    VisionTower,
-    expand_placeholders,
-    media_hashes_per_page,
-    merge_media_embeddings,
-)
+from msaserve.models.vision import VisionTower, merge_media_embeddings
 
 
 @dataclass

@@ -10,10 +10,9 @@ Parameter names follow HF Qwen2-VL's `visual.*` (patch_embed.proj, blocks.i.{nor
 attn.proj, norm2, mlp.fc1, mlp.fc2}, merger.{ln_q, mlp.0, mlp.2}); a Conv3d checkpoint weight
 loads as `weight.reshape(hidden_size, -1)`.
 
-The LM side: `expand_placeholders` turns each image/video token into `num_placeholder_tokens`
-copies, `merge_media_embeddings` writes the tower's rows into those positions of the LM's input
-embeddings, and `media_hashes_per_page` gives `page_hashes(..., media_hashes_per_page=...)` the
-content hashes of the media whose placeholders fall in each page.
+The LM side: `merge_media_embeddings` writes the tower's rows into the placeholder positions of the
+LM's input embeddings (`kvcache.page_hash.expand_placeholders` made one placeholder per medium into
+its `num_placeholder_tokens` copies, and `media_hashes_per_page` gives each page's media hashes).
 """
 
 from collections.abc import Sequence
@@ -244,89 +243,8 @@ def _runs(lengths: list[int]) -> list[tuple[int, int]]:
 
 
 # ---- placeholders: media ↔ token positions ---------------------------------------------------
-
-
-def expand_placeholders(
-    token_ids: Sequence[int], media_items: Sequence[MediaLike], image_token_id: int, video_token_id: int
-) -> list[int]:
-    """Each image/video token in `token_ids` (one per medium, in order) → that medium's
-    num_placeholder_tokens copies. A prompt that already holds every placeholder (MiniMax-M3's
-    processor text: runs wrapped in start/end markers, timestamps between a video's frames) is
-    returned as it is once its placeholders' kinds are checked. Raises ValueError when the tokens
-    and the media disagree."""
-    placeholders = [t for t in token_ids if t in (image_token_id, video_token_id)]
-    total = sum(m.num_placeholder_tokens for m in media_items)
-    if len(placeholders) == total != len(media_items):
-        _check_expanded_kinds(placeholders, media_items, image_token_id, video_token_id)
-        return list(token_ids)
-    placeholder = {"image": image_token_id, "video": video_token_id}
-    out: list[int] = []
-    media = iter(media_items)
-    for position, token in enumerate(token_ids):
-        if token not in (image_token_id, video_token_id):
-            out.append(token)
-            continue
-        item = next(media, None)
-        if item is None:
-            raise ValueError(
-                f"token {position} is a media placeholder but only {len(media_items)} media were sent"
-            )
-        if placeholder[item.kind] != token:
-            raise ValueError(
-                f"token {position} is a placeholder for a different kind than medium ({item.kind})"
-            )
-        out.extend([token] * item.num_placeholder_tokens)
-    left = sum(1 for _ in media)
-    if left:
-        raise ValueError(f"{left} media have no placeholder token in the prompt")
-    return out
-
-
-def _check_expanded_kinds(
-    placeholders: list[int], media_items: Sequence[MediaLike], image_token_id: int, video_token_id: int
-) -> None:
-    placeholder = {"image": image_token_id, "video": video_token_id}
-    cursor = 0
-    for index, item in enumerate(media_items):
-        run = placeholders[cursor : cursor + item.num_placeholder_tokens]
-        if any(token != placeholder[item.kind] for token in run):
-            raise ValueError(f"medium {index} ({item.kind}) has placeholders of another kind in the prompt")
-        cursor += item.num_placeholder_tokens
-
-
-def placeholder_spans(
-    expanded_ids: Sequence[int], media_items: Sequence[MediaLike], image_token_id: int, video_token_id: int
-) -> list[tuple[int, int]]:
-    """(start, length) of each medium's placeholders in an expanded prompt, in media order: from
-    its first placeholder to its last (other tokens may lie between, as in an M3 video)."""
-    tensor = torch.as_tensor(list(expanded_ids), dtype=torch.int64)
-    positions = torch.nonzero((tensor == image_token_id) | (tensor == video_token_id)).flatten().tolist()
-    total = sum(m.num_placeholder_tokens for m in media_items)
-    if len(positions) != total:
-        raise ValueError(f"the prompt has {len(positions)} placeholder tokens; the media need {total}")
-    spans, cursor = [], 0
-    for item in media_items:
-        first, last = positions[cursor], positions[cursor + item.num_placeholder_tokens - 1]
-        spans.append((first, last + 1 - first))
-        cursor += item.num_placeholder_tokens
-    return spans
-
-
-def media_hashes_per_page(
-    expanded_ids: Sequence[int],
-    media_items: Sequence[MediaLike],
-    image_token_id: int,
-    video_token_id: int,
-    page_size: int,
-) -> list[list[int]]:
-    """For each page (ceil(len / page_size)), the content hashes of the media whose placeholder
-    tokens fall in it, in media order: the argument of kvcache.page_hash.page_hashes."""
-    pages: list[list[int]] = [[] for _ in range(-(-len(expanded_ids) // page_size))]
-    spans = placeholder_spans(expanded_ids, media_items, image_token_id, video_token_id)
-    for (start, length), item in zip(spans, media_items, strict=True):
-        for page in range(start // page_size, (start + length - 1) // page_size + 1):
-            pages[page].append(int(item.content_hash))
-    return pages
+# expand_placeholders, placeholder_spans and media_hashes_per_page live beside the page hash
+# (msaserve.kvcache.page_hash, torch-free): the engine and the router hash media prompts with them.
 
 
 def merge_media_embeddings(

@@ -17,6 +17,7 @@ from msaserve.engine.settings import EngineSettings
 from msaserve.kvcache.config import KVCacheConfig
 from msaserve.platform.config_deployments import DeploymentsConfig
 from msaserve.preprocess.limits import PreprocessLimits
+from msaserve.router.config import RouterConfig
 
 # The registered attention backends (msaserve/kernels/backends/), an enum in the JSON schema.
 AttentionBackendName = Literal[attention_backend_names()]
@@ -62,38 +63,6 @@ class ModelConfig(StrictModel):
         if self.spec in ("smollm2", "tiny", "m3-proxy"):
             return f"msaserve/{self.spec}"
         return Path(self.spec).name.removesuffix(".gguf") or self.spec
-
-
-class RouterConfig(StrictModel):
-    policy: Literal["round_robin", "pow2", "prefix_affinity", "kv_aware"] = Field(
-        "kv_aware",
-        description="Replica choice for the model deployment. Every policy runs through the same "
-        "msaserve.router request router, so comparisons differ only in the policy class.",
-    )
-    w_prefill: float = Field(
-        1.0, ge=0.0, le=1e6, description="Cost weight of each page the replica would have to prefill."
-    )
-    w_decode: float = Field(
-        0.1, ge=0.0, le=1e6, description="Cost weight of each active (decoding) page on the replica."
-    )
-    affinity_credit: float = Field(
-        8.0, ge=0.0, le=1e9, description="Cost subtracted for the replica that holds the request's session."
-    )
-    imbalance_ratio: float = Field(
-        2.0,
-        ge=1.0,
-        le=1000.0,
-        description="Relative imbalance guard: with the absolute one, fall back to power-of-two "
-        "choices when the most loaded replica carries more than this times the mean load.",
-    )
-    imbalance_min_load: int = Field(
-        4, ge=0, le=1_000_000,
-        description="Absolute imbalance guard: max minus min replica load (running + waiting "
-        "sequences) must exceed this before the relative guard can trigger.",
-    )
-    stats_period_s: float = Field(
-        1.0, gt=0.0, le=600.0, description="How often replicas report load (record_routing_stats)."
-    )
 
 
 class AuthConfig(StrictModel):

@@ -151,6 +151,18 @@ def _validation_to_api_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {msg}{shown}", param=param, code="invalid_value")
 
 
+FASTAPI_BODY_PARSE_ERROR = "There was an error parsing the body"
+"""FastAPI's 400 when json.loads itself fails on the body (not a JSON syntax error, which it reports
+as json_invalid): nesting deeper than the parser's recursion limit, an integer of more than 4,300
+digits."""
+UNPARSABLE_BODY = APIError(
+    400,
+    "the request body could not be parsed: allowed JSON nested at most a few hundred levels deep, with "
+    "integers of at most 4300 digits",
+    code="invalid_json",
+)
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -163,6 +175,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and exc.detail == FASTAPI_BODY_PARSE_ERROR:
+            return error_response(UNPARSABLE_BODY, _request_id(request))
         return error_response(APIError(exc.status_code, str(exc.detail)), _request_id(request))
 
     @app.exception_handler(Exception)

@@ -9,7 +9,8 @@ the body deadline and the caps). It enforces:
   trickles or stalls the body gets a 408 and the request ends (it held the connection 70 s+);
 - requests in flight per client address (`http.max_requests_per_client`, 429) and in all
   (`http.max_requests`, 503), counted until the response ends, so streams count;
-- and, in the proxy, a deadline on the headers (`header_timeout.install`).
+- and, in the proxy, a deadline on the headers (`header_timeout.install`), and no client override of
+  Serve's request timeout or disconnect handling (`CLIENT_OVERRIDE_HEADERS` are dropped).
 
 - the body's size (`http.max_body_bytes`, 413), counted as a streamed (chunked) body arrives, so
   the proxy refuses it without reading it all (the gateway's BodyLimitMiddleware also checks a
@@ -20,6 +21,7 @@ import asyncio
 import json
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -47,6 +49,12 @@ class HttpLimits:
         )
 
 
+CLIENT_OVERRIDE_HEADERS = (b"x-request-timeout-seconds", b"x-request-disconnect-disabled")
+"""Headers with which Ray Serve 2.60's proxy lets a request raise or switch off (`<= 0`) the
+operator's `request_timeout_s`, or keep running after its client left: a client could hold a
+replica slot as long as it likes. Removed before the proxy reads them."""
+
+
 class _BodyRefused(Exception):
     """Raised into the app from `receive` when the body broke a limit."""
 
@@ -66,8 +74,11 @@ class ConnectionGuard:
         client = (scope.get("client") or ("unknown", 0))[0]
         refusal = self._refusal(client)
         if refusal is not None:
-            await error_response(refusal, None)(scope, receive, send)
+            await self._refuse(refusal, scope, receive, send, close=False)
             return
+        headers = scope.get("headers") or []
+        if any(name in CLIENT_OVERRIDE_HEADERS for name, _ in headers):
+            scope = {**scope, "headers": [(n, v) for n, v in headers if n not in CLIENT_OVERRIDE_HEADERS]}
         self.in_flight += 1
         self.per_client[client] = self.per_client.get(client, 0) + 1
         try:
@@ -135,9 +146,17 @@ class ConnectionGuard:
             await self._refuse(refusal, scope, receive, send)
 
     @staticmethod
-    async def _refuse(error: APIError, scope: Scope, receive: Receive, send: Send) -> None:
-        response = error_response(error, None)
-        response.headers["connection"] = "close"
+    async def _refuse(
+        error: APIError, scope: Scope, receive: Receive, send: Send, close: bool = True
+    ) -> None:
+        """The error answer, with a request id as every other answer has (in the proxy this runs
+        outside Serve's request-id middleware): the client's X-Request-ID, or a new one."""
+        headers = dict(scope.get("headers") or [])
+        request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+        response = error_response(error, request_id)
+        response.headers["x-request-id"] = request_id
+        if close:  # the rest of the body is unread: the connection cannot carry another request
+            response.headers["connection"] = "close"
         await response(scope, receive, send)
 
 

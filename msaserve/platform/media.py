@@ -25,12 +25,6 @@ SERVE_A_VISION_MODEL = (
 MEDIA_MARKER = "<|msaserve_media|>"
 """Stands for one medium in the rendered prompt text; never sent to the model as text."""
 
-VISION_MODELS = (
-    "Models with a vision tower: the 'tiny' preset (model.spec: tiny) and checkpoints whose config has "
-    "a Qwen2-VL vision config (vision_config); 'smollm2' and 'm3-proxy' are text only."
-)
-"""Which models take image/video parts: said in the 400 a text-only deployment gives them."""
-
 
 async def preprocess(ctx: Any, parts: list[ContentPart], info: Any) -> list[object]:
     if not parts:
@@ -38,8 +32,8 @@ async def preprocess(ctx: Any, parts: list[ContentPart], info: Any) -> list[obje
     if ctx.preprocess is None or info.image_token_id is None:
         raise APIError(
             400,
-            f"{parts[0].type} content parts need a vision model; {ctx.model_name!r} accepts text only: "
-            f"it has no vision tower. {SERVE_A_VISION_MODEL}",
+            f"{parts[0].type} content parts need a vision model: {ctx.model_name!r} has no vision tower "
+            f"(it accepts text only). {SERVE_A_VISION_MODEL}",
             param="messages",
             code="unsupported_content",
         )

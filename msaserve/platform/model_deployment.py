@@ -43,6 +43,13 @@ def engine_config_from(config: ServeConfig) -> EngineConfig:
     )
 
 
+def _media_token_ids(model) -> tuple[int, int] | None:
+    """The (image, video) placeholder ids of a model with a vision tower, else None."""
+    if getattr(model, "visual", None) is None:
+        return None
+    return model.config.image_token_id, model.config.video_token_id
+
+
 def _replica_id() -> str:
     try:
         return serve.get_replica_context().replica_id.unique_id
@@ -60,8 +67,11 @@ class ModelDeployment:
         self.engine = None
         self.error: str | None = None
         self.sessions = SessionTable()
-        self.drain = DrainRate()
+        self.drain_rate = DrainRate()
         self.routing = RoutingStatsRecorder()
+        self.routing.replica_id = self.replica_id
+        self.draining = False
+        """Set by `drain`: routers send this replica's sessions elsewhere (scale-down, maintenance)."""
         self.metrics = get_metrics()
         self._output_tokens = 0
         self._load_task = asyncio.create_task(self._load())
@@ -76,6 +86,8 @@ class ModelDeployment:
             if self.config.kvcache.enabled:
                 engine.use_kv_service_for_sessions()
             await engine.start()
+            self.routing.page_size = engine.page_size
+            self.routing.media_token_ids = _media_token_ids(engine.engine.model)
             self.engine = engine
             logger.info("engine for %s ready in %.1fs", self.name, time.perf_counter() - start)
         except Exception as e:
@@ -123,7 +135,7 @@ class ModelDeployment:
             except EngineError as e:
                 api = from_engine_error(e)
                 if isinstance(e, QueueFull):  # when the queue ahead will have drained
-                    api.retry_after_s = self.drain.retry_after_s(self.engine.stats().num_waiting)
+                    api.retry_after_s = self.drain_rate.retry_after_s(self.engine.stats().num_waiting)
                 yield ModelError(api.status, api.message, api.param, api.code, api.retry_after_s)
                 return
             last = first
@@ -140,14 +152,26 @@ class ModelDeployment:
             await stream.aclose()
             self.sessions.end(request.session_id, last.stats if last else None)
             if last is not None:
-                self.drain.note_finished()
+                self.drain_rate.note_finished()
 
     def record_routing_stats(self) -> dict:
         if self.engine is None:
             return {}
         return routing_stats_payload(
-            self.engine.stats(), self.engine.drain_kv_events(), self.routing, page_size=self.engine.page_size
+            self.engine.stats(), self.engine.drain_kv_events(), self.routing, draining=self.draining
         )
+
+    async def routing_snapshot(self, target: dict) -> dict:
+        """A router's resync: every page hash this replica held at its last payload, and the
+        payload's seq (`target` names the replica the router meant; it checks the answer's)."""
+        if self.engine is None:
+            return {}
+        return self.routing.snapshot_payload(self.engine.stats(), draining=self.draining)
+
+    async def drain(self, target: dict) -> bool:
+        """Stop (`{"draining": True}`) or resume attracting sessions; in-flight requests finish."""
+        self.draining = bool(target.get("draining", True))
+        return self.draining
 
     async def stats(self) -> EngineStats | None:
         """The engine's load now (tests and `msaserve bench` read it)."""

@@ -1,13 +1,17 @@
 """The KV-aware policy (docs/design.md §4, router): send a request where its pages are, keep sessions
 together, and keep load balanced.
 
-    cost(r) = w_prefill · prefill_pages(r) + w_decode · active_pages(r)
+    cost(r) = w_prefill · (miss_pages(r) + w_queue · min(queued_pages(r), queue_horizon_pages))
+              + w_decode · active_pages(r)
               − affinity_credit   [r is the session's home and not overloaded]
               − index_credit      [the session's MSA index is resident on r]
 
-`prefill_pages(r)` is the work r must do before this request's first token: the request's pages
-that r does not hold (leading-prefix match on chained hashes) plus the prefill pages already
-queued on r. `active_pages(r)` is pages held by r's live sequences (decode cost per step grows
+`miss_pages(r)` is the request's pages that r does not hold (leading-prefix match on chained
+hashes), `queued_pages(r)` the prefill already queued on r: the work before this request's first
+token. The queue is priced up to a horizon (load adaptation): past it every replica has enough
+work not to idle and only the work a miss adds still matters, so near and past capacity requests
+stay with their prefixes instead of following the shortest of several long queues.
+`active_pages(r)` is pages held by r's live sequences (decode cost per step grows
 with it, and it is KV pressure that evicts cached prefixes).
 
 Overloaded replicas (they cannot fit the request in their free pages, or their load is past the
@@ -18,17 +22,16 @@ across replicas is imbalanced (both thresholds crossed, `policies.is_imbalanced`
 falls back to power of two choices: the state it reasons about is then likely stale.
 """
 
+import dataclasses
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from msaserve.router.policies import (
+    POLICY_CLASSES,
     Decision,
     Policy,
-    Pow2Policy,
-    PrefixAffinityPolicy,
     Reason,
-    RoundRobinPolicy,
     is_imbalanced,
     pow2_choice,
     usable,
@@ -46,13 +49,22 @@ class KVAwareConfig:
     """Weight of the prefill pages already queued on the replica, relative to this request's own
     (below 1: a miss adds work for everyone, queued work only delays; 0.5 chosen on the Mooncake
     trace in benchmarks/router/simulate.py)."""
+    queue_horizon_pages: float = 256.0
+    """Load adaptation: queued prefill is priced up to this many pages. Below it a queue is time
+    this request waits; past it every candidate has work enough not to idle, and a miss only adds
+    work that delays everyone behind it, so the prefix decides (256 pages of 512 tokens: chosen on
+    the Mooncake trace, docs/performance-router.md)."""
+    spill_on_full_kv: bool = False
+    """Whether a replica without free pages for the request counts as overloaded (skipped while
+    another can take it; a session leaves it). Off: near capacity every replica's pages are full
+    of running sequences, and spilling on it scattered sessions away from their prefixes."""
     affinity_credit: float = 16.0
     """Pages of prefill a session's home replica is credited with."""
     index_credit: float = 16.0
     """Pages credited where the session's MSA index is resident (KV cache service)."""
     imbalance_abs: float = 16.0
     """Sequences: the guard needs max − min load above this…"""
-    imbalance_rel: float = 2.0
+    imbalance_rel: float = 3.0
     """…and max load above this multiple of the mean."""
 
     def __post_init__(self) -> None:
@@ -71,9 +83,13 @@ class KVAwarePolicy(Policy):
         super().__init__(state, rng)
         self.config = config or KVAwareConfig()
 
+    @classmethod
+    def from_config(cls, state: RouterState, rng: random.Random | None, config: KVAwareConfig) -> Policy:
+        return cls(state, rng, config)
+
     def overloaded(self, r: ReplicaState, request: RequestView, candidates: Sequence[ReplicaState]) -> bool:
         """Too full to take this request without waiting, or far more loaded than the others."""
-        if r.num_total_pages and r.free_pages < request.num_pages:
+        if self.config.spill_on_full_kv and r.num_total_pages and r.free_pages < request.num_pages:
             return True
         others = [c.load for c in candidates if c.replica_id != r.replica_id]
         if not others:
@@ -87,7 +103,8 @@ class KVAwarePolicy(Policy):
         cfg = self.config
         hit = r.hit_pages(request.page_hashes, now)
         miss = len(request.page_hashes) - hit
-        prefill = miss + cfg.w_queue * r.queued_prefill_pages(self.state.mean_miss_pages)
+        queued = min(r.queued_prefill_pages(self.state.mean_miss_pages), cfg.queue_horizon_pages)
+        prefill = miss + cfg.w_queue * queued
         cost = cfg.w_prefill * prefill + cfg.w_decode * r.active_pages
         if home_ok:
             cost -= cfg.affinity_credit
@@ -125,24 +142,22 @@ class KVAwarePolicy(Policy):
         return "prefix_hit" if hit > 0 else "least_cost"
 
 
-POLICIES = ("round_robin", "pow2", "prefix_affinity", "kv_aware")
+POLICIES = tuple(POLICY_CLASSES)
+"""The product's policies (registered by the classes of policies.py and this module), the names
+ServeConfig's `router.policy` accepts."""
 
 
 def make_policy(name: str, state: RouterState, rng: random.Random | None = None, *,
                 kv_aware: KVAwareConfig | None = None, imbalance_abs: float | None = None,
                 imbalance_rel: float | None = None) -> Policy:
-    """The policy named in ServeConfig's `router.policy`."""
-    if name == "round_robin":
-        return RoundRobinPolicy(state, rng)
-    if name == "pow2":
-        return Pow2Policy(state, rng)
-    if name == "prefix_affinity":
-        cfg = kv_aware or KVAwareConfig()
-        return PrefixAffinityPolicy(
-            state, rng,
-            imbalance_abs=cfg.imbalance_abs if imbalance_abs is None else imbalance_abs,
-            imbalance_rel=cfg.imbalance_rel if imbalance_rel is None else imbalance_rel,
-        )
-    if name == "kv_aware":
-        return KVAwarePolicy(state, rng, kv_aware)
-    raise ValueError(f"router.policy={name!r} is invalid: allowed {', '.join(POLICIES)}")
+    """The policy registered under `name`, built from the cost-model settings (imbalance_* override
+    the config's guard)."""
+    cls = POLICY_CLASSES.get(name)
+    if cls is None:
+        raise ValueError(f"router.policy={name!r} is invalid: allowed {', '.join(POLICY_CLASSES)}")
+    cfg = kv_aware or KVAwareConfig()
+    if imbalance_abs is not None:
+        cfg = dataclasses.replace(cfg, imbalance_abs=imbalance_abs)
+    if imbalance_rel is not None:
+        cfg = dataclasses.replace(cfg, imbalance_rel=imbalance_rel)
+    return cls.from_config(state, rng, cfg)

@@ -13,7 +13,7 @@ prefix unless load is imbalanced, the approach of Ray Serve LLM's PrefixCacheAff
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from msaserve.router.state import ReplicaState, RequestView, RouterState
 
@@ -32,14 +32,30 @@ class Decision:
     """Leading prompt pages the router expects the replica to have cached."""
 
 
+POLICY_CLASSES: dict[str, type["Policy"]] = {}
+"""Every policy class by its `name`, registered when the class is defined: adding a policy is one
+new class (`kv_aware.make_policy` builds the one a config names)."""
+
+
 class Policy:
     """Base: holds the shared state and a seeded RNG (injected so that tests are deterministic)."""
 
     name = "base"
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            POLICY_CLASSES[cls.name] = cls
+
     def __init__(self, state: RouterState, rng: random.Random | None = None) -> None:
         self.state = state
         self.rng = rng or random.Random()
+
+    @classmethod
+    def from_config(cls, state: RouterState, rng: random.Random | None, config: Any) -> "Policy":
+        """Build from the router's cost-model settings (`kv_aware.KVAwareConfig`); policies that
+        need none ignore them."""
+        return cls(state, rng)
 
     def choose(self, request: RequestView, replicas: Sequence[ReplicaState], now: float) -> Decision:
         raise NotImplementedError
@@ -125,6 +141,10 @@ class PrefixAffinityPolicy(Policy):
         self.imbalance_abs = imbalance_abs
         self.imbalance_rel = imbalance_rel
         self.min_match_fraction = min_match_fraction
+
+    @classmethod
+    def from_config(cls, state: RouterState, rng: random.Random | None, config: Any) -> "Policy":
+        return cls(state, rng, imbalance_abs=config.imbalance_abs, imbalance_rel=config.imbalance_rel)
 
     def choose(self, request: RequestView, replicas: Sequence[ReplicaState], now: float) -> Decision:
         candidates = _check(replicas)

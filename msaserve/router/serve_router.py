@@ -23,9 +23,17 @@ core.RouterCore), estimate_expiry_s, default_max_tokens, seed. Unknown keys fail
 
 The model deployment must (a) take the request as the first positional argument of its
 generate method (`GenerateRequest`, or a dict with prompt_token_ids / session_id / max_tokens —
-see `core.request_view`), and (b) define `record_routing_stats()` returning
-`stats.routing_stats_payload(...)` (with `page_size=engine.page_size`). Without payloads the
-router still works from its own estimates of what it sent where.
+see `core.request_view`), (b) define `record_routing_stats()` returning
+`stats.routing_stats_payload(...)` (with `page_size=engine.page_size`), and (c) define
+`routing_snapshot(target)` returning `recorder.snapshot_payload(...)`. Without payloads the router
+still works from its own estimates of what it sent where.
+
+KV events: every payload Serve broadcasts is applied when it arrives (`update_replicas`), not only
+when a request is routed, and missed payloads are replayed from the payload's journal. When that
+cannot close a gap (or the view fails the replica's checksum) the router asks that replica for a
+snapshot: a `routing_snapshot` call through a handle to the deployment, which this router class
+sends to the replica named in its argument (`core.ROUTING_TARGET`), answered on a worker thread
+and applied on the router's loop.
 
 Metrics (ray.util.metrics, exported as `ray_<name>`): msaserve_router_decisions{policy,reason},
 msaserve_router_predicted_hit_pages / msaserve_router_prompt_pages (predicted hit rate = ratio),
@@ -33,19 +41,40 @@ msaserve_router_replica_prefix_hit_rate{replica} (actual, as the engine reports 
 msaserve_router_load_imbalance (max / mean load over replicas).
 """
 
+import asyncio
+import contextlib
+import gc
+import logging
+import threading
 from collections.abc import Mapping
 from typing import Any
 
+from ray import serve
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 from ray.util import metrics
 
-from msaserve.router.core import DecisionLog, RouterCore
+from msaserve.router.core import ROUTING_TARGET, DecisionLog, RouterCore
 from msaserve.router.kv_aware import KVAwareConfig
 from msaserve.router.policies import Decision
 from msaserve.router.state import RequestView, estimate_expiry_for
 
 ROUTER_CLASS_PATH = "msaserve.router.serve_router.MSARequestRouter"
+SNAPSHOT_TIMEOUT_S = 10.0
+logger = logging.getLogger("ray.serve.msaserve.router")
+
+
+def live_cores() -> list[RouterCore]:
+    """The cores of this process's MSARequestRouters (tests and benchmarks read the router's
+    view and decisions through them). Found by type name: Serve may load the class by value
+    (cloudpickle), so a class attribute or module global of this module is not reliably shared."""
+    routers = [o for o in gc.get_objects() if type(o).__name__ == "MSARequestRouter"]
+    return [r._core for r in routers if getattr(r, "_core", None) is not None]
+
+
+_SNAPSHOT_HANDLES: dict[tuple[str, str], Any] = {}
+"""One handle per deployment and process for snapshot calls: its own router (another
+MSARequestRouter) resyncs through the same handle instead of creating routers without end."""
 
 
 def request_router_config(router: Mapping[str, Any], page_size: int | None = None) -> RequestRouterConfig:
@@ -73,7 +102,8 @@ def build_core(kwargs: Mapping[str, Any]) -> RouterCore:
     if unknown:
         raise ValueError(f"request_router_kwargs has unknown keys {sorted(unknown)}: allowed "
                          f"{sorted(known | cfg_fields | set(PLATFORM_ALIASES) | {'stats_period_s'})}")
-    cfg = KVAwareConfig(**{k: float(v) for k, v in kwargs.items() if k in cfg_fields})
+    cfg = KVAwareConfig(**{k: v if isinstance(v, bool) else float(v)
+                           for k, v in kwargs.items() if k in cfg_fields})
     core = RouterCore(kwargs.get("policy", "kv_aware"), kwargs.get("page_size"), kv_aware=cfg,
                       estimate_expiry_s=kwargs.get("estimate_expiry_s", 30.0),
                       default_max_tokens=kwargs.get("default_max_tokens", 256), seed=kwargs.get("seed"))
@@ -136,7 +166,32 @@ class MSARequestRouter(RequestRouter):
     def initialize_state(self, **kwargs: Any) -> None:
         core = build_core(kwargs)
         core.log = RayMetrics(self._deployment_id.name)
+        core.resync = self._request_snapshot
         self._core = core
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def _request_snapshot(self, replica_id: str) -> None:
+        """core.resync: fetch the replica's snapshot off the router's loop (a blocking call)."""
+        with contextlib.suppress(RuntimeError):
+            self._loop = asyncio.get_running_loop()
+        threading.Thread(target=self._fetch_snapshot, args=(replica_id,), daemon=True,
+                         name=f"msaserve-resync-{replica_id}").start()
+
+    def _fetch_snapshot(self, replica_id: str) -> None:
+        payload = None
+        try:
+            key = (self._deployment_id.app_name, self._deployment_id.name)
+            handle = _SNAPSHOT_HANDLES.get(key)
+            if handle is None:
+                handle = _SNAPSHOT_HANDLES[key] = serve.get_deployment_handle(key[1], app_name=key[0])
+            payload = handle.routing_snapshot.remote({ROUTING_TARGET: replica_id}).result(
+                timeout_s=SNAPSHOT_TIMEOUT_S)
+        except Exception as e:  # the replica died or is busy: the next gap asks again
+            logger.warning("routing snapshot of replica %s failed: %s", replica_id, e)
+        if self._loop is not None and self._loop.is_running():
+            self._loop.call_soon_threadsafe(self._core.snapshot_arrived, replica_id, payload)
+        else:
+            self._core.snapshot_arrived(replica_id, payload)
 
     def _router_core(self) -> RouterCore:
         core = getattr(self, "_core", None)
@@ -150,6 +205,7 @@ class MSARequestRouter(RequestRouter):
         if not candidate_replicas:
             return []
         core = self._router_core()
+        self._loop = asyncio.get_running_loop()
         core.refresh([(_rid(r.replica_id), r.routing_stats or {}) for r in candidate_replicas])
         by_id = {_rid(r.replica_id): r for r in candidate_replicas}
         if pending_request is None:
@@ -168,7 +224,11 @@ class MSARequestRouter(RequestRouter):
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
-        self._router_core().sync([_rid(r.replica_id) for r in replicas])
+        core = self._router_core()
+        core.sync([_rid(r.replica_id) for r in replicas])
+        # Every broadcast carries each replica's latest payload: apply it now, not at the next
+        # routing call, so that no payload is skipped between two requests.
+        core.refresh([(_rid(r.replica_id), r.routing_stats or {}) for r in replicas])
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

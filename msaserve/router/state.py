@@ -14,7 +14,7 @@ Two sources feed a replica's view:
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-from msaserve.router.stats import RoutingStats
+from msaserve.router.stats import RoutingStats, hash_digest
 
 
 @dataclass(frozen=True)
@@ -59,7 +59,11 @@ class ReplicaState:
     stats_epoch: str | None = None
     stats_seq: int = -1
     synced: bool = False
-    """False after a missed delta, until the next full snapshot replaces the hash set."""
+    """False after a gap the journal could not cover or a checksum mismatch, until a snapshot."""
+    deltas_applied: int = 0
+    snapshots_applied: int = 0
+    gaps: int = 0
+    mismatches: int = 0
     routed: list[_Routed] = field(default_factory=list)
 
     # ---- prefix view -------------------------------------------------------------------------
@@ -113,21 +117,20 @@ class ReplicaState:
                 self.estimated[h] = max(until, self.estimated.get(h, 0.0))
         self.routed.append(_Routed(now, request.num_pages, miss_pages, request.request_id))
 
-    def apply_stats(self, stats: RoutingStats, now: float) -> None:
-        """Fold one payload in. A payload is a delta against the previous one from the same
-        replica process (epoch); a gap in `seq` means a delta was missed, so the hash set stays
-        approximate (marked unsynced) until the next full snapshot."""
-        if stats.epoch == self.stats_epoch and stats.seq <= self.stats_seq:
-            return  # the same payload seen again (Serve re-broadcasts unchanged replica info)
-        contiguous = stats.epoch == self.stats_epoch and stats.seq == self.stats_seq + 1
-        if stats.full:
-            self.cached = set(stats.stored)
-            self.synced = True
-        else:
-            self.cached.update(stats.stored)
-            self.cached.difference_update(stats.removed)
-            self.synced = self.synced and contiguous
+    def apply_stats(self, stats: RoutingStats, now: float) -> bool:
+        """Fold one payload in; False if it was seen already. Deltas the router has not applied
+        are replayed in order; a gap the journal cannot cover, or a hash set that disagrees with
+        the replica's checksum, leaves the view unsynced until a snapshot replaces it (the router
+        then asks the replica for one: `needs_resync`)."""
+        same_epoch = stats.epoch == self.stats_epoch
+        if same_epoch and stats.seq <= self.stats_seq and (self.synced or not stats.full):
+            return False  # the same payload seen again (Serve re-broadcasts unchanged replica info)
+        self._apply_hashes(stats, same_epoch)
         self.stats_epoch, self.stats_seq = stats.epoch, stats.seq
+        checksum = (stats.held_count, stats.held_digest)
+        if self.synced and (len(self.cached), hash_digest(self.cached)) != checksum:
+            self.synced = False
+            self.mismatches += 1
         self.num_running, self.num_waiting = stats.num_running, stats.num_waiting
         self.num_free_pages, self.num_total_pages = stats.num_free_pages, stats.num_total_pages
         self.waiting_prefill_pages = stats.waiting_prefill_pages
@@ -139,6 +142,30 @@ class ReplicaState:
         taken = min(now, stats.timestamp)
         self.routed = [r for r in self.routed if r.time > taken]
         self.estimated = {h: t for h, t in self.estimated.items() if t > now and h not in self.cached}
+        return True
+
+    def _apply_hashes(self, stats: RoutingStats, same_epoch: bool) -> None:
+        replayable = same_epoch and bool(stats.deltas) and stats.deltas[0].seq <= self.stats_seq + 1
+        if replayable and not (stats.full and not self.synced):
+            for delta in stats.deltas:
+                if delta.seq > self.stats_seq:
+                    self.cached.update(delta.stored)
+                    self.cached.difference_update(delta.removed)
+                    self.deltas_applied += 1
+        elif stats.snapshot is not None:
+            self.cached = set(stats.snapshot)
+            self.synced = True
+            self.snapshots_applied += 1
+        else:  # missed more payloads than the journal holds: approximate until a snapshot
+            for delta in stats.deltas:
+                self.cached.update(delta.stored)
+                self.cached.difference_update(delta.removed)
+            self.synced = False
+            self.gaps += 1
+
+    @property
+    def needs_resync(self) -> bool:
+        return self.stats_epoch is not None and not self.synced
 
 
 def estimate_expiry_for(stats_period_s: float) -> float:
@@ -202,8 +229,10 @@ class RouterState:
             source.routed = [r for r in source.routed if r.request_id != request.request_id]
         self.on_routed(request, to_id, now)
 
-    def apply_stats(self, replica_id: str, stats: RoutingStats, now: float) -> None:
-        self.replica(replica_id).apply_stats(stats, now)
+    def apply_stats(self, replica_id: str, stats: RoutingStats, now: float) -> bool:
+        """False if the payload was seen already."""
+        applied = self.replica(replica_id).apply_stats(stats, now)
         # Sessions another router placed: learn their home, never override our own decisions.
         for session_id in stats.sessions:
             self.sessions.setdefault(session_id, replica_id)
+        return applied

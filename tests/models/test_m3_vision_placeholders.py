@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from msaserve.kvcache.page_hash import expand_placeholders, media_hashes_per_page, placeholder_spans
 from msaserve.models.tokenizer import Tokenizer
-from msaserve.models.vision import expand_placeholders, media_hashes_per_page, placeholder_spans
 from msaserve.platform.media import MEDIA_MARKER, encode_prompt
 from msaserve.preprocess.config import PreprocessConfig
 from msaserve.preprocess.minimax_m3.processor import M3Preprocessor

@@ -150,7 +150,7 @@ def test_media_to_a_text_only_deployment_says_which_models_see(gateway, kind: st
     error = error_of(gateway.request("POST", "/v1/chat/completions", json=body), 400)
     assert error["code"] == "unsupported_content"
     assert "has no vision tower" in error["message"] and MODEL in error["message"]
-    assert "Models with a vision tower: the 'tiny' preset" in error["message"]
+    assert "vision_config" in error["message"] and "'tiny' preset" in error["message"]  # which models do
 
 
 def test_error_bodies_are_ascii_json(gateway) -> None:
@@ -159,3 +159,17 @@ def test_error_bodies_are_ascii_json(gateway) -> None:
     assert response.status_code == 400
     response.content.decode("ascii")
     json.loads(response.content)
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        '{"model":"msaserve/tiny","messages":' + "[" * 100_000 + "]" * 100_000 + "}",  # deep nesting
+        '{"model":"msaserve/tiny","messages":[{"role":"user","content":"x"}],"max_tokens":'
+        + "9" * 5000 + "}",
+    ],
+    ids=["nested-100000-deep", "5000-digit-integer"],
+)
+def test_an_unparsable_body_says_what_the_parser_accepts(gateway, raw: str) -> None:
+    error = error_of(post_raw(gateway, "/v1/chat/completions", raw), 400)
+    assert error["code"] == "invalid_json" and "nested" in error["message"], error

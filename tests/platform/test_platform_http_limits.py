@@ -85,3 +85,23 @@ def test_the_proxy_callback_reads_its_limits_from_the_environment(monkeypatch) -
     assert middleware.cls is ConnectionGuard
     assert middleware.kwargs["limits"].header_timeout_s == 7.0
     assert middleware.kwargs["limits"].max_requests_per_client == 5
+
+
+def test_clients_cannot_override_serves_timeout_or_disconnect_handling() -> None:
+    seen: list = []
+
+    async def app(scope, receive, send):
+        seen.extend(scope["headers"])
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def go() -> None:
+        guard = ConnectionGuard(app, limits())
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=guard), base_url="http://t") as http:
+            headers = {"x-request-timeout-seconds": "0", "x-request-disconnect-disabled": "?1", "x-keep": "1"}
+            await http.get("/x", headers=headers)
+
+    asyncio.run(go())
+    names = {name for name, _ in seen}
+    assert b"x-keep" in names
+    assert not names & {b"x-request-timeout-seconds", b"x-request-disconnect-disabled"}

@@ -62,7 +62,7 @@ def test_queue_full_retry_after_follows_the_drain_rate() -> None:
         return first, response
 
     with inprocess_gateway(ONE_SLOT) as gateway:
-        gateway.deployment.drain = DrainRate(clock=clock)
+        gateway.deployment.drain_rate = DrainRate(clock=clock)
         first, response = gateway.run(go)
     assert not first.finished
     assert response.status_code == 429, response.text

@@ -26,9 +26,11 @@ SERVE_CONFIG = {
     "deployments": {"model": {"num_replicas": 2}},
     "kvcache": {"enabled": True, "memory_bytes": 64 << 20},
     "router": {"stats_period_s": 0.5},
+    "auth": {"api_keys": ["owner-key", "other-key"]},
 }
 MAX_TOKENS, SESSION = 4, "conversation-1"
-SCOPED = make_tenant(None).scope(SESSION)  # how the gateway stores it (no auth: the anonymous tenant)
+AUTH, OTHER = {"Authorization": "Bearer owner-key"}, {"Authorization": "Bearer other-key"}
+SCOPED = make_tenant("owner-key").scope(SESSION)  # how the gateway stores it: under the key's tenant
 
 
 @pytest.fixture(scope="module")
@@ -65,12 +67,12 @@ def reference(live_app):
 def complete(live_app, prompt: list[int]) -> httpx.Response:
     body = {"model": live_app.config.model.resolved_name(), "prompt": prompt, "max_tokens": MAX_TOKENS,
             "temperature": 0.0}
-    return httpx.post(live_app.base_url + "/v1/completions", json=body, headers={"X-Session-Id": SESSION},
-                      timeout=60)
+    return httpx.post(live_app.base_url + "/v1/completions", json=body,
+                      headers={"X-Session-Id": SESSION, **AUTH}, timeout=60)
 
 
 def home_of(live_app) -> dict:
-    response = httpx.get(f"{live_app.base_url}/v1/sessions/{SESSION}", timeout=30)
+    response = httpx.get(f"{live_app.base_url}/v1/sessions/{SESSION}", headers=AUTH, timeout=30)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -82,11 +84,18 @@ def test_moved_and_failed_over_sessions_continue_with_identical_tokens(live_app,
     first = home_of(live_app)["replica_id"]
     assert service.get_session(SCOPED).token_ids == expected[0]  # persisted at the end of the turn
 
-    unknown = httpx.post(f"{live_app.base_url}/v1/sessions/nobody/move", timeout=30)
+    unknown = httpx.post(f"{live_app.base_url}/v1/sessions/nobody/move", headers=AUTH, timeout=30)
     assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "session_not_found"
-    bogus = httpx.post(f"{live_app.base_url}/v1/sessions/{SESSION}/move", json={"target_replica": "x"})
+    bogus = httpx.post(f"{live_app.base_url}/v1/sessions/{SESSION}/move", json={"target_replica": "x"},
+                       headers=AUTH)
     assert bogus.status_code == 400 and first in bogus.json()["error"]["message"]  # names the allowed
-    moved = httpx.post(f"{live_app.base_url}/v1/sessions/{SESSION}/move", timeout=30)
+    # Another API key can neither move it nor see it (issue 26: sessions belong to their key).
+    for method in ("POST", "GET", "DELETE"):
+        path = f"/v1/sessions/{SESSION}" + ("/move" if method == "POST" else "")
+        stolen = httpx.request(method, live_app.base_url + path, headers=OTHER, timeout=30)
+        assert stolen.status_code == 404, (method, stolen.text)
+    assert home_of(live_app)["replica_id"] == first
+    moved = httpx.post(f"{live_app.base_url}/v1/sessions/{SESSION}/move", headers=AUTH, timeout=30)
     assert moved.status_code == 200, moved.text
     assert moved.json()["from_replica"] == first and moved.json()["to_replica"] != first
     assert moved.json()["pages_released"] > 0
@@ -115,8 +124,8 @@ def test_moved_and_failed_over_sessions_continue_with_identical_tokens(live_app,
         time.sleep(0.5)
 
     # DELETE forgets the session everywhere: the replica's table and the service's record.
-    deleted = httpx.delete(f"{live_app.base_url}/v1/sessions/{SESSION}", timeout=30)
+    deleted = httpx.delete(f"{live_app.base_url}/v1/sessions/{SESSION}", headers=AUTH, timeout=30)
     assert deleted.status_code == 200 and deleted.json()["deleted"] is True, deleted.text
     assert SCOPED not in service.list_sessions()
-    again = httpx.delete(f"{live_app.base_url}/v1/sessions/{SESSION}", timeout=30)
+    again = httpx.delete(f"{live_app.base_url}/v1/sessions/{SESSION}", headers=AUTH, timeout=30)
     assert again.status_code == 404

@@ -95,3 +95,16 @@ def test_no_prefix_cache_hit_across_tenants(gateway) -> None:
 def test_operator_may_share_the_prefix_cache(gateway) -> None:
     chat(gateway, KEY_A, content=PROMPT + "shared-a", data=SHARED)
     assert cached_tokens(chat(gateway, KEY_B, content=PROMPT + "shared-b", data=SHARED)) > 0
+
+
+def test_the_router_hashes_a_request_from_its_tenant_root() -> None:
+    """The replica registers a tenant's pages under its salted chain; the router's prefix match must
+    use the same chain, or kv_aware routing would never see a hit once auth is on."""
+    from msaserve.engine.types import GenerateRequest
+    from msaserve.router.core import request_view
+
+    ids = list(range(3, 67))
+    salt = make_tenant(KEY_A).cache_salt
+    view = request_view([GenerateRequest("r", ids, cache_salt=salt)], {}, 16, "r")
+    assert list(view.page_hashes) == page_hashes(ids, 16, parent=salt)
+    assert list(request_view([GenerateRequest("r", ids)], {}, 16, "r").page_hashes) == page_hashes(ids, 16)

@@ -5,16 +5,13 @@ import pytest
 import torch
 from preprocess_media import image_part, make_image, make_video, video_part
 
-from msaserve.kvcache.page_hash import page_hashes
-from msaserve.models.vision import (
-    VISION_PRESETS,
-    VisionConfig,
-    VisionTower,
+from msaserve.kvcache.page_hash import (
     expand_placeholders,
     media_hashes_per_page,
-    merge_media_embeddings,
+    page_hashes,
     placeholder_spans,
 )
+from msaserve.models.vision import VISION_PRESETS, VisionConfig, VisionTower, merge_media_embeddings
 from msaserve.preprocess.config import PreprocessConfig
 from msaserve.preprocess.pipeline import Preprocessor
 

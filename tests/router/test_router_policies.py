@@ -116,16 +116,39 @@ def test_kv_aware_moves_a_session_off_a_bad_home(how):
     else:
         home.num_running = 60  # 60 vs 0, 0: past 16 absolute and 2× mean
         state.replicas["r1"].num_running = 1
-    d = choose(KVAwarePolicy(state), state, req(PREFIX, session="s1"))
+    strict = KVAwareConfig(spill_on_full_kv=True, imbalance_rel=2.0)  # both guards on
+    d = choose(KVAwarePolicy(state, config=strict), state, req(PREFIX, session="s1"))
     assert d.replica_id != "r0" and d.reason == "session_moved"
+
+
+def test_by_default_a_full_kv_cache_keeps_the_session_home():
+    """Near capacity every replica's pages are full of running sequences: leaving the home for
+    that scattered sessions away from their prefixes (the session trace in performance-router)."""
+    state = make_state({"cached": PREFIX}, {}, {})
+    state.sessions["s1"] = "r0"
+    state.replicas["r0"].num_free_pages = 5
+    d = choose(KVAwarePolicy(state), state, req(PREFIX, session="s1"))
+    assert (d.replica_id, d.reason) == ("r0", "session_affinity")
+
+
+def test_queued_work_is_priced_up_to_the_horizon_then_the_prefix_decides():
+    cfg = KVAwareConfig(queue_horizon_pages=64, w_queue=0.5)
+    below = make_state({"cached": PREFIX, "queued": 60}, {"queued": 0})  # 40-page hit vs 30 pages queued
+    assert choose(KVAwarePolicy(below, config=cfg), below, req(PREFIX)).replica_id == "r0"
+    short = make_state({"cached": PREFIX[:5], "queued": 60}, {"queued": 0})  # 5-page hit: the queue wins
+    assert choose(KVAwarePolicy(short, config=cfg), short, req(PREFIX)).replica_id == "r1"
+    past = make_state({"cached": PREFIX[:5], "queued": 500}, {"queued": 80})  # both past 64 pages
+    assert choose(KVAwarePolicy(past, config=cfg), past, req(PREFIX)).replica_id == "r0"
 
 
 def test_kv_aware_guard_falls_back_to_pow2_when_imbalanced():
     state = make_state({"cached": PREFIX, "running": 40}, {"running": 2}, {"running": 3})
     assert is_imbalanced(list(state.replicas.values()), 16, 2.0)
-    d = choose(KVAwarePolicy(state, random.Random(1)), state, req(PREFIX))
+    guard = KVAwareConfig(imbalance_rel=2.0)
+    d = choose(KVAwarePolicy(state, random.Random(1), guard), state, req(PREFIX))
     assert d.reason == "imbalance_pow2"
-    picks = {choose(KVAwarePolicy(state, random.Random(s)), state, req(PREFIX)).replica_id for s in range(20)}
+    picks = {choose(KVAwarePolicy(state, random.Random(s), guard), state, req(PREFIX)).replica_id
+             for s in range(20)}
     assert "r0" not in picks  # pow2 never prefers the 40-sequence replica over a 2- or 3-sequence one
 
 
@@ -180,3 +203,24 @@ def test_config_and_factory_errors_name_the_field():
         make_policy("fastest", RouterState())
     for name in ("round_robin", "pow2", "prefix_affinity", "kv_aware"):
         assert make_policy(name, RouterState()).name == name
+
+
+def test_a_policy_is_one_class() -> None:
+    """Adding a routing policy is one new class: defining it registers it under its name, and
+    make_policy builds it from the router's settings."""
+    from msaserve.router.kv_aware import POLICIES, make_policy
+    from msaserve.router.policies import POLICY_CLASSES, Policy, RoundRobinPolicy
+
+    class FirstReplica(Policy):
+        name = "first_replica_test"
+
+        def choose(self, request, replicas, now):
+            return RoundRobinPolicy(self.state, self.rng).choose(request, replicas[:1], now)
+
+    try:
+        assert isinstance(make_policy("first_replica_test", RouterState()), FirstReplica)
+        assert "first_replica_test" not in POLICIES  # the product's names are fixed at import
+    finally:
+        POLICY_CLASSES.pop("first_replica_test")
+    with pytest.raises(ValueError, match=r"router\.policy='nope' is invalid: allowed round_robin, pow2"):
+        make_policy("nope", RouterState())
