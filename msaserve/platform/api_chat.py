@@ -117,10 +117,13 @@ def _message(text: str, body: ChatCompletionRequest, known: set[str], finish_rea
         ResponseToolCall(id=c.id, function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
         for c in calls
     ]
-    # Cut off by max_tokens after some whole calls: they are returned, the reason stays "length".
-    return AssistantMessage(content=content, tool_calls=tool_calls), (
-        "length" if finish_reason == "length" else "tool_calls"
-    )
+    return AssistantMessage(content=content, tool_calls=tool_calls), _calls_reason(body, finish_reason)
+
+
+def _calls_reason(body: ChatCompletionRequest, finish_reason: str | None) -> str:
+    """"tool_calls"; but "length" when max_tokens cut the reply off after some whole calls (they are
+    returned) — except under a named tool_choice, whose reply is always that one call."""
+    return "length" if finish_reason == "length" and forced_name(body) is None else "tool_calls"
 
 
 async def _complete(
@@ -192,7 +195,7 @@ async def _stream(
                 if rest:
                     yield chunk(index, ChatDelta(content=rest))
                 if calls:
-                    finish_reason = "length" if finish_reason == "length" else "tool_calls"
+                    finish_reason = _calls_reason(body, finish_reason)
                     yield chunk(index, _tool_call_deltas(calls))
             yield chunk(index, ChatDelta(), finish=finish_reason)
         for gen in gens:
