@@ -87,17 +87,10 @@ class MSAAttention(nn.Module):
         if cache.index_scale is not None:
             cache.write_index(slots, k if index_k is None else index_k)
         if ops.sparse:
-            out = self._sparse(q, self._index_queries(x, q, index_q, rotary, layer_ops), meta, cache, ops)
-        elif meta.is_decode:
-            batch, num_q = meta.num_seqs, int(meta.decode_query_len)
-            out = ops.dense_decode(
-                q.view(batch, num_q, c.num_heads, c.head_dim), cache.k_cache, cache.v_cache,
-                meta.block_tables, meta.seq_lens,
-            )
+            index_q = self._index_queries(x, q, index_q, rotary, layer_ops)
+            out = attend_sparse(c, q, index_q, meta, cache, ops)
         else:
-            out = ops.dense_prefill(
-                q, cache.k_cache, cache.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q
-            )
+            out = attend_dense(c, q, meta, cache, ops)
         return self.o_proj(out.reshape(num_tokens, c.num_heads * c.head_dim))
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -133,36 +126,54 @@ class MSAAttention(nn.Module):
             index_q = self.index_q_proj(x).view(x.shape[0], c.num_kv_heads, c.index_head_dim)
         return layer_ops.rotary_and_write(index_q, rotary.index_cos, rotary.index_sin, True)
 
-    def _sparse(
-        self,
-        q: torch.Tensor,
-        index_q: torch.Tensor,
-        meta: AttentionMetadata,
-        cache: LayerKVCache,
-        ops: AttentionOps,
-    ) -> torch.Tensor:
-        """q [T, Hq, D], index_q [T, Hkv, DI] → o [T, Hq, D]; records the selection if asked."""
-        c = self.config
-        if meta.is_decode:
-            batch, num_q = meta.num_seqs, int(meta.decode_query_len)
-            selected = ops.indexer_decode(
-                index_q.view(batch, num_q, c.num_kv_heads, c.index_head_dim), cache.index_cache,
-                meta.block_tables, meta.seq_lens, c.top_k, c.n_init, cache.index_scale, n_local=c.n_local,
-            )  # [B, Q, Hkv, K]
-            out = ops.sparse_decode(
-                q.view(batch, num_q, c.num_heads, c.head_dim), cache.k_cache, cache.v_cache,
-                meta.block_tables, meta.seq_lens, selected,
-            )
-            selected = selected.view(q.shape[0], c.num_kv_heads, c.top_k)
-        else:
-            selected = ops.indexer_prefill(
-                index_q, cache.index_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                c.top_k, c.n_init, cache.index_scale, n_local=c.n_local,
-            )  # [T, Hkv, K]
-            out = ops.sparse_prefill(
-                q, cache.k_cache, cache.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                selected,
-            )
-        if isinstance(meta.selections, list):
-            meta.selections.append(selected)
-        return out
+
+def attend_dense(
+    config: MSAConfig, q: torch.Tensor, meta: AttentionMetadata, cache: LayerKVCache, ops: AttentionOps
+) -> torch.Tensor:
+    """q [T, Hq, D] → o [T, Hq, D]: dense causal attention over the paged K/V (decode rows as
+    [B, Q, Hq, D])."""
+    c = config
+    if meta.is_decode:
+        batch, num_q = meta.num_seqs, int(meta.decode_query_len)
+        return ops.dense_decode(
+            q.view(batch, num_q, c.num_heads, c.head_dim), cache.k_cache, cache.v_cache,
+            meta.block_tables, meta.seq_lens,
+        )
+    return ops.dense_prefill(
+        q, cache.k_cache, cache.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q
+    )
+
+
+def attend_sparse(
+    config: MSAConfig,
+    q: torch.Tensor,
+    index_q: torch.Tensor,
+    meta: AttentionMetadata,
+    cache: LayerKVCache,
+    ops: AttentionOps,
+) -> torch.Tensor:
+    """q [T, Hq, D], index_q [T, Hkv, DI] → o [T, Hq, D]; records the selection if asked."""
+    c = config
+    if meta.is_decode:
+        batch, num_q = meta.num_seqs, int(meta.decode_query_len)
+        selected = ops.indexer_decode(
+            index_q.view(batch, num_q, c.num_kv_heads, c.index_head_dim), cache.index_cache,
+            meta.block_tables, meta.seq_lens, c.top_k, c.n_init, cache.index_scale, n_local=c.n_local,
+        )  # [B, Q, Hkv, K]
+        out = ops.sparse_decode(
+            q.view(batch, num_q, c.num_heads, c.head_dim), cache.k_cache, cache.v_cache,
+            meta.block_tables, meta.seq_lens, selected,
+        )
+        selected = selected.view(q.shape[0], c.num_kv_heads, c.top_k)
+    else:
+        selected = ops.indexer_prefill(
+            index_q, cache.index_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+            c.top_k, c.n_init, cache.index_scale, n_local=c.n_local,
+        )  # [T, Hkv, K]
+        out = ops.sparse_prefill(
+            q, cache.k_cache, cache.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
+            selected,
+        )
+    if isinstance(meta.selections, list):
+        meta.selections.append(selected)
+    return out

@@ -15,6 +15,7 @@ from torch import nn
 
 from msaserve.kernels import AttentionOps
 from msaserve.kernels.rotary import rotate_half
+from msaserve.models.attention import attend_dense, attend_sparse
 from msaserve.models.cache import LayerKVCache
 from msaserve.models.metadata import AttentionMetadata
 from msaserve.models.minimax_m3.config import M3Config
@@ -96,47 +97,8 @@ class M3Attention(nn.Module):
             index_q, index_k = self.indexer(x, rotary)
             cache.write_index(meta.slot_mapping, index_k)
             if ops.sparse:
-                out = self._sparse(q, index_q, meta, cache, ops)
+                out = attend_sparse(c, q, index_q, meta, cache, ops)
                 return self.o_proj(out.reshape(num_tokens, c.num_heads * c.head_dim))
-        if meta.is_decode:
-            batch, num_q = meta.num_seqs, int(meta.decode_query_len)
-            out = ops.dense_decode(
-                q.view(batch, num_q, c.num_heads, c.head_dim), cache.k_cache, cache.v_cache,
-                meta.block_tables, meta.seq_lens,
-            )
-        else:
-            out = ops.dense_prefill(
-                q, cache.k_cache, cache.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q
-            )
+        out = attend_dense(c, q, meta, cache, ops)
         return self.o_proj(out.reshape(num_tokens, c.num_heads * c.head_dim))
-
-    def _sparse(
-        self, q: torch.Tensor, index_q: torch.Tensor, meta: AttentionMetadata, cache: LayerKVCache,
-        ops: AttentionOps,
-    ) -> torch.Tensor:
-        """q [T, Hq, D], index_q [T, Hkv, DI] → o [T, Hq, D]; records the selection if asked."""
-        c = self.config
-        if meta.is_decode:
-            batch, num_q = meta.num_seqs, int(meta.decode_query_len)
-            selected = ops.indexer_decode(
-                index_q.view(batch, num_q, c.num_kv_heads, c.index_head_dim), cache.index_cache,
-                meta.block_tables, meta.seq_lens, c.top_k, c.n_init, cache.index_scale, n_local=c.n_local,
-            )  # [B, Q, Hkv, K]
-            out = ops.sparse_decode(
-                q.view(batch, num_q, c.num_heads, c.head_dim), cache.k_cache, cache.v_cache,
-                meta.block_tables, meta.seq_lens, selected,
-            )
-            selected = selected.view(q.shape[0], c.num_kv_heads, c.top_k)
-        else:
-            selected = ops.indexer_prefill(
-                index_q, cache.index_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                c.top_k, c.n_init, cache.index_scale, n_local=c.n_local,
-            )  # [T, Hkv, K]
-            out = ops.sparse_prefill(
-                q, cache.k_cache, cache.v_cache, meta.block_tables, meta.seq_lens, meta.cu_seqlens_q,
-                selected,
-            )
-        if isinstance(meta.selections, list):
-            meta.selections.append(selected)
-        return out
 
