@@ -87,7 +87,7 @@ class ModelDeployment:
                 engine.use_kv_service_for_sessions()
             await engine.start()
             self.routing.page_size = engine.page_size
-            self.routing.media_token_ids = _media_token_ids(engine.engine.model)
+            self.routing.media_token_ids = _media_token_ids(engine.model)
             self.engine = engine
             logger.info("engine for %s ready in %.1fs", self.name, time.perf_counter() - start)
         except Exception as e:
