@@ -102,7 +102,7 @@ async def run_sessions(app: LiveApp, scripts, sids: list[str], counts: dict[int,
                 await asyncio.sleep(0.05)
                 ray.kill(shard_actor(app, 0), no_restart=False)
                 responses = await pending
-                await asyncio.to_thread(lambda: ray.get(shard_actor(app, 0).ping.remote(), timeout=60))
+                await asyncio.to_thread(wait_until_answering, app, 0)
                 for sid in sids:  # to the other replica: the next turn comes from the service
                     moved = await http.post(f"{app.base_url}/v1/sessions/{sid}/move")
                     assert moved.status_code == 200, moved.text
@@ -184,3 +184,17 @@ def test_a_flood_past_the_queues_gets_429s_and_the_queues_stay_bounded(app: Live
     while any(s.num_running or s.num_waiting for s in [app.engine_stats() for _ in range(4)]):
         assert time.monotonic() < deadline, "the queues did not drain in 20 s"
         time.sleep(0.2)
+
+
+def wait_until_answering(app: LiveApp, shard_id: int, timeout_s: float = 60.0) -> None:
+    """Ping the killed shard until its restarted actor answers. A ping that reaches the actor while
+    Ray restarts it fails with ActorUnavailableError ("may or may not have been executed"): retry."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            ray.get(shard_actor(app, shard_id).ping.remote(), timeout=max(1.0, deadline - time.monotonic()))
+            return
+        except ray.exceptions.ActorUnavailableError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
