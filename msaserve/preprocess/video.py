@@ -49,17 +49,8 @@ def sample_times(start: float, duration: float, config: PreprocessConfig) -> lis
 def decode_video(data: bytes, fmt: str, config: PreprocessConfig, param: str | None = None) -> DecodedVideo:
     """Bytes of an MP4/WebM → sampled frames resized to the smart_resize target."""
     deadline = time.monotonic() + config.decode_time_limit_s
+    container, stream, start, duration = open_video(data, fmt, config, param)
     try:
-        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
-    except (av.error.FFmpegError, ValueError, OSError) as e:
-        raise MediaError(400, "corrupt_media", f"cannot open the video: {e}", param) from None
-    try:
-        if not container.streams.video:
-            raise MediaError(400, "no_video_stream", "the file has no video stream", param)
-        stream = container.streams.video[0]
-        _check_codec(stream, fmt, param)
-        stream.codec_context.thread_count = config.video_decoder_threads
-        start, duration = _start_and_duration(stream, container, config, param)
         width, height = stream.codec_context.width, stream.codec_context.height
         if width <= 0 or height <= 0:
             raise MediaError(400, "corrupt_media", f"video frame size is {width}×{height}", param)
@@ -78,6 +69,29 @@ def decode_video(data: bytes, fmt: str, config: PreprocessConfig, param: str | N
         frames.append(frames[-1])  # pad the last temporal patch by repeating the last frame
     shown = (height, width) if sampler.quarter_turns % 2 else (width, height)
     return DecodedVideo(np.stack(frames), times[:sampled], duration, sampler.decoded, shown)
+
+
+def open_video(
+    data: bytes, fmt: str, config: PreprocessConfig, param: str | None = None
+) -> tuple[av.container.InputContainer, av.video.stream.VideoStream, float, float]:
+    """Open an MP4/WebM, check its first video stream's codec and its duration against the limits →
+    (container, stream, start s, duration s). The caller closes the container; on an error it is
+    closed here and a 4xx MediaError raised."""
+    try:
+        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
+    except (av.error.FFmpegError, ValueError, OSError) as e:
+        raise MediaError(400, "corrupt_media", f"cannot open the video: {e}", param) from None
+    try:
+        if not container.streams.video:
+            raise MediaError(400, "no_video_stream", "the file has no video stream", param)
+        stream = container.streams.video[0]
+        _check_codec(stream, fmt, param)
+        stream.codec_context.thread_count = config.video_decoder_threads
+        start, duration = _start_and_duration(stream, container, config, param)
+    except BaseException:
+        container.close()
+        raise
+    return container, stream, start, duration
 
 
 def _check_codec(stream: av.video.stream.VideoStream, fmt: str, param: str | None) -> None:

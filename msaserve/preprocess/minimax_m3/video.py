@@ -8,7 +8,6 @@ reference), resized to the smart_resize target for videos, and the last frame is
 whole temporal patch. The decode deadline and the decoded-frame cap of msaserve's video path apply.
 """
 
-import io
 import time
 from dataclasses import dataclass
 
@@ -20,7 +19,7 @@ from msaserve.preprocess.errors import MediaError
 from msaserve.preprocess.minimax_m3.config import M3ProcessorConfig
 from msaserve.preprocess.minimax_m3.pixels import resize_frames
 from msaserve.preprocess.patchify import smart_resize
-from msaserve.preprocess.video import _check_codec, _start_and_duration
+from msaserve.preprocess.video import open_video
 
 
 @dataclass
@@ -46,17 +45,8 @@ def decode_video(
     data: bytes, fmt: str, config: M3ProcessorConfig, limits: PreprocessConfig, param: str | None = None
 ) -> M3Video:
     deadline = time.monotonic() + limits.decode_time_limit_s
+    container, stream, _, duration = open_video(data, fmt, limits, param)
     try:
-        container = av.open(io.BytesIO(data), mode="r", metadata_errors="ignore")
-    except (av.error.FFmpegError, ValueError, OSError) as e:
-        raise MediaError(400, "corrupt_media", f"cannot open the video: {e}", param) from None
-    try:
-        if not container.streams.video:
-            raise MediaError(400, "no_video_stream", "the file has no video stream", param)
-        stream = container.streams.video[0]
-        _check_codec(stream, fmt, param)
-        stream.codec_context.thread_count = limits.video_decoder_threads
-        _, duration = _start_and_duration(stream, container, limits, param)
         fps = float(stream.average_rate) if stream.average_rate else None
         total = stream.frames or (round(duration * fps) if fps else 0)
         if total <= 0:
