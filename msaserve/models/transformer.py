@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from msaserve.kernels import AttentionOps, get_ops
-from msaserve.kernels.backends import backend_names
+from msaserve.kernels.backends import check_backend_name
 from msaserve.kernels.layer_ops import LayerOps, get_layer_ops
 from msaserve.kernels.rotary import rotary_cos_sin
 from msaserve.models.attention import MSAAttention, RotaryTables
@@ -41,12 +41,8 @@ class DecoderLayer(nn.Module):
 class MSATransformer(nn.Module):
     def __init__(self, config: MSAConfig, attention_backend: str = "msa") -> None:
         super().__init__()
-        if attention_backend not in backend_names():
-            raise ValueError(
-                f"attention_backend={attention_backend!r} is invalid: allowed {', '.join(backend_names())}"
-            )
         self.config = config
-        self.attention_backend = attention_backend
+        self.attention_backend = check_backend_name(attention_backend)
         """The backend the weights are laid out for (the dense one never projects index queries);
         the engine's ModelRunner resolves it once and passes the ops to every forward."""
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)

@@ -11,3 +11,10 @@ import pkgutil
 def backend_names() -> tuple[str, ...]:
     """The registered backends: the modules of this package."""
     return tuple(sorted(m.name for m in pkgutil.iter_modules(__path__) if not m.name.startswith("_")))
+
+
+def check_backend_name(name: str) -> str:
+    """`name` if it is a registered backend, else a ValueError naming the allowed ones."""
+    if name not in backend_names():
+        raise ValueError(f"attention_backend={name!r} is invalid: allowed {', '.join(backend_names())}")
+    return name

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from msaserve.kernels import AttentionOps, get_ops
-from msaserve.kernels.backends import backend_names
+from msaserve.kernels.backends import check_backend_name
 from msaserve.kernels.rotary import rotary_cos_sin
 from msaserve.models.cache import LayerKVCache
 from msaserve.models.metadata import AttentionMetadata
@@ -43,12 +43,8 @@ class M3DecoderLayer(nn.Module):
 class M3ForCausalLM(nn.Module):
     def __init__(self, config: M3Config, attention_backend: str = "msa") -> None:
         super().__init__()
-        if attention_backend not in backend_names():
-            raise ValueError(
-                f"attention_backend={attention_backend!r} is invalid: allowed {', '.join(backend_names())}"
-            )
         self.config = config
-        self.attention_backend = attention_backend
+        self.attention_backend = check_backend_name(attention_backend)
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(M3DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = M3RMSNorm(config.hidden_size, config.rms_norm_eps)
