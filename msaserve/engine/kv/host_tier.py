@@ -85,9 +85,9 @@ class HostKV:
                 self.data[layer, page].copy_(kv[i], non_blocking=True)
         self.present[layer, index] = True
 
-    def read(self, layer: int, pages: Sequence[int]) -> torch.Tensor:
-        """→ [n, 2, P, Hkv, D] host tensor of these pages of `layer`, reading the ones not here
-        from the source first (waiting for a background read already started for them)."""
+    def ensure(self, layer: int, pages: Sequence[int]) -> None:
+        """These pages of `layer` are here after this: the ones not here are read from the source
+        (waiting for a background read already started for them)."""
         missing = [p for p in pages if not self.present[layer, p]]
         if missing:
             self.poll(wait_for={(p, layer) for p in missing})
@@ -100,7 +100,6 @@ class HostKV:
             self._log("demand", items)
             self._store(items, self.source.read(items))
             self.service_reads += 1
-        return self.data[layer, torch.as_tensor(list(pages), dtype=torch.long)]
 
     def _store(self, items: Sequence[tuple[int, int]], kv: torch.Tensor) -> None:
         for (page, layer), block in zip(items, kv, strict=True):

@@ -48,22 +48,25 @@ class ResidencyStats:
 def allocate_resident_caches(
     config: MSAConfig, max_pages: int, budget_pages: int, device: torch.device, dtype: torch.dtype,
     index_dtype: torch.dtype | None = None,
-) -> list[LayerKVCache]:
-    """Per layer: K/V pools of budget_pages [budget_pages, P, Hkv, D], index cache [max_pages, P, HkI, DI]."""
+) -> tuple[list[LayerKVCache], list[torch.Tensor]]:
+    """→ (caches, pools). Per layer: K and V of budget_pages, views of one pool
+    [budget_pages, 2, P, Hkv, D] (a page moves in one copy); index cache [max_pages, P, HkI, DI]."""
     index_dtype = index_dtype or dtype
     fp8 = index_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     c = config
-    kv_shape, index_shape = (budget_pages, c.page_size, c.num_kv_heads, c.head_dim), (
-        max_pages, c.page_size, c.num_index_heads, c.index_head_dim)
-    return [
+    pool_shape = (budget_pages, 2, c.page_size, c.num_kv_heads, c.head_dim)
+    index_shape = (max_pages, c.page_size, c.num_index_heads, c.index_head_dim)
+    pools = [torch.zeros(pool_shape, device=device, dtype=dtype) for _ in range(c.num_layers)]
+    caches = [
         LayerKVCache(
-            k_cache=torch.zeros(kv_shape, device=device, dtype=dtype),
-            v_cache=torch.zeros(kv_shape, device=device, dtype=dtype),
+            k_cache=pool[:, 0],  # strided views: the kernels take any page stride
+            v_cache=pool[:, 1],
             index_cache=torch.zeros(index_shape, device=device, dtype=index_dtype),
             index_scale=torch.ones(index_shape[:3], device=device, dtype=torch.float32) if fp8 else None,
         )
-        for _ in range(c.num_layers)
+        for pool in pools
     ]
+    return caches, pools
 
 
 class ResidentSession:
@@ -78,8 +81,8 @@ class ResidentSession:
             raise ValueError(f"budget_pages={budget_pages} is invalid: allowed {least} (ring {self.ring} + "
                              f"Hkv·top_k) ≤ budget_pages ≤ max_pages={max_pages}")
         self.page_size, self.budget_pages = config.page_size, budget_pages
-        self.caches = allocate_resident_caches(config, max_pages, budget_pages, self.device, dtype,
-                                               index_dtype)
+        self.caches, self.pools = allocate_resident_caches(config, max_pages, budget_pages, self.device,
+                                                           dtype, index_dtype)
         self.sets = [WorkingSet(budget_pages, self.ring) for _ in self.caches]
         # [L, 1, max_pages] per layer logical page → K/V slot. Entries of non-resident pages are
         # stale or 0: attention only reads the selected pages, which are resident.
@@ -140,14 +143,13 @@ class ResidentSession:
         tier, and give it its ring slot in every layer (load: copy its K/V in from the host tier)."""
         if self.write_page >= 0:
             slot = self.write_page % self.ring
-            for layer, cache in enumerate(self.caches):
-                self.host.write(layer, [self.write_page],
-                                torch.stack([cache.k_cache[slot], cache.v_cache[slot]])[None])
+            for layer in range(len(self.caches)):
+                self.host.write(layer, [self.write_page], self.pools[layer][slot : slot + 1])
             self.stats.pages_written_back += len(self.caches)
-        for layer, (working, cache) in enumerate(zip(self.sets, self.caches, strict=True)):
+        for layer, working in enumerate(self.sets):
             slot, _ = working.place_write_page(page)
             if load and self.host.present[layer, page]:
-                self._copy_in(cache, [page], [slot], layer)
+                self._copy_in([page], [slot], layer)
         self.kv_tables[:, 0, page] = page % self.ring
         self.write_page = page
 
@@ -181,23 +183,25 @@ class ResidentSession:
         if not filled:
             return
         new_pages, slots = [p for p, _ in filled], [s for _, s in filled]
-        self._copy_in(self.caches[layer], new_pages, slots, layer)
+        self._copy_in(new_pages, slots, layer)
         self.kv_tables[layer, 0, torch.as_tensor(new_pages, device=self.device)] = torch.as_tensor(
             slots, dtype=torch.int32, device=self.device)
         self.stats.fetches += 1
         if len(self.stats.fetch_log) < 10_000:
             self.stats.fetch_log.append((self.stats.steps, layer, tuple(new_pages)))
 
-    def _copy_in(self, cache: LayerKVCache, pages: list[int], slots: list[int], layer: int) -> None:
-        kv = self.host.read(layer, pages)  # [n, 2, P, Hkv, D] on the host
+    def _copy_in(self, pages: list[int], slots: list[int], layer: int) -> None:
+        """Host tier → the layer's slots. On CUDA one asynchronous copy per page straight from
+        the pinned tier (no gather on the host); stream order puts them before attention."""
+        self.host.ensure(layer, pages)
+        pool = self.pools[layer]  # [budget_pages, 2, P, Hkv, D]
         if self.device.type == "cuda":
-            kv = kv.pin_memory()
-        kv = kv.to(self.device, non_blocking=True)
-        index = torch.as_tensor(slots, dtype=torch.long, device=self.device)
-        cache.k_cache[index] = kv[:, 0]
-        cache.v_cache[index] = kv[:, 1]
+            for page, slot in zip(pages, slots, strict=True):
+                pool[slot].copy_(self.host.data[layer, page], non_blocking=True)
+        else:
+            pool[torch.as_tensor(slots)] = self.host.data[layer, torch.as_tensor(pages)]
         self.stats.pages_fetched += len(pages)
-        self.stats.bytes_fetched += kv.numel() * kv.element_size()
+        self.stats.bytes_fetched += len(pages) * self.host.page_bytes
 
     def wrap_ops(self, ops: AttentionOps) -> AttentionOps:
         """The model's ops for this session's decode steps: the indexer makes its selection
@@ -243,3 +247,4 @@ class ResidentSession:
             for t in (c.k_cache, c.v_cache, c.index_cache, c.index_scale):
                 total += 0 if t is None else t.numel() * t.element_size()
         return total
+
