@@ -46,7 +46,8 @@ def new_engine(model, client, sync_every: int) -> LLMEngine:
     return engine
 
 
-def step_all(engines: dict[str, LLMEngine], out: dict[str, list[int]], steps: int | None, lags: list[int]) -> None:
+def step_all(engines: dict[str, LLMEngine], out: dict[str, list[int]], steps: int | None,
+             lags: list[int]) -> None:
     """Step every engine `steps` times (None: until idle), collecting tokens per session."""
     done = 0
     while any(e.has_unfinished() for e in engines.values()) and (steps is None or done < steps):
@@ -85,7 +86,8 @@ def run(args: argparse.Namespace) -> dict:
     step_all(engines, got, args.steps_before, lags)
     for rid, engine in engines.items():
         stats = engine.stats()
-        router.replica(rid).num_running, router.replica(rid).num_waiting = stats.num_running, stats.num_waiting
+        replica = router.replica(rid)
+        replica.num_running, replica.num_waiting = stats.num_running, stats.num_waiting
 
     # r0 drains: the router plans (moving r0's sessions, and any overload the drain leaves);
     # each source persists and releases its sessions, the targets adopt them.
@@ -132,10 +134,10 @@ def git_revision() -> str:
 
 def report(args: argparse.Namespace, r: dict) -> None:
     meta = dict(command="python benchmarks/kvcache/drain.py " + " ".join(sys.argv[1:]),
-                hardware=f"CPU ({torch.get_num_threads()} thread)", date=datetime.now(UTC).isoformat(timespec="seconds"),
-                git_revision=git_revision(),
-                workload=f"tiny, {args.sessions} sessions of {args.prompt_len}+ tokens, {args.replicas} in-process "
-                         f"replicas, one drained and one failed after {args.steps_before} steps, "
+                hardware=f"CPU ({torch.get_num_threads()} thread)",
+                date=datetime.now(UTC).isoformat(timespec="seconds"), git_revision=git_revision(),
+                workload=f"tiny, {args.sessions} sessions of {args.prompt_len}+ tokens, {args.replicas} "
+                         f"in-process replicas, one drained and one failed after {args.steps_before} steps, "
                          f"sync_every {args.sync_every}")
     entries = {
         "kvcache.drain_moved_sessions_lost": dict(
@@ -151,8 +153,9 @@ def report(args: argparse.Namespace, r: dict) -> None:
     out = Path(args.output)
     data = json.loads(out.read_text()) if out.exists() else {}
     data.update(entries)
-    out.write_text(json.dumps(data, indent=2) + "\n")
-    print(f"drain: {len(r['drained'])} sessions moved ({', '.join(r['reasons'])}) in {r['drain_s'] * 1e3:.1f} ms; "
+    out.write_text(json.dumps(data, indent=1) + "\n")  # the file's own indent: small diffs
+    print(f"drain: {len(r['drained'])} sessions moved ({', '.join(r['reasons'])}) "
+          f"in {r['drain_s'] * 1e3:.1f} ms; "
           f"failure: {len(r['failed'])} sessions re-homed; {r['adopted']} adoptions; results → {out}")
     print(f"{'metric':<40}{'value':>8}")
     for key, entry in entries.items():
@@ -160,12 +163,14 @@ def report(args: argparse.Namespace, r: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    formatter = argparse.RawDescriptionHelpFormatter
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--sessions", type=int, default=12)
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=300)
     parser.add_argument("--tokens", type=int, default=24)
-    parser.add_argument("--steps-before", type=int, default=16, help="steps of every replica before the drain")
+    parser.add_argument("--steps-before", type=int, default=16,
+                        help="steps of every replica before the drain")
     parser.add_argument("--sync-every", type=int, default=4)
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "kvcache.json"))
     args = parser.parse_args()
