@@ -77,9 +77,12 @@ class HostKV:
     def write(self, layer: int, pages: Sequence[int], kv: torch.Tensor) -> None:
         """kv [n, 2, P, Hkv, D] (any device) → these pages of `layer` (asynchronous from CUDA
         into pinned memory: stream order makes any later read of them see the data)."""
-        index = torch.as_tensor(list(pages), dtype=torch.long)
+        pages = list(pages)
+        index = torch.as_tensor(pages, dtype=torch.long)
         if kv.device.type == "cpu":
             self.data[layer, index] = kv
+        elif pages == list(range(pages[0], pages[0] + len(pages))):  # a run: one copy
+            self.data[layer, pages[0] : pages[0] + len(pages)].copy_(kv, non_blocking=True)
         else:
             for i, page in enumerate(pages):  # one pinned destination per page: non-blocking copies
                 self.data[layer, page].copy_(kv[i], non_blocking=True)

@@ -97,21 +97,27 @@ class ResidentSession:
     # ---- building one -------------------------------------------------------------------------
     @classmethod
     def offload(cls, config: MSAConfig, caches: Sequence[LayerKVCache], num_tokens: int, budget_pages: int,
-                max_pages: int) -> "ResidentSession":
+                max_pages: int, host: HostKV | None = None) -> "ResidentSession":
         """A session held fully resident in `caches` (logical page = physical page) → sparse
         resident: its index copied, every page's K/V to the (pinned) host tier, the page being
-        written to its ring slot."""
+        written to its ring slot. host: a host tier already holding these pages (benchmarks
+        offload one session at several budgets)."""
         first = caches[0]
         device, dtype = first.k_cache.device, first.k_cache.dtype
-        page_shape = tuple(first.k_cache.shape[1:])
-        host = HostKV(len(caches), max_pages, page_shape, dtype, pin=device.type == "cuda")
-        session = cls(config, max_pages, budget_pages, host, device, dtype, first.index_cache.dtype)
         pages = -(-num_tokens // config.page_size)
-        for layer, (src, dst) in enumerate(zip(caches, session.caches, strict=True)):
+        if host is None:
+            page_shape = tuple(first.k_cache.shape[1:])
+            host = HostKV(len(caches), max_pages, page_shape, dtype, pin=device.type == "cuda")
+            for layer, src in enumerate(caches):
+                for start in range(0, pages, 1024):  # bounded temporaries on the device
+                    end = min(pages, start + 1024)
+                    host.write(layer, range(start, end), torch.stack([src.k_cache[start:end],
+                                                                      src.v_cache[start:end]], dim=1))
+        session = cls(config, max_pages, budget_pages, host, device, dtype, first.index_cache.dtype)
+        for src, dst in zip(caches, session.caches, strict=True):
             dst.index_cache[:pages] = src.index_cache[:pages]
             if src.index_scale is not None:
                 dst.index_scale[:pages] = src.index_scale[:pages]
-            host.write(layer, range(pages), torch.stack([src.k_cache[:pages], src.v_cache[:pages]], dim=1))
         session._enter_page(num_tokens // config.page_size, load=True)
         return session
 
