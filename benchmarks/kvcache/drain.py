@@ -38,16 +38,23 @@ from msaserve.router.state import RouterState  # noqa: E402
 
 
 def new_engine(model, client, sync_every: int) -> LLMEngine:
-    config = EngineConfig(model="tiny", attention_backend="msa", num_pages=512, max_num_seqs=8,
-                          max_num_batched_tokens=128, max_model_len=2048)
+    config = EngineConfig(
+        model="tiny",
+        attention_backend="msa",
+        num_pages=512,
+        max_num_seqs=8,
+        max_num_batched_tokens=128,
+        max_model_len=2048,
+    )
     engine = LLMEngine(config, model=model, kv_client=client)
     if engine.sessions is not None:
         engine.sessions.sync_every = sync_every
     return engine
 
 
-def step_all(engines: dict[str, LLMEngine], out: dict[str, list[int]], steps: int | None,
-             lags: list[int]) -> None:
+def step_all(
+    engines: dict[str, LLMEngine], out: dict[str, list[int]], steps: int | None, lags: list[int]
+) -> None:
     """Step every engine `steps` times (None: until idle), collecting tokens per session."""
     done = 0
     while any(e.has_unfinished() for e in engines.values()) and (steps is None or done < steps):
@@ -62,8 +69,10 @@ def run(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     model = init_random_weights(MSATransformer(get_preset("tiny"), "msa"), seed=0).eval()
     generator = torch.Generator().manual_seed(7)
-    prompts = {f"s{i}": torch.randint(3, 512, (args.prompt_len + 13 * i,), generator=generator).tolist()
-               for i in range(args.sessions)}
+    prompts = {
+        f"s{i}": torch.randint(3, 512, (args.prompt_len + 13 * i,), generator=generator).tolist()
+        for i in range(args.sessions)
+    }
     sampling = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
 
     reference: dict[str, list[int]] = {}
@@ -72,8 +81,10 @@ def run(args: argparse.Namespace) -> dict:
         ref.add_request(GenerateRequest(sid, prompt, sampling))
     step_all({"ref": ref}, reference, None, [])
 
-    client = KVCacheClient.in_process(ServiceConfig(num_shards=4, memory_bytes=256 << 20),
-                                      identity_for(model.config, "tiny@seed0", torch.float32))
+    client = KVCacheClient.in_process(
+        ServiceConfig(num_shards=4, memory_bytes=256 << 20),
+        identity_for(model.config, "tiny@seed0", torch.float32),
+    )
     engines = {f"r{i}": new_engine(model, client, args.sync_every) for i in range(args.replicas)}
     router = RouterState()
     router.sync_replicas(engines)
@@ -113,16 +124,25 @@ def run(args: argparse.Namespace) -> dict:
         rehomed.append(sid)
         left = SamplingParams(max_tokens=args.tokens - len(received), temperature=0.0, ignore_eos=True)
         engines[replan[sid].to_replica].add_request(
-            GenerateRequest(f"{sid}/retry", prompts[sid] + received, left, session_id=sid))
+            GenerateRequest(f"{sid}/retry", prompts[sid] + received, left, session_id=sid)
+        )
     del failed
     step_all(engines, got, None, lags)
 
     drained = [m.session_id for m in moves]
     lost = lambda sids: [sid for sid in sids if got.get(sid) != reference[sid]]  # noqa: E731
     reasons = sorted({m.reason for m in plan.values()})
-    return dict(drained=drained, failed=rehomed, reasons=reasons, drained_lost=lost(drained),
-                failed_lost=lost(failed_sessions), all_lost=lost(prompts), max_lag=max(lags), drain_s=drain_s,
-                adopted=sum(e.sessions.stats.adopted for e in engines.values()))
+    return dict(
+        drained=drained,
+        failed=rehomed,
+        reasons=reasons,
+        drained_lost=lost(drained),
+        failed_lost=lost(failed_sessions),
+        all_lost=lost(prompts),
+        max_lag=max(lags),
+        drain_s=drain_s,
+        adopted=sum(e.sessions.stats.adopted for e in engines.values()),
+    )
 
 
 def git_revision() -> str:
@@ -133,20 +153,27 @@ def git_revision() -> str:
 
 
 def report(args: argparse.Namespace, r: dict) -> None:
-    meta = dict(command="python benchmarks/kvcache/drain.py " + " ".join(sys.argv[1:]),
-                hardware=f"CPU ({torch.get_num_threads()} thread)",
-                date=datetime.now(UTC).isoformat(timespec="seconds"), git_revision=git_revision(),
-                workload=f"tiny, {args.sessions} sessions of {args.prompt_len}+ tokens, {args.replicas} "
-                         f"in-process replicas, one drained and one failed after {args.steps_before} steps, "
-                         f"sync_every {args.sync_every}")
+    meta = dict(
+        command="python benchmarks/kvcache/drain.py " + " ".join(sys.argv[1:]),
+        hardware=f"CPU ({torch.get_num_threads()} thread)",
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        git_revision=git_revision(),
+        workload=f"tiny, {args.sessions} sessions of {args.prompt_len}+ tokens, {args.replicas} "
+        f"in-process replicas, one drained and one failed after {args.steps_before} steps, "
+        f"sync_every {args.sync_every}",
+    )
     entries = {
         "kvcache.drain_moved_sessions_lost": dict(
-            value=len(r["drained_lost"]), unit="sessions",
-            note=f"of {len(r['drained'])} moved mid-turn ({', '.join(r['reasons'])})"),
-        "kvcache.failure_sessions_lost": dict(value=len(r["failed_lost"]), unit="sessions",
-                                              note=f"of {len(r['failed'])} on the failed replica"),
-        "kvcache.write_behind_max_lag_tokens": dict(value=r["max_lag"], unit="tokens",
-                                                    note=f"bound: sync_every - 1 = {args.sync_every - 1}"),
+            value=len(r["drained_lost"]),
+            unit="sessions",
+            note=f"of {len(r['drained'])} moved mid-turn ({', '.join(r['reasons'])})",
+        ),
+        "kvcache.failure_sessions_lost": dict(
+            value=len(r["failed_lost"]), unit="sessions", note=f"of {len(r['failed'])} on the failed replica"
+        ),
+        "kvcache.write_behind_max_lag_tokens": dict(
+            value=r["max_lag"], unit="tokens", note=f"bound: sync_every - 1 = {args.sync_every - 1}"
+        ),
     }
     for entry in entries.values():
         entry.update(meta)
@@ -154,9 +181,11 @@ def report(args: argparse.Namespace, r: dict) -> None:
     data = json.loads(out.read_text()) if out.exists() else {}
     data.update(entries)
     out.write_text(json.dumps(data, indent=1) + "\n")  # the file's own indent: small diffs
-    print(f"drain: {len(r['drained'])} sessions moved ({', '.join(r['reasons'])}) "
-          f"in {r['drain_s'] * 1e3:.1f} ms; "
-          f"failure: {len(r['failed'])} sessions re-homed; {r['adopted']} adoptions; results → {out}")
+    print(
+        f"drain: {len(r['drained'])} sessions moved ({', '.join(r['reasons'])}) "
+        f"in {r['drain_s'] * 1e3:.1f} ms; "
+        f"failure: {len(r['failed'])} sessions re-homed; {r['adopted']} adoptions; results → {out}"
+    )
     print(f"{'metric':<40}{'value':>8}")
     for key, entry in entries.items():
         print(f"{key:<40}{entry['value']:>8}")
@@ -169,8 +198,9 @@ def main() -> None:
     parser.add_argument("--replicas", type=int, default=4)
     parser.add_argument("--prompt-len", type=int, default=300)
     parser.add_argument("--tokens", type=int, default=24)
-    parser.add_argument("--steps-before", type=int, default=16,
-                        help="steps of every replica before the drain")
+    parser.add_argument(
+        "--steps-before", type=int, default=16, help="steps of every replica before the drain"
+    )
     parser.add_argument("--sync-every", type=int, default=4)
     parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "kvcache.json"))
     args = parser.parse_args()

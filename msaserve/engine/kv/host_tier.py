@@ -70,6 +70,13 @@ class HostKV:
         self.service_reads = 0
         self.service_bytes = 0
 
+    def reset(self, source: ServiceSource | None) -> "HostKV":
+        """Reuse this (pinned) memory for another session: nothing present, pages from `source`."""
+        self.wait_all()
+        self.present.zero_()
+        self.source, self.service_log, self.service_reads, self.service_bytes = source, [], 0, 0
+        return self
+
     @property
     def page_bytes(self) -> int:
         return self.data[0, 0].numel() * self.data.element_size()

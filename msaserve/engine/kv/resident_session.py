@@ -124,15 +124,20 @@ class ResidentSession:
     @classmethod
     def adopt(cls, client: KVCacheClient, record: SessionRecord, config: MSAConfig, budget_pages: int,
               max_pages: int, device: torch.device, dtype: torch.dtype,
-              index_dtype: torch.dtype | None = None) -> tuple["ResidentSession", int]:
+              index_dtype: torch.dtype | None = None, host: HostKV | None = None,
+              ) -> tuple["ResidentSession", int]:
         """Adopt a stored session: the whole index now, K/V pages as they are selected (read from
         the service into the pinned host tier, then into the working set) → (session, tokens
-        covered; the caller runs the record's remaining tokens)."""
+        covered; the caller runs the record's remaining tokens). host: a host tier to reuse (a
+        replica keeps its pinned memory allocated: pinning GiBs takes seconds)."""
         hashes = list(record.page_hashes) + ([record.tail_hash] if record.tail_hash is not None else [])
         c = config
-        host = HostKV(c.num_layers, max_pages, (c.page_size, c.num_kv_heads, c.head_dim), dtype,
-                      pin=torch.device(device).type == "cuda",
-                      source=ServiceSource(client, hashes, record.session_id))
+        source = ServiceSource(client, hashes, record.session_id)
+        if host is None:
+            host = HostKV(c.num_layers, max_pages, (c.page_size, c.num_kv_heads, c.head_dim), dtype,
+                          pin=torch.device(device).type == "cuda", source=source)
+        else:
+            host.reset(source)
         session = cls(config, max_pages, budget_pages, host, device, dtype, index_dtype)
         ring = session.ring
         # Index of every page at its logical page; the stored tail's K/V (it is written into
