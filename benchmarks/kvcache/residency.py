@@ -310,6 +310,10 @@ def report(args: argparse.Namespace, r: dict) -> None:
             note=f"{b['budget_pages']} of {r['pages']} pages per layer; {b['pages_per_step']:.1f} pages "
             f"({b['bytes_per_step'] / 2**20:.1f} MiB) moved per step; tokens equal: {b['match']}",
         )
+    if ten is not None:
+        entries["kvcache.sparse_residency_bytes_per_step_10pct"] = dict(
+            value=round(ten["bytes_per_step"]), unit="bytes",
+            note=f"host → GPU K/V per decode step (all layers), {ten['pages_per_step']:.1f} pages")
     if ten is not None and "sessions_resident" in r:
         sparse = r["sessions_sparse"][0.10]
         entries["kvcache.sparse_residency_sessions_per_gpu_1m"] = dict(
