@@ -18,6 +18,7 @@ with everything resident (the TPOT baseline, eager: neither side replays CUDA gr
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -276,7 +277,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
         command="python benchmarks/kvcache/residency.py " + " ".join(sys.argv[1:]),
         hardware=hardware(r["device"]),
         date=datetime.now(UTC).isoformat(timespec="seconds"),
-        git_revision=git_revision(),
+        git_revision=os.environ.get("MSASERVE_GIT_REVISION") or git_revision(),  # a copy has no .git
     )
     shape = "m3-proxy (quick shapes)" if args.quick else "m3-proxy"
     label = (
