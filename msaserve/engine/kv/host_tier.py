@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from msaserve.engine.kv.pages import PageCodec
@@ -98,10 +99,11 @@ class HostKV:
     def ensure(self, layer: int, pages: Sequence[int]) -> None:
         """These pages of `layer` are here after this: the ones not here are read from the source
         (waiting for a background read already started for them)."""
-        missing = [p for p in pages if not self.present[layer, p]]
+        present = self.present[layer].numpy()
+        missing = [p for p in pages if not present[p]]
         if missing:
             self.poll(wait_for={(p, layer) for p in missing})
-            missing = [p for p in missing if not self.present[layer, p]]
+            missing = [p for p in missing if not present[p]]
         if missing:
             if self.source is None:
                 raise PageLostInService(f"(pages {missing}, layer {layer}) are in neither the GPU working "
@@ -138,10 +140,11 @@ class HostKV:
             return len(wanted) >= budget
 
         done = any(want(item) for item in predicted)
-        if not done:
-            absent = (~self.present[:, : len(self.source.hashes)]).nonzero().tolist()  # [[layer, page]]
-            absent.sort(key=lambda lp: (-lp[1], lp[0]))  # newest pages first
-            any(want((page, layer)) for layer, page in absent)
+        if not done:  # then the newest pages (numpy: this runs between decode steps)
+            absent = ~self.present[:, : len(self.source.hashes)].numpy()  # [L, pages]
+            for page in np.flatnonzero(absent.any(axis=0))[::-1].tolist():
+                if any(want((page, layer)) for layer in np.flatnonzero(absent[:, page]).tolist()):
+                    break
         if wanted:
             self._pending.append((self.source.read_async(wanted), wanted))
             self._log("prefetch", wanted)
