@@ -12,6 +12,7 @@ from reference_decode import SequenceState
 
 from msaserve.engine.kv.pages import identity_for
 from msaserve.engine.kv.persist import SessionWriter
+from msaserve.engine.kv.residency import ResidencyBudgetError, WorkingSet
 from msaserve.engine.kv.resident_session import ResidentSession
 from msaserve.kernels import get_ops
 from msaserve.kvcache.client import KVCacheClient
@@ -115,3 +116,18 @@ def test_adopted_session_fetches_selected_pages_first_and_decodes_identical_toke
             predicted_or_newest = [p for p, _ in items]
             assert predicted_or_newest != sorted(predicted_or_newest) or len(items) == 1
     assert any(kind == "prefetch" for kind, _ in host.service_log)
+
+
+def test_working_set_keeps_the_write_ring_and_recently_selected_pages():
+    working = WorkingSet(num_slots=6, ring=2)
+    assert working.place_write_page(10) == (0, -1)
+    assert working.admit([1, 2, 3, 4], step=1) == [(1, 2), (2, 3), (3, 4), (4, 5)]
+    working.admit([3, 4], step=2)
+    # Page 5 takes the slot of the least recently selected page (1 or 2, both step 1: the lower slot).
+    assert working.admit([3, 5], step=3) == [(5, 2)]
+    assert working.resident_pages() == [2, 3, 4, 5, 10]
+    assert working.evictions == 1
+    assert working.place_write_page(11) == (1, -1)  # the next write page: the ring's other slot
+    assert working.place_write_page(12) == (0, 10)  # page 10 leaves the ring (written back before)
+    with pytest.raises(ResidencyBudgetError, match="selected 5 pages"):
+        working.admit([20, 21, 22, 23, 24], step=4)
