@@ -212,11 +212,18 @@ class ChatCompletion(_Response):
     usage: Usage | None = None
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
 class DeltaToolCall(_Response):
+    """The first delta of a call has id, type and function.name; later ones add arguments text."""
+
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
-    function: ResponseFunctionCall | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatDelta(_Response):
