@@ -62,6 +62,7 @@ def sampling_from(
         top_k=body.top_k or 0,
         seed=body.seed,
         stop=stop + extra_stop,
+        stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
