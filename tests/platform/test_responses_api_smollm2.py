@@ -40,9 +40,12 @@ def client(live_app) -> openai.OpenAI:
     return _client(live_app, KEY_A)
 
 
+INSTRUCTIONS = "You are a weather assistant."
+
+
 def test_function_call_conversation_round_trips(client, live_app) -> None:
     first = client.responses.create(
-        model=MODEL, instructions="You are a weather assistant.", input="What's the weather in Paris?",
+        model=MODEL, instructions=INSTRUCTIONS, input="What's the weather in Paris?",
         tools=[TOOL], tool_choice="required", parallel_tool_calls=False, max_output_tokens=80, temperature=0,
     )
     assert first.status == "completed", first
@@ -50,18 +53,21 @@ def test_function_call_conversation_round_trips(client, live_app) -> None:
     assert call.type == "function_call" and call.name == "get_weather" and call.call_id.startswith("call_")
     jsonschema.validate(json.loads(call.arguments), WEATHER)
     second = client.responses.create(
-        model=MODEL, previous_response_id=first.id, tools=[TOOL], max_output_tokens=40, temperature=0,
+        model=MODEL, previous_response_id=first.id, instructions=INSTRUCTIONS, tools=[TOOL],
+        max_output_tokens=40, temperature=0,
         input=[{"type": "function_call_output", "call_id": call.call_id, "output": '{"temp_c": 21}'}],
     )
     assert second.previous_response_id == first.id and second.output_text
     assert second.usage.input_tokens > first.usage.input_tokens
-    # the conversation lives on the replica that served it: the second turn reused its pages
+    # the second turn's prompt starts as the first's (instructions are per response, so they are sent
+    # again, as agent frameworks do): it reused the first turn's cached pages
     assert second.usage.input_tokens_details.cached_tokens > 0
     again = client.responses.retrieve(second.id)
     assert again.id == second.id and again.output_text == second.output_text
     # a third turn continues from the second one's stored conversation
     third = client.responses.create(model=MODEL, previous_response_id=second.id, input="Thanks!",
-                                    max_output_tokens=10, temperature=0)
+                                    instructions=INSTRUCTIONS, tools=[TOOL], max_output_tokens=10,
+                                    temperature=0)
     assert third.usage.input_tokens > second.usage.input_tokens
     with pytest.raises(openai.NotFoundError):  # another API key sees none of it
         _client(live_app, KEY_B).responses.retrieve(second.id)
