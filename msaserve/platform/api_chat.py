@@ -158,18 +158,25 @@ async def _complete(
     )
 
 
-def _event_delta(event: Event) -> ChatDelta | None:
-    """The chat delta of one reply event: content, a call's start (id, type, name) or its arguments."""
-    if isinstance(event, Text):
-        return ChatDelta(content=event.text)
-    if isinstance(event, CallStarted):
-        function = DeltaFunctionCall(name=event.name, arguments="")
-        return ChatDelta(tool_calls=[DeltaToolCall(index=event.index, id=event.id, type="function",
-                                                   function=function)])
-    if isinstance(event, ArgumentsDelta):
-        return ChatDelta(tool_calls=[DeltaToolCall(index=event.index,
-                                                   function=DeltaFunctionCall(arguments=event.text))])
-    return None
+def _chat_deltas(events: list[Event]) -> list[ChatDelta]:
+    """The chat deltas of reply events: content; a call's start (id, type, name — with its arguments
+    when they came in the same batch, e.g. a call parsed whole); then its arguments in pieces."""
+    deltas: list[ChatDelta] = []
+    for i, event in enumerate(events):
+        if isinstance(event, Text):
+            deltas.append(ChatDelta(content=event.text))
+        elif isinstance(event, CallStarted):
+            after = events[i + 1] if i + 1 < len(events) else None
+            joined = isinstance(after, ArgumentsDelta) and after.index == event.index
+            function = DeltaFunctionCall(name=event.name, arguments=after.text if joined else "")
+            deltas.append(ChatDelta(tool_calls=[DeltaToolCall(index=event.index, id=event.id, type="function",
+                                                              function=function)]))
+        elif isinstance(event, ArgumentsDelta) and not (
+            i and isinstance(events[i - 1], CallStarted) and events[i - 1].index == event.index
+        ):
+            function = DeltaFunctionCall(arguments=event.text)
+            deltas.append(ChatDelta(tool_calls=[DeltaToolCall(index=event.index, function=function)]))
+    return deltas
 
 
 async def _stream(
@@ -195,16 +202,15 @@ async def _stream(
     try:
         async for index, out in merged(gens):
             events = parsers[index].feed(out.text) + (parsers[index].finish() if out.finished else [])
+            called[index] = called[index] or any(isinstance(e, CallStarted) for e in events)
             lp = ChoiceLogprobs(content=logprob_entries(tokenizer, out.logprobs)) if body.logprobs else None
-            if lp and not any(isinstance(e, Text) for e in events):
+            deltas = _chat_deltas(events)
+            if lp and not any(d.content is not None for d in deltas):
                 yield chunk(index, ChatDelta(content=""), logprobs=lp)
                 lp = None
-            for event in events:
-                called[index] = called[index] or isinstance(event, CallStarted)
-                delta = _event_delta(event)
-                if delta is not None:
-                    yield chunk(index, delta, logprobs=lp if isinstance(event, Text) else None)
-                    lp = None if isinstance(event, Text) else lp
+            for delta in deltas:
+                yield chunk(index, delta, logprobs=lp if delta.content is not None else None)
+                lp = None if delta.content is not None else lp
             if out.finished:
                 reason = _calls_reason(body, out.finish_reason) if called[index] else out.finish_reason
                 yield chunk(index, ChatDelta(), finish=reason)
