@@ -5,10 +5,11 @@
     parser.finish()   -> [...]                                                  # at the end
 
 Hermes (`tools.py`): a call is committed once its head `<tool_call>\\n{"name": "<known tool>",
-"arguments": ` is complete (`CallStarted` with the call's id and name); the arguments' JSON value
+"arguments": {` is there (`CallStarted` with the call's id and name); the arguments' JSON object
 then streams as written (`ArgumentsDelta`, concatenated they are the value's text) and ends at the
 value's last character (`CallFinished`); the rest of the block (`}`, `</tool_call>`) is dropped. A
-block whose head does not match (another key order, an unknown name) is held to its end and parsed
+block whose head does not match (another key order, an unknown name, arguments that are not an
+object or array, e.g. a JSON string) is held to its end and parsed
 whole, as the non-streamed reply is; a block that does not parse stays content while no call was
 sent. Text after the last call is dropped, as in the non-streamed reply.
 
@@ -64,28 +65,17 @@ _MAX_HEAD_CHARS = 400
 
 
 class _JSONValueEnd:
-    """Finds where one JSON value ends, fed a character at a time (objects, arrays, strings, scalars)."""
+    """Finds where a JSON object or array ends, fed a character at a time (strings and escapes skipped)."""
 
     def __init__(self) -> None:
         self.depth = 0
         self.in_string = False
         self.escape = False
         self.started = False
-        self.scalar = False
 
-    def feed(self, ch: str) -> bool | None:
-        """True: `ch` ends the value (and belongs to it); None: `ch` ends a scalar and is not part of it."""
-        if not self.started:
-            self.started = True
-            if ch in "{[":
-                self.depth = 1
-            elif ch == '"':
-                self.in_string = True
-            else:
-                self.scalar = True
-            return False
-        if self.scalar:
-            return None if ch in ",}] \n\t\r" else False
+    def feed(self, ch: str) -> bool:
+        """True when `ch` (part of the value) ends it."""
+        self.started = True
         if self.in_string:
             if self.escape:
                 self.escape = False
@@ -93,7 +83,6 @@ class _JSONValueEnd:
                 self.escape = True
             elif ch == '"':
                 self.in_string = False
-                return self.depth == 0
             return False
         if ch == '"':
             self.in_string = True
@@ -147,13 +136,16 @@ class HermesStreamParser:
     def _head(self, events: list[Event]) -> None:
         match = _HEAD.match(self._held)
         name = json.loads(match.group(1)) if match else None
-        if match and name in self.known:
+        value_start = self._held[match.end() : match.end() + 1] if match else ""
+        if match and not value_start:
+            return  # the arguments' first character decides
+        if name in self.known and value_start in ("{", "["):
             events.append(CallStarted(self._calls, new_call_id(), name))
             self._held = self._held[match.end() :]
             self._mode, self._args_text, self._value = "args", "", _JSONValueEnd()
             return
         close = self._held.find(HERMES.close)
-        if close >= 0 or len(self._held) > _MAX_HEAD_CHARS or (match and name not in self.known):
+        if close >= 0 or len(self._held) > _MAX_HEAD_CHARS or match:
             self._mode = "opaque"
             self._opaque(events)
 
@@ -182,11 +174,7 @@ class HermesStreamParser:
         for i, ch in enumerate(self._held):
             if not self._value.started and ch.isspace():
                 continue
-            end = self._value.feed(ch)
-            if end is None:  # a scalar ended before this character
-                self._end_args(events, self._held[:i], self._held[i:])
-                return
-            if end:
+            if self._value.feed(ch):
                 self._end_args(events, self._held[: i + 1], self._held[i + 1 :])
                 return
         piece, self._held = self._held, ""

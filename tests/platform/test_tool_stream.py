@@ -100,3 +100,10 @@ def test_a_template_format_sends_each_call_whole_at_the_end() -> None:
     events = _run(reply, 4, fmt=MINIMAX)
     assert [(c.name, c.arguments) for c in calls_of(events)] == [(c.name, c.arguments) for c in whole]
     assert _text(events).strip() == content
+
+
+def test_arguments_written_as_a_string_are_parsed_whole() -> None:
+    reply = '<tool_call>\n{"name": "get_time", "arguments": "{\\"utc\\": true}"}\n</tool_call>'
+    events = _run(reply, 6)
+    (call,) = calls_of(events)
+    assert call.arguments == parse_reply(reply, KNOWN, None)[1][0].arguments == '{"utc": true}'
