@@ -106,7 +106,7 @@ class ResponsesRequest(_Request):
     temperature: float | None = None
     top_p: float | None = None
     text: TextConfig | None = None
-    metadata: dict[str, str] | None = Field(None, description="Up to 16 pairs, returned as given.")
+    metadata: dict[str, str] | None = Field(None, max_length=16, description="Up to 16 pairs, echoed back.")
     truncation: Literal["disabled"] | None = Field(
         None, description="Only disabled: an input too long for the context is a 400."
     )
