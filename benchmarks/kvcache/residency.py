@@ -295,14 +295,14 @@ def report(args: argparse.Namespace, r: dict) -> None:
             note=f"sparse-resident adoption (10% budget, prefetch {best[0]} items), median over the first "
             f"{best[1]['steps']} tokens; tokens equal: {best[1]['match']}",
         ),
-        "kvcache.adopt_vs_reprefill": dict(
+        "kvcache.sparse_adopt_vs_reprefill": dict(
             value=round(r["reprefill_s"] / best[1]["ttft"], 2),
             unit="x",
             note=f"re-prefill (MSA, chunk {args.chunk}) {r['reprefill_s']:.3f} s / "
             f"sparse-resident adoption's "
             f"first token {best[1]['ttft']:.4f} s (in-process shards, one adoption)",
         ),
-        "kvcache.adopt_ttft_s": dict(value=round(best[1]["ttft"], 4), unit="s"),
+        "kvcache.sparse_adopt_time_to_token_s": dict(value=round(best[1]["ttft"], 4), unit="s"),
     }
     for fraction, b in r["budgets"].items():
         entries[f"kvcache.sparse_residency_tpot_penalty_{round(fraction * 100)}pct"] = dict(
@@ -351,7 +351,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
         )
     print(
         f"re-prefill {r['reprefill_s']:.3f} s; "
-        f"adopt vs re-prefill {entries['kvcache.adopt_vs_reprefill']['value']}x"
+        f"adopt vs re-prefill {entries['kvcache.sparse_adopt_vs_reprefill']['value']}x"
     )
     if "sessions_resident" in r:
         print(f"1M-token sessions per GPU: resident {r['sessions_resident']}, sparse {r['sessions_sparse']}")
