@@ -20,12 +20,13 @@ SOURCE = r"""
 /* q [rows, Hkv, DI] at positions first.. (ascending, consecutive); keys [T, HkI, DI];
    out [rows, Hkv, NB]: out[t, h, j] = max over p in block j, p <= t of <q[t, h], keys[p, h']>. */
 void msa_block_scores(const float *q, const float *keys, float *out, int64_t rows, int64_t first,
-                      int64_t hkv, int64_t hki, int64_t di, int64_t page, int64_t num_blocks,
-                      int64_t task_begin, int64_t task_end) {
-    const int64_t lead = first % page;
+                      int64_t hkv, int64_t hki, int64_t di, int64_t page, int64_t num_blocks, int threads) {
+    const int64_t lead = first % page, groups = (lead + rows + page - 1) / page;
+    #pragma omp parallel num_threads(threads)
     {
         float *kt = malloc(sizeof(float) * di * page), *s = malloc(sizeof(float) * page);
-        for (int64_t task = task_begin; task < task_end; task++) {
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < groups * hkv; task++) {
             const int64_t grp = task / hkv, h = task % hkv, hk = hki == 1 ? 0 : h;
             int64_t r0 = grp * page - lead, r1 = r0 + page;
             if (r0 < 0) r0 = 0;
@@ -68,7 +69,7 @@ void msa_block_scores(const float *q, const float *keys, float *out, int64_t row
 def library() -> ctypes.CDLL | None:
     lib = cpu_native.load("msa_block_scores", SOURCE)
     if lib is not None and lib.msa_block_scores.argtypes is None:
-        lib.msa_block_scores.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 9
+        lib.msa_block_scores.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7 + [ctypes.c_int]
         lib.msa_block_scores.restype = None
     return lib
 
@@ -89,8 +90,6 @@ def block_scores(q_index: torch.Tensor, keys: torch.Tensor, first: int, page_siz
     q = q_index.float().contiguous()
     keys = keys[:visible].float().contiguous()
     out = torch.empty(rows, num_heads, num_blocks, dtype=torch.float32)
-    args = (q.data_ptr(), keys.data_ptr(), out.data_ptr(), rows, first, num_heads, keys.shape[1], index_dim,
-            page_size, num_blocks)
-    groups = (first % page_size + rows + page_size - 1) // page_size
-    cpu_native.parallel_tasks(lambda begin, end: lib.msa_block_scores(*args, begin, end), groups * num_heads)
+    lib.msa_block_scores(q.data_ptr(), keys.data_ptr(), out.data_ptr(), rows, first, num_heads,
+                         keys.shape[1], index_dim, page_size, num_blocks, torch.get_num_threads())
     return out.masked_fill_(out <= -1e30, float("-inf"))

@@ -29,14 +29,16 @@ void msa_sparse_attention(const float *q, const float *k, const float *v, const 
                           int64_t max_pages, const int32_t *row_seq, const int64_t *row_pos,
                           const int32_t *selected, const int64_t *group_start, int64_t groups,
                           float *out, int64_t max_rows, int64_t hq, int64_t hkv, int64_t d,
-                          int64_t page, int64_t top_k, float scale, int64_t task_begin, int64_t task_end) {
+                          int64_t page, int64_t top_k, float scale, int threads) {
     const int64_t gs = hq / hkv, key_stride = hkv * d;
+    #pragma omp parallel num_threads(threads)
     {
         float *kt = malloc(sizeof(float) * d * page), *s = malloc(sizeof(float) * gs * page);
         float *acc = malloc(sizeof(float) * max_rows * gs * d);
         float *m = malloc(sizeof(float) * max_rows * gs), *l = malloc(sizeof(float) * max_rows * gs);
         int64_t *next = malloc(sizeof(int64_t) * max_rows);
-        for (int64_t task = task_begin; task < task_end; task++) {
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < groups * hkv; task++) {
             const int64_t grp = task / hkv, h = task % hkv;
             const int64_t r0 = group_start[grp], nr = group_start[grp + 1] - r0;
             const int32_t *bt = block_tables + (int64_t)row_seq[r0] * max_pages;
@@ -114,7 +116,7 @@ void msa_sparse_attention(const float *q, const float *k, const float *v, const 
 
 _ARGTYPES = (
     [ctypes.c_void_p] * 4 + [ctypes.c_int64] + [ctypes.c_void_p] * 4 + [ctypes.c_int64]
-    + [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float] + [ctypes.c_int64] * 2
+    + [ctypes.c_void_p] + [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_int]
 )
 
 
@@ -157,12 +159,10 @@ def sparse_attention(
     group_start = torch.cat([starts, torch.tensor([rows])]).contiguous()
     max_rows = int((group_start[1:] - group_start[:-1]).max()) if rows else 0
     out = torch.empty_like(q)
-    args = (
+    lib.msa_sparse_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), tables.data_ptr(), tables.shape[1],
         row_seq.data_ptr(), row_pos.data_ptr(), selected.data_ptr(), group_start.data_ptr(),
         starts.shape[0], out.data_ptr(), max_rows, num_heads, num_kv_heads, head_dim, page_size,
-        selected.shape[-1], scale,
+        selected.shape[-1], scale, torch.get_num_threads(),
     )
-    cpu_native.parallel_tasks(lambda begin, end: lib.msa_sparse_attention(*args, begin, end),
-                              starts.shape[0] * num_kv_heads)
     return out
