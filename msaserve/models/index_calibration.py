@@ -46,6 +46,9 @@ class LayerReport:
     loss_after: float
     recall: dict[str, float] = field(default_factory=dict)
     """Mean attention-mass recall of the selected blocks: 'keys', 'calibrated', 'quest'."""
+    kept: bool = True
+    """Whether the fitted projection was kept: only if its held-out recall is at least the
+    training-free one's (else the layer keeps the training-free index query)."""
 
 
 @dataclass(frozen=True)
@@ -219,7 +222,6 @@ class IndexCalibrator:
         with torch.no_grad():
             after = float(loss_at(held_out, held_mass, weight))
             new_scores = scores_at(held_out, weight)
-            proj.weight.copy_(weight.to(proj.weight.dtype))
             mean_q = (data.x[held_out] @ self.model.layers[index].self_attn.q_proj.weight.float().T)
             mean_q = mean_q.view(-1, c.num_kv_heads, c.group_size, c.head_dim).mean(2)
             cos, sin = rotary_cos_sin(held_out, c.head_dim, c.rope_theta, mean_q.dtype)
@@ -227,7 +229,11 @@ class IndexCalibrator:
         select = lambda sc: select_blocks(sc, held_out, c.page_size, c.top_k, c.n_init, c.n_local)  # noqa: E731
         rec = {name: recall(select(sc), held_mass)
                for name, sc in (("keys", base_scores), ("calibrated", new_scores), ("quest", quest))}
-        return LayerReport(index, before, after, rec)
+        kept = rec["calibrated"] >= rec["keys"]
+        if kept:
+            with torch.no_grad():
+                proj.weight.copy_(weight.to(proj.weight.dtype))
+        return LayerReport(index, before, after, rec, kept)
 
 
 def initial_index(dense: MSATransformer) -> MSATransformer:

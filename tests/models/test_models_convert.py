@@ -21,7 +21,7 @@ from msaserve.platform.cli import main as cli_main
 DENSE_TINY = dict(
     index_source="keys", num_index_heads=2, vision=None, image_token_id=None, video_token_id=None
 )
-SETTINGS = CalibrationSettings(steps=25, queries_per_step=64, eval_queries=128, learning_rate=1e-2)
+SETTINGS = CalibrationSettings(steps=12, queries_per_step=64, eval_queries=128, learning_rate=1e-2)
 
 
 def _dense_tiny(seed: int = 0):
@@ -58,7 +58,8 @@ def test_calibration_reduces_the_distillation_loss() -> None:
         assert report.loss_after < report.loss_before, report
         assert set(report.recall) == {"keys", "calibrated", "quest"}
         assert all(0.0 <= v <= 1.0 + 1e-5 for v in report.recall.values())
-        assert not torch.equal(old, layer.self_attn.index_q_proj.weight)  # the fit is in the model
+        # The fit is in the model where it selects at least as well as the training-free index.
+        assert torch.equal(old, layer.self_attn.index_q_proj.weight) != report.kept
 
 
 def test_calibration_needs_a_window_longer_than_the_forced_blocks() -> None:
