@@ -50,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
     after = sum(r.loss_after for r in reports) / len(reports)
     rec = {k: sum(r.recall[k] for r in reports) / len(reports) for k in reports[0].recall}
     rec["written"] = sum(r.recall["calibrated" if r.kept else "keys"] for r in reports) / len(reports)
+    kept = sum(r.kept for r in reports)
+    recalls = ", ".join(f"{k} {v:.3f}" for k, v in rec.items())
     print(f"wrote {args.out}: distillation loss {before:.4f} → {after:.4f} (mean over {len(reports)} "
-          f"layers; the fit kept in {sum(r.kept for r in reports)}); held-out attention-mass recall " + ", ".join(f"{k} {v:.3f}" for k, v in rec.items()))
+          f"layers; the fit kept in {kept}); held-out attention-mass recall {recalls}")
     return 0
