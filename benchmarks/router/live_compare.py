@@ -28,6 +28,7 @@ import json
 import math
 import os
 import random
+import re
 import sys
 import time
 from pathlib import Path
@@ -41,6 +42,7 @@ sys.path.insert(0, str(HERE))
 os.environ["PYTHONPATH"] = os.pathsep.join(
     [str(ROOT), str(HERE), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
 
+import httpx  # noqa: E402
 import openai  # noqa: E402
 from local_serve_app import start_live_app  # noqa: E402
 from ray import serve  # noqa: E402
@@ -76,12 +78,12 @@ def slice_requests(path: Path, start: int, limit: int, per_block: int, max_input
     return specs
 
 
-def app_config(replicas: int, num_pages: int, max_num_seqs: int) -> dict:
+def app_config(replicas: int, num_pages: int, max_num_seqs: int, router: dict) -> dict:
     return {
         "model": {"spec": "tiny"},
         "engine": {"max_num_seqs": max_num_seqs, "max_waiting": 512, "max_model_len": 4096,
                    "num_pages": num_pages},
-        "router": {"policy": "kv_aware", "stats_period_s": 0.25},
+        "router": {"policy": "kv_aware", "stats_period_s": 0.25, **router},
         "auth": {"api_keys": ["k"]},
         "deployments": {"model": {"num_replicas": replicas, "max_ongoing_requests": 64,
                                   "ray_actor_options": {"num_cpus": 0.5}}},
@@ -102,7 +104,7 @@ async def one(client: openai.AsyncOpenAI, spec: RequestSpec) -> dict:
                 prompt = chunk.usage.prompt_tokens
                 details = chunk.usage.prompt_tokens_details
                 cached = (details.cached_tokens or 0) if details else 0
-    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+    except Exception as e:  # a failed request is counted, not fatal
         error = f"{type(e).__name__}: {e}"
     end = time.perf_counter()
     return {"ok": not error, "error": error, "ttft_s": (first or end) - start, "prompt_tokens": prompt,
@@ -133,15 +135,38 @@ def wait_replicas(n: int, timeout_s: float = 180) -> None:
     raise TimeoutError(f"{n} Model replicas not RUNNING after {timeout_s}s")
 
 
-def run_router(router: str, args: argparse.Namespace, specs: list[RequestSpec], warm: list[RequestSpec]) -> dict:
+def served_per_replica(metrics_url: str) -> dict:
+    """Requests each Model replica served, and our router's decisions by reason (when it ran), from
+    the Prometheus export of this Ray session."""
+    served: dict[str, float] = {}
+    decisions: dict[str, float] = {}
+    text = httpx.get(metrics_url, timeout=30).text
+    for line in text.splitlines():
+        if line.startswith("ray_serve_deployment_request_counter") and 'deployment="Model"' in line \
+                and 'route="/"' not in line:
+            replica = re.search(r'replica="([^"]+)"', line)
+            if replica:
+                served[replica.group(1)] = served.get(replica.group(1), 0) + float(line.rsplit(" ", 1)[1])
+        elif line.startswith("ray_msaserve_router_decisions"):
+            reason = re.search(r'reason="([^"]+)"', line)
+            if reason:
+                decisions[reason.group(1)] = decisions.get(reason.group(1), 0) + float(line.rsplit(" ", 1)[1])
+    return {"served_per_replica": sorted(served.values()), "router_decisions": decisions}
+
+
+def run_router(router: str, args: argparse.Namespace, specs: list[RequestSpec],
+               warm: list[RequestSpec]) -> dict:
     default = platform_app.router_config
     if router != "kv_aware":
         platform_app.router_config = lambda _section: ray_router_config(router)
     try:
-        with start_live_app(app_config(args.replicas, args.num_pages, args.max_num_seqs), timeout_s=240) as app:
+        with start_live_app(app_config(args.replicas, args.num_pages, args.max_num_seqs,
+                                   json.loads(args.router_section)), timeout_s=240) as app:
             wait_replicas(args.replicas)
             asyncio.run(replay(app.base_url, warm))  # both engines compiled and answering
             results, wall = asyncio.run(replay(app.base_url, specs))
+            time.sleep(2.5)  # one more metrics export
+            placement = served_per_replica(app.metrics_url)
     finally:
         platform_app.router_config = default
     ok = [r for r in results if r["ok"]]
@@ -152,7 +177,9 @@ def run_router(router: str, args: argparse.Namespace, specs: list[RequestSpec], 
     row = {"router": router, "requests": len(results), "failed": len(results) - len(ok), "wall_s": wall,
            "ttft_p50_s": percentile(ttft, 0.5), "ttft_p90_s": percentile(ttft, 0.9),
            "ttft_p99_s": percentile(ttft, 0.99),
-           "errors": errors[:5], "prefix_hit_rate": sum(r["cached_tokens"] for r in ok) / max(1, sum(r["prompt_tokens"] for r in ok))}
+           "errors": errors[:5], **placement,
+           "prefix_hit_rate": sum(r["cached_tokens"] for r in ok)
+           / max(1, sum(r["prompt_tokens"] for r in ok))}
     print(f"  {router}: {row}", file=sys.stderr, flush=True)
     return row
 
@@ -171,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--replicas", type=int, default=2)
     parser.add_argument("--num-pages", type=int, default=1280, help="KV pages per replica (16 tokens)")
     parser.add_argument("--max-num-seqs", type=int, default=4)
+    parser.add_argument("--router-section", default="{}",
+                        help="JSON of ServeConfig router fields for kv_aware (default: the platform's)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "router_live_compare.json"))
     parser.add_argument("--summary", action="store_true", help="also merge the entries into summary.json")
     args = parser.parse_args(argv)
@@ -186,14 +215,17 @@ def main(argv: list[str] | None = None) -> int:
             "hardware": f"live: local Ray Serve on a shared 2-core CPU machine, {args.replicas} CPU replicas "
                         f"of the tiny preset ({args.num_pages} pages of 16 tokens, max_num_seqs "
                         f"{args.max_num_seqs}), requests through the HTTP API",
-            "note": f"rows {args.start}..{args.start + len(specs) - 1} of {Path(args.trace).name} over {span:.0f} s "
-                    f"(time scale {args.time_scale}), {args.block_tokens} tokens per trace block, prompts capped at {args.max_input} tokens, "
+            "note": f"rows {args.start}..{args.start + len(specs) - 1} of {Path(args.trace).name} over "
+                    f"{span:.0f} s (time scale {args.time_scale}), {args.block_tokens} tokens per trace "
+                    "block, "
+                    f"prompts capped at {args.max_input} tokens, "
                     f"outputs at {args.max_output}; every router from the same script run, a fresh app each"}
     entries = {}
     for row in rows:
         for key, unit in (("ttft_p50_s", "s"), ("ttft_p90_s", "s"), ("ttft_p99_s", "s"),
                           ("prefix_hit_rate", "fraction of prompt tokens"), ("failed", "requests")):
-            entries[f"router.live.{row['router']}.{key}"] = {"value": round(row[key], 4), "unit": unit, **meta}
+            entries[f"router.live.{row['router']}.{key}"] = {"value": round(row[key], 4), "unit": unit,
+                                                              **meta}
     by = {r["router"]: r for r in rows}
     if "kv_aware" in by and "ray_pow2" in by:
         for q in ("p50", "p90"):
@@ -205,10 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     out.with_name(out.stem + "_rows.json").write_text(json.dumps(rows, indent=1) + "\n")
     if args.summary:
         merge_into_summary(entries, out)
-    print(f"{'router':22s} {'reqs':>5} {'fail':>4} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'hit':>6} {'wall s':>7}")
+    print(f"{'router':22s} {'reqs':>5} {'fail':>4} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'hit':>6} "
+          f"{'wall s':>7} served per replica")
     for r in rows:
         print(f"{r['router']:22s} {r['requests']:>5} {r['failed']:>4} {r['ttft_p50_s']:>7.3f} "
-              f"{r['ttft_p90_s']:>7.3f} {r['ttft_p99_s']:>7.3f} {r['prefix_hit_rate']:>6.3f} {r['wall_s']:>7.1f}")
+              f"{r['ttft_p90_s']:>7.3f} {r['ttft_p99_s']:>7.3f} {r['prefix_hit_rate']:>6.3f} "
+              f"{r['wall_s']:>7.1f} {r['served_per_replica']}")
     return 0
 
 

@@ -33,7 +33,8 @@ class TokenPrefixCacheAffinityRouter(PrefixCacheAffinityRouter):
             token_ids = getattr(arg, "prompt_token_ids", None)
             if token_ids is not None:
                 return tokens_as_text(token_ids)
-        raise ValueError("no argument with prompt_token_ids in the pending request: allowed a GenerateRequest")
+        raise ValueError("the pending request has no argument with prompt_token_ids: allowed a "
+                         "GenerateRequest")
 
 
 def ray_router_config(name: str) -> RequestRouterConfig:

@@ -71,13 +71,14 @@ def _publish(replica: SimReplica, recorder: RoutingStatsRecorder, state: RouterS
         num_running=len(replica.prefilling) + len(replica.decoding), num_waiting=len(replica.waiting),
         num_free_pages=replica.free_pages(), num_total_pages=replica.capacity,
     )
-    payload = routing_stats_payload(stats, _events(replica), recorder,
-                                    waiting_prefill_pages=replica.waiting_prefill_pages())
+    waiting = replica.waiting_prefill_pages() if REPORT_PREFILL else None
+    payload = routing_stats_payload(stats, _events(replica), recorder, waiting_prefill_pages=waiting)
     parsed = parse_routing_stats(payload)
     assert parsed is not None
     state.apply_stats(replica.replica_id, parsed, now)
 
 
+REPORT_PREFILL = True
 POLICY_NAMES = (*POLICIES, "ray_pow2", "ray_prefix_affinity")
 """Our policies (production code) and the simulated Ray Serve routers (ray_baselines.py)."""
 
