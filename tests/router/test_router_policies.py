@@ -132,7 +132,7 @@ def test_by_default_a_full_kv_cache_keeps_the_session_home():
 
 
 def test_queued_work_is_priced_up_to_the_horizon_then_the_prefix_decides():
-    cfg = KVAwareConfig(queue_horizon_pages=64, w_queue=0.5)
+    cfg = KVAwareConfig(queue_horizon_pages=64, w_queue=0.5, family_credit=0.0)
     below = make_state({"cached": PREFIX, "queued": 60}, {"queued": 0})  # 40-page hit vs 30 pages queued
     assert choose(KVAwarePolicy(below, config=cfg), below, req(PREFIX)).replica_id == "r0"
     short = make_state({"cached": PREFIX[:5], "queued": 60}, {"queued": 0})  # 5-page hit: the queue wins
@@ -244,7 +244,8 @@ def test_family_credit_sends_a_miss_to_its_family_home_and_yields_to_a_holder():
     credited = KVAwarePolicy(state, config=KVAwareConfig(family_credit=16.0))
     assert choose(credited, state, request).replica_id == home
     # Without the credit the tie breaks on replica id, whatever the family.
-    assert choose(KVAwarePolicy(state), state, request).replica_id == "r0"
+    plain = KVAwarePolicy(state, config=KVAwareConfig(family_credit=0.0))
+    assert choose(plain, state, request).replica_id == "r0"
     # A replica that holds the prefix beats the family home: 40 pages saved > 16 credited.
     holder = next(rid for rid in state.replicas if rid != home)
     state.replicas[holder].cached = set(PREFIX)
