@@ -5,7 +5,8 @@ together, and keep load balanced.
               + w_decode · active_pages(r)
               − affinity_credit   [r is the session's home and not overloaded]
               − index_credit      [the session's MSA index is resident on r]
-              − family_credit     [r is the rendezvous home of the request's first page]
+              − family_credit     [r is the rendezvous home of the request's first page, which
+                                   no replica holds]
 
 `miss_pages(r)` is the request's pages that r does not hold (leading-prefix match on chained
 hashes), `queued_pages(r)` the prefill already queued on r: the work before this request's first
@@ -143,13 +144,22 @@ class KVAwarePolicy(Policy):
         # Spill-over: a replica that cannot take the request now is not considered while another can.
         eligible = [r for r in candidates if not self.overloaded(r, request, candidates)] or candidates
         scored = []
-        family = family_home(request, eligible) if self.config.family_credit else None
+        family = self._family(request, eligible, now)
         for r in eligible:
             is_home = home_ok and r.replica_id == home_id
             cost, hit = self.cost(r, request, now, is_home, family)
             scored.append((cost, r.load, r.replica_id, hit))
         cost, _, chosen_id, hit = min(scored)
         return Decision(chosen_id, self._reason(home_id, chosen_id, hit), hit)
+
+    def _family(self, request: RequestView, eligible: Sequence[ReplicaState], now: float) -> str | None:
+        """The family home to credit: only for a request no eligible replica holds a page of (a
+        family the router has lost track of), so a held prefix or a session is never pulled away."""
+        if not self.config.family_credit or not request.page_hashes:
+            return None
+        if any(r.holds(request.page_hashes[0], now) for r in eligible):
+            return None
+        return family_home(request, eligible)
 
     @staticmethod
     def _reason(home_id: str | None, chosen_id: str, hit: int) -> Reason:
