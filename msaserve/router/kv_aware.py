@@ -71,9 +71,11 @@ class KVAwareConfig:
     """Pages of prefill a session's home replica is credited with."""
     index_credit: float = 16.0
     """Pages credited where the session's MSA index is resident (KV cache service)."""
-    family_credit: float = 8.0
-    """Pages credited to the rendezvous home of the request's first page (see the module docstring;
-    8 chosen on the Mooncake trace, 4 replicas, scales 0.8–1.0, from 0 / 8 / 16 / 32)."""
+    family_credit: float = 0.0
+    """Pages credited to the rendezvous home of the request's first page (see the module docstring).
+    Off by default: 8 (picked on Mooncake, 4 replicas, past capacity, from 0 / 8 / 16 / 32) beat
+    prefix_affinity there, but on the agent-sessions trace a family is one of four system prompts,
+    and crediting its home overloaded it (docs/performance-router.md)."""
     imbalance_abs: float = 16.0
     """Sequences: the guard needs max − min load above this…"""
     imbalance_rel: float = 3.0
