@@ -104,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(entries, indent=2) + "\n")
-    out.with_name(out.stem + "_probes.json").write_text(json.dumps(results, indent=1) + "\n")
+    out.with_name(out.stem + "_probes.json").write_text(json.dumps({"results": results}, indent=1) + "\n")
     if args.summary:
         merge_into_summary(entries, out)
     print(f"{'N':>2} {'policy':20s} {'max rate':>9} {'unsust.':>8} {'p90 s':>7} {'hit':>6}")

@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 **meta}
     out = Path(args.out)
     out.write_text(json.dumps(entries, indent=2) + "\n")
-    out.with_name(out.stem + "_rows.json").write_text(json.dumps(rows, indent=1) + "\n")
+    out.with_name(out.stem + "_rows.json").write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     if args.summary:
         merge_into_summary(entries, out)
     print(f"{'router':22s} {'reqs':>5} {'fail':>4} {'p50 s':>7} {'p90 s':>7} {'p99 s':>7} {'hit':>6} "
