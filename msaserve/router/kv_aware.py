@@ -18,7 +18,8 @@ replica is known to hold it: past capacity, KV pressure evicts prefixes before t
 them reused, and without a tie-break each miss of a family lands on a different replica, which
 then all hold (and evict) copies; with it the family's next miss lands where the last one did and
 finds the pages fresh. The home is rendezvous hashing (highest hash of replica id and page hash),
-stable across router processes and balanced over families in expectation.
+stable across router processes and balanced over families in expectation. Off by default: a
+family can be a large share of the traffic (a popular system prompt), and its home then overloads.
 `active_pages(r)` is pages held by r's live sequences (decode cost per step grows
 with it, and it is KV pressure that evicts cached prefixes).
 
