@@ -31,7 +31,7 @@ from hardening import RESULTS, conditions, entry  # noqa: E402
 STEPS = ("python_start", "imports", "ray_init", "serve_start", "serve_run", "ready", "first_answer")
 
 
-def child(port: int) -> None:
+def child(port: int, dashboard: bool = True) -> None:
     """Run `msaserve serve`'s steps, printing `STEP <name> <unix time>` after each."""
 
     def stamp(name: str) -> None:
@@ -53,7 +53,7 @@ def child(port: int) -> None:
     apply_ray_defaults()
     apply_local_loopback()
     apply_proxy_limits(config.http)
-    context = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=True,
+    context = ray.init(address="local", _node_ip_address="127.0.0.1", include_dashboard=dashboard,
                        dashboard_host="127.0.0.1", dashboard_port=0, log_to_driver=False)  # fmt: skip
     stamp("ray_init")
     try:
@@ -82,12 +82,13 @@ def _engine_load_in_replica(logs: Path) -> float | None:
     return None
 
 
-def one_run(port: int) -> dict[str, float]:
+def one_run(port: int, dashboard: bool = True) -> dict[str, float]:
     """Seconds from the launch of the child to each step, and the replica's engine load."""
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     launched = time.time()
-    out = subprocess.run([sys.executable, __file__, "--child", "--port", str(port)], cwd=ROOT, env=env,
-                         capture_output=True, text=True, timeout=900)  # fmt: skip
+    argv = [sys.executable, __file__, "--child", "--port", str(port)]
+    argv += [] if dashboard else ["--no-dashboard"]
+    out = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
     stamps = {m[0]: float(m[1]) for m in re.findall(r"^STEP (\w+) ([0-9.]+)$", out.stdout, re.M)}
     if "first_answer" not in stamps:
         raise RuntimeError(f"startup child failed:\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}")
@@ -122,15 +123,18 @@ def main() -> int:
     parser.add_argument("--port", type=int, default=8433)
     parser.add_argument("--runs", type=int, default=2)
     parser.add_argument("--no-write", action="store_true", help="print only")
+    parser.add_argument("--no-dashboard", action="store_true",
+                        help="ray.init without the dashboard, to see what it costs (prints only: "
+                        "`msaserve serve` starts it)")
     args = parser.parse_args()
     if args.child:
-        child(args.port)
+        child(args.port, dashboard=not args.no_dashboard)
         return 0
     command = "PYTHONPATH=. .venv/bin/python benchmarks/reliability/startup.py " + " ".join(sys.argv[1:])
     under = conditions()
     runs = []
     for i in range(args.runs):
-        runs.append(one_run(args.port) | {"load_1m": os.getloadavg()[0]})
+        runs.append(one_run(args.port, dashboard=not args.no_dashboard) | {"load_1m": os.getloadavg()[0]})
         print(f"run {i}: " + ", ".join(f"{k} {v:.1f}" for k, v in runs[-1].items() if v is not None),
               flush=True)
     best = min(runs, key=lambda r: r["first_answer"])
@@ -143,7 +147,7 @@ def main() -> int:
     for name in ("engine_load_in_replica", "weights_in_process", "engine_in_process"):
         if best.get(name) is not None:
             print(f"{name:<26} {'':>13} {best[name]:>10.2f}")
-    if args.no_write:
+    if args.no_write or args.no_dashboard:
         return 0
     note = (f"best of {args.runs} runs of `msaserve serve`'s steps in a fresh process (seconds from launch: "
             + ", ".join(f"{k} {best[k]:.1f}" for k in STEPS) + "); all runs: "
