@@ -7,7 +7,8 @@ the body deadline and the caps). It enforces:
 
 - a deadline on the request body (`http.body_read_timeout_s`): a client that sends headers and then
   trickles or stalls the body gets a 408 and the request ends (it held the connection 70 s+);
-- requests in flight per client address (`http.max_requests_per_client`, 429) and in all
+- requests in flight per client address (`http.max_requests_per_client`, 429; the TCP peer, or the
+  X-Forwarded-For client of a peer in `http.trusted_proxies`: client_address.py) and in all
   (`http.max_requests`, 503), counted until the response ends, so streams count;
 - and, in the proxy, a deadline on the headers (`header_timeout.install`), and no client override of
   Serve's request timeout or disconnect handling (`CLIENT_OVERRIDE_HEADERS` are dropped).
