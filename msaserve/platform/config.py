@@ -53,8 +53,9 @@ class ModelConfig(StrictModel):
     )
     attention_backend: AttentionBackendName = Field(
         "msa",
-        description="'msa' picks the MSA kernels for the device (Triton on CUDA, the PyTorch "
-        "reference on CPU); 'naive' / 'triton' force one; 'dense' is the SDPA baseline.",
+        description="'msa' picks the MSA kernels for the device (Triton on CUDA; on CPU the compiled "
+        "C kernels, or vectorised PyTorch without a compiler); 'naive' (the spec) / 'triton' force one; "
+        "'dense' is the fastest dense attention for the device.",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model deployment runs the engine.")
 
