@@ -120,7 +120,8 @@ class EngineConfig:
             index_cache_dtype=settings.index_cache_dtype, cuda_graphs=settings.enable_cuda_graphs,
             decode_steps=settings.decode_steps, tensor_parallel_size=settings.tensor_parallel_size,
             expert_parallel_size=settings.expert_parallel_size,
-            placement_strategy=settings.placement_strategy, collective_timeout_s=settings.collective_timeout_s, **pool,
+            placement_strategy=settings.placement_strategy,
+            collective_timeout_s=settings.collective_timeout_s, **pool,
         )
 
     @staticmethod

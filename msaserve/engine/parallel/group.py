@@ -11,6 +11,7 @@ every later call raise `ReplicaGroupFailed`, which names the rank and the cause.
 collectives carry the same timeout, so the survivors never hang on a dead peer.
 """
 
+import contextlib
 import logging
 from typing import Any
 
@@ -106,14 +107,10 @@ class WorkerGroup:
 
     def shutdown(self) -> None:
         for worker in getattr(self, "workers", []):
-            try:
+            with contextlib.suppress(Exception):  # already gone
                 ray.kill(worker, no_restart=True)
-            except Exception:  # already gone
-                pass
         self.workers = []
         if getattr(self, "_own_group", False) and getattr(self, "placement", None) is not None:
-            try:
+            with contextlib.suppress(Exception):
                 remove_placement_group(self.placement)
-            except Exception:
-                pass
             self.placement = None
