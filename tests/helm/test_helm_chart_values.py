@@ -149,8 +149,9 @@ def test_multi_gpu_replica_renders_its_pod_and_args(render) -> None:
     """TP 2 × EP 2: a pod of 4 GPUs holds the replica (num_gpus 0: its placement group reserves
     them); its CPUs cover the driver's 4 and a CPU per rank."""
     engine = {"tensor_parallel_size": 2, "expert_parallel_size": 2}
+    no_gpu = {"model": {"ray_actor_options": {"num_gpus": 0}}}
     docs = render({"gpuWorkers": {"gpusPerPod": 4, "rayStartParams": {"num-cpus": "8"}},
-                   "serve": {"engine": engine, "deployments": {"model": {"ray_actor_options": {"num_gpus": 0}}}}})
+                   "serve": {"engine": engine, "deployments": no_gpu}})
     gpu = _groups(docs)["gpu"]["template"]["spec"]["containers"][0]["resources"]
     assert gpu["limits"]["nvidia.com/gpu"] == 4
     serve = yaml.safe_load(_one(docs, "RayService")["spec"]["serveConfigV2"])

@@ -46,7 +46,7 @@ def test_layout_refuses_what_the_model_cannot_split() -> None:
         ParallelLayout(3, 1).check(m3_config_from_hf({**TINY_M3, **widths, "num_attention_heads": 6}))
     with pytest.raises(ValueError, match="num_local_experts=8 is invalid for expert_parallel_size=3"):
         ParallelLayout(1, 3).check(config)
-    with pytest.raises(ValueError, match="EngineConfig.tensor_parallel_size=0"):
+    with pytest.raises(ValueError, match=r"EngineConfig\.tensor_parallel_size=0"):
         EngineConfig(tensor_parallel_size=0)
 
 
