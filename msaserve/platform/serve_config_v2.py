@@ -91,8 +91,8 @@ def cluster_problems(config: ServeConfig, *, api_keys_enabled: bool = True) -> l
     if ranks > 1 and num_gpus > 0:
         problems.append(
             f"serve.engine.tensor_parallel_size x expert_parallel_size = {ranks}: each model replica "
-            f"reserves its {ranks} GPUs in a placement group (one bundle per rank) and the replica itself holds none; "
-            "set serve.deployments.model.ray_actor_options.num_gpus: 0"
+            f"reserves its {ranks} GPUs in a placement group (one bundle per rank) and the replica itself "
+            "holds none; set serve.deployments.model.ray_actor_options.num_gpus: 0"
         )
     if config.model.device == "cuda" and num_gpus == 0 and ranks == 1:
         problems.append(
