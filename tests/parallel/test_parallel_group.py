@@ -17,7 +17,7 @@ from msaserve.engine.config import EngineConfig
 from msaserve.engine.kv.pages import identity_for
 from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.parallel.engine import group_llm_engine
-from msaserve.engine.parallel.group import ReplicaGroupFailed
+from msaserve.engine.parallel.errors import ReplicaGroupFailed
 from msaserve.engine.types import GenerateRequest, SamplingParams
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.config import ServiceConfig

@@ -10,13 +10,20 @@ routed output partial over the tp group; the shared expert (tp-split) adds its p
 all-reduce over the tp group finishes the block.
 """
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from msaserve.engine.parallel.comm import RankGroups, all_reduce
 from msaserve.engine.parallel.tp import shard_dense_mlp, split_down, split_gate_up
-from msaserve.kernels.moe import get_moe_ops
+from msaserve.kernels.moe import MoeOps, get_moe_ops
+
+
+@functools.cache
+def _moe_ops(device_type: str) -> MoeOps:
+    return get_moe_ops(device_type)  # resolved once per device type, as the model does
 
 
 class ParallelMoE(nn.Module):
@@ -63,18 +70,18 @@ class ParallelMoE(nn.Module):
 
     def _local_experts(self, rows: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """rows [N, H], each for one local expert local_ids [N] → its expert's output [N, H]."""
-        ops = get_moe_ops(rows.device.type)
+        ops = _moe_ops(rows.device.type)
         ones = torch.ones(rows.shape[0], 1, dtype=torch.float32, device=rows.device)
         return ops.experts(rows, self.gate_up_proj, self.down_proj, local_ids[:, None], ones,
                            self.alpha, self.limit)
 
     def _dispatch_compute_combine(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
                                   ) -> torch.Tensor:
+        if self.ep_group is None:  # every expert is here: the model's own path (grouped on CUDA)
+            ops = _moe_ops(x.device.type)
+            return ops.experts(x, self.gate_up_proj, self.down_proj, ids, weights, self.alpha, self.limit)
         top_k = ids.shape[1]
         flat_ids = ids.reshape(-1)  # [Tm·k], pair p is (token p // k, slot p % k)
-        if self.ep_group is None:
-            rows = self._local_experts(x.repeat_interleave(top_k, dim=0), flat_ids)
-            return _weighted_sum(rows, weights)
         dest = flat_ids // self.experts_per_rank
         order = torch.argsort(dest, stable=True)  # pairs grouped by destination rank
         send_counts = torch.bincount(dest, minlength=self.ep_size)

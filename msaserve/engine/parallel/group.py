@@ -20,21 +20,10 @@ from ray.util.placement_group import get_current_placement_group, placement_grou
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from msaserve.engine.config import EngineConfig
+from msaserve.engine.parallel.errors import ReplicaGroupFailed
 from msaserve.engine.parallel.worker import RankWorker
-from msaserve.engine.types import EngineError
 
 logger = logging.getLogger(__name__)
-
-
-class ReplicaGroupFailed(EngineError):
-    """A rank of this multi-rank replica died or timed out: the replica cannot step any more (503:
-    the request may be retried on another replica, where its session resumes from the KV cache)."""
-
-    status = 503
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message)
-        self.message = message
 
 
 def rank_bundle(config: EngineConfig) -> dict[str, float]:

@@ -3,6 +3,7 @@
 runs each step the driver sends, in lockstep with the other ranks (the collectives inside the
 layers keep them in step; their timeout keeps a dead rank from hanging the others)."""
 
+import dataclasses
 import datetime
 import logging
 import socket
@@ -41,6 +42,7 @@ class RankWorker:
         self.config, self.rank = config, rank
         self.layout = ParallelLayout(config.tensor_parallel_size, config.expert_parallel_size)
         self.runner: ModelRunner | None = None
+        self.groups = None
         self.full_config = None
         self.tokenizer = None
 
@@ -50,19 +52,33 @@ class RankWorker:
     def setup(self, init_method: str) -> dict:
         """Join the group, load and shard the model, allocate this rank's pages → what the driver
         needs to know of this rank."""
-        from msaserve.engine.llm_engine import load_engine_model
+        from msaserve.engine.llm_engine import load_engine_model  # the loaders: only where a rank loads
 
+        self.join(init_method)
+        model, tokenizer = load_engine_model(self.config)
+        return self.take_model(model, tokenizer)
+
+    def join(self, init_method: str) -> None:
+        """Join the torch.distributed group (NCCL on CUDA, gloo on CPU) and build its subgroups."""
         device = torch.device(self.config.device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        if device.type == "cuda" and device.index is not None:
+            torch.cuda.set_device(device)
         dist.init_process_group(
-            backend, init_method=init_method, rank=self.rank, world_size=self.layout.world_size,
+            "nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=self.rank,
+            world_size=self.layout.world_size,
             timeout=datetime.timedelta(seconds=self.config.collective_timeout_s),
         )
-        groups = build_groups(self.layout, self.rank)
-        model, self.tokenizer = load_engine_model(self.config)
-        self.full_config = model.config
+        self.groups = build_groups(self.layout, self.rank)
+
+    def take_model(self, model, tokenizer) -> dict:
+        """Keep this rank's shard of the loaded `model` and allocate its pages."""
+        groups = self.groups
+        self.full_config, self.tokenizer = model.config, tokenizer
         shard_m3_model(model, groups)
-        self.runner = ModelRunner(model, self.config)
+        config = self.config
+        if self.layout.ep > 1:  # the all-to-all's split sizes go through the host: no CUDA graphs
+            config = dataclasses.replace(config, cuda_graphs=False)
+        self.runner = ModelRunner(model, config)
         shard = head_shard(self.full_config, self.layout.tp, groups.tp_rank)
         logger.info("rank %d of %d ready: %d pages", self.rank, self.layout.world_size, self.runner.num_pages)
         return {"rank": self.rank, "num_pages": self.runner.num_pages, "kv_heads": (shard.kv_heads.start,
