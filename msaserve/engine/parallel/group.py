@@ -25,6 +25,10 @@ from msaserve.engine.parallel.worker import RankWorker
 
 logger = logging.getLogger(__name__)
 
+LOAD_TIMEOUT_S = 1800.0
+"""Starting the ranks (actor start, joining the group, every rank loading its weights — minutes for
+M3's 428 GB) may take this long; steps and page calls get `collective_timeout_s`."""
+
 
 def rank_bundle(config: EngineConfig) -> dict[str, float]:
     """What one rank reserves: a GPU (and a CPU to drive it), or a CPU on CPU runs."""
@@ -42,7 +46,7 @@ class WorkerGroup:
         if current is None:
             current = placement_group([rank_bundle(config)] * self.world_size,
                                       strategy=config.placement_strategy)
-            self._wait(current.ready(), "placement group")
+            self._wait(current.ready(), "reserving the placement group", LOAD_TIMEOUT_S)
             first = 0
         else:
             first = 1  # bundle 0 holds the Serve replica (the driver)
@@ -57,8 +61,9 @@ class WorkerGroup:
             ).remote(config, r)
             for r in range(self.world_size)
         ]
-        address = self.call_one(0, "rendezvous_address")
-        self.ranks: list[dict[str, Any]] = self.call_all("setup", address)
+        address = self._wait(self.workers[0].rendezvous_address.remote(), "starting rank 0", LOAD_TIMEOUT_S)
+        setups = [w.setup.remote(address) for w in self.workers]
+        self.ranks: list[dict[str, Any]] = self._wait(setups, "loading the ranks", LOAD_TIMEOUT_S)
         self.full_config, self.tokenizer = self.call_one(0, "describe")
         logger.info("replica group of %d ranks ready (%s)", self.world_size, config.placement_strategy)
 
@@ -76,9 +81,9 @@ class WorkerGroup:
         self._check()
         return self._wait(getattr(self.workers[rank], method).remote(*args), method)
 
-    def _wait(self, refs, what: str):
+    def _wait(self, refs, what: str, timeout_s: float | None = None):
         try:
-            return ray.get(refs, timeout=self.config.collective_timeout_s)
+            return ray.get(refs, timeout=self.config.collective_timeout_s if timeout_s is None else timeout_s)
         except Exception as error:  # RayActorError, GetTimeoutError, a rank's own exception
             self.fail(f"{what} failed on the replica's ranks: {type(error).__name__}: {error}")
             raise ReplicaGroupFailed(self.failure) from error

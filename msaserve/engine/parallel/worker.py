@@ -21,6 +21,9 @@ from msaserve.engine.parallel.tp import head_shard
 
 logger = logging.getLogger(__name__)
 
+JOIN_TIMEOUT_S = 1800.0
+"""How long joining the group waits for every rank (ranks start and import at their own pace)."""
+
 
 def free_address() -> str:
     """tcp://<this node's IP>:<a free port>: where rank 0 hosts the group's rendezvous."""
@@ -63,12 +66,14 @@ class RankWorker:
         device = torch.device(self.config.device)
         if device.type == "cuda" and device.index is not None:
             torch.cuda.set_device(device)
+        # Joining waits for the slowest rank to start (LOAD_TIMEOUT_S); the layers' collectives then
+        # run on subgroups with the step's timeout.
         dist.init_process_group(
             "nccl" if device.type == "cuda" else "gloo", init_method=init_method, rank=self.rank,
-            world_size=self.layout.world_size,
-            timeout=datetime.timedelta(seconds=self.config.collective_timeout_s),
+            world_size=self.layout.world_size, timeout=datetime.timedelta(seconds=JOIN_TIMEOUT_S),
         )
-        self.groups = build_groups(self.layout, self.rank)
+        self.groups = build_groups(self.layout, self.rank,
+                                   timeout=datetime.timedelta(seconds=self.config.collective_timeout_s))
 
     def take_model(self, model, tokenizer) -> dict:
         """Keep this rank's shard of the loaded `model` and allocate its pages."""
