@@ -21,6 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.parallel.errors import ReplicaGroupFailed
+from msaserve.engine.parallel.messages import StepMessage
 from msaserve.engine.parallel.worker import RankWorker
 
 logger = logging.getLogger(__name__)
@@ -28,6 +29,14 @@ logger = logging.getLogger(__name__)
 LOAD_TIMEOUT_S = 1800.0
 """Starting the ranks (actor start, joining the group, every rank loading its weights — minutes for
 M3's 428 GB) may take this long; steps and page calls get `collective_timeout_s`."""
+
+
+INLINE_BYTES = 64 << 10
+"""Step messages up to this size go inline (under Ray's 100 KiB cap for inline arguments)."""
+
+
+def _inline(arg: Any) -> bool:
+    return isinstance(arg, StepMessage) and arg.nbytes <= INLINE_BYTES
 
 
 def rank_bundle(config: EngineConfig) -> dict[str, float]:
@@ -72,9 +81,11 @@ class WorkerGroup:
         return self.failure is not None
 
     def call_all(self, method: str, *args: Any) -> list[Any]:
-        """Call `method` on every rank (arguments put in the object store once) → their results."""
+        """Call `method` on every rank → their results. A small step message (decode) travels
+        inline in each call, Ray's direct path (a third faster than a put measured on the dev
+        CPU); a large one (prefill chunks) goes into the object store once for all ranks."""
         self._check()
-        refs = [ray.put(a) for a in args]
+        refs = [a if _inline(a) else ray.put(a) for a in args]
         return self._wait([getattr(w, method).remote(*refs) for w in self.workers], method)
 
     def call_one(self, rank: int, method: str, *args: Any) -> Any:

@@ -1,5 +1,6 @@
-"""What the driver sends the ranks each step: one `StepMessage`, put in Ray's object store once
-and read by every rank (the step's one broadcast; no per-layer round trips)."""
+"""What the driver sends the ranks each step: one `StepMessage` read by every rank (the step's one
+broadcast; no per-layer round trips): inline in each rank's call when small, else put in Ray's
+object store once (`group.py`)."""
 
 import dataclasses
 from dataclasses import dataclass
@@ -19,6 +20,11 @@ class StepMessage:
     """Batch rows that get a token this step (their logits come back)."""
     decode_steps: int = 1
     """Above 1: a greedy decode round of that many steps on the ranks (tokens come back)."""
+
+    @property
+    def nbytes(self) -> int:
+        tensors = [self.input_ids] + [getattr(self.meta, f.name) for f in dataclasses.fields(self.meta)]
+        return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
 
 
 def meta_to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
