@@ -52,7 +52,9 @@ def rows(weight: torch.Tensor, heads: slice, head_dim: int) -> torch.Tensor:
 
 
 def column_linear(weight: torch.Tensor) -> nn.Linear:
-    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device, dtype=weight.dtype)
+    # Built on the meta device: no random init (which would also touch the device's RNG, left
+    # unusable on CUDA by a failed graph capture), then given the weight.
+    layer = nn.Linear(weight.shape[1], weight.shape[0], bias=False, device="meta", dtype=weight.dtype)
     layer.weight = nn.Parameter(weight.contiguous(), requires_grad=False)
     return layer
 
