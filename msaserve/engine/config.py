@@ -56,6 +56,14 @@ class EngineConfig:
     there, with one host synchronisation per round: the host's per-step work (scheduling, step
     inputs, outputs) is paid once per round. Tokens are the same; they stream in bursts, and a
     request arriving meanwhile waits for the round to end."""
+    tensor_parallel_size: int = engine_default("tensor_parallel_size")
+    """Ranks attention and the dense MLPs are split over (engine/parallel/, docs/scaling.md)."""
+    expert_parallel_size: int = engine_default("expert_parallel_size")
+    """Ranks the routed experts are spread over; the replica runs tp × ep ranks."""
+    placement_strategy: str = engine_default("placement_strategy")
+    """Ray placement strategy of the replica's rank bundles (STRICT_PACK: one node)."""
+    collective_timeout_s: float = engine_default("collective_timeout_s")
+    """Longest a step or collective of a multi-rank replica waits for a rank before it fails."""
     swap_space_bytes: int = 4 << 30
     """Host memory for pages of preempted sequences; when full, preemption recomputes instead."""
     seed: int = 0
@@ -71,6 +79,8 @@ class EngineConfig:
             "max_num_batched_tokens": self.max_num_batched_tokens,
             "max_model_len": self.max_model_len,
             "max_waiting": self.max_waiting,
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "expert_parallel_size": self.expert_parallel_size,
         }
         for name, value in positive.items():
             if not isinstance(value, int) or value < 1:
@@ -89,6 +99,11 @@ class EngineConfig:
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineConfig.{name}={getattr(self, name)!r} is invalid: allowed ≥ 0")
 
+    @property
+    def world_size(self) -> int:
+        """Ranks of one replica: tensor_parallel_size × expert_parallel_size."""
+        return self.tensor_parallel_size * self.expert_parallel_size
+
     @classmethod
     def from_settings(
         cls, settings: EngineSettings, *, model: str, device: str, dtype: str, attention_backend: str,
@@ -103,7 +118,10 @@ class EngineConfig:
             max_model_len=settings.max_model_len, max_waiting=settings.max_waiting,
             enable_prefix_caching=settings.enable_prefix_caching, kv_cache_dtype=settings.kv_cache_dtype,
             index_cache_dtype=settings.index_cache_dtype, cuda_graphs=settings.enable_cuda_graphs,
-            decode_steps=settings.decode_steps, **pool,
+            decode_steps=settings.decode_steps, tensor_parallel_size=settings.tensor_parallel_size,
+            expert_parallel_size=settings.expert_parallel_size,
+            placement_strategy=settings.placement_strategy,
+            collective_timeout_s=settings.collective_timeout_s, **pool,
         )
 
     @staticmethod

@@ -58,11 +58,14 @@ class LLMEngine:
         page_store: SwapStore | None = None,
         evicted_page_sink: EvictedPageSink | None = None,
         kv_client: KVCacheClient | None = None,
+        runner: ModelRunner | None = None,
     ) -> None:
         """page_store: where preempted sequences' pages go (host memory by default);
         evicted_page_sink: where evicted prefix-cache pages go (dropped by default);
         kv_client: the KV cache service, where requests with a session_id are persisted and from
-        which sessions whose pages are not local are adopted (`msaserve.engine.kv.sessions`)."""
+        which sessions whose pages are not local are adopted (`msaserve.engine.kv.sessions`);
+        runner: what runs the steps (default a ModelRunner of `model`; a multi-rank replica's
+        `engine.parallel.runner.GroupRunner`, whose `model` holds the config only)."""
         if model is None:
             model, tokenizer = load_engine_model(config)
         elif model.attention_backend != config.attention_backend:
@@ -71,7 +74,7 @@ class LLMEngine:
         self.config = config
         self.model = model
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(model, config)
+        self.runner = ModelRunner(model, config) if runner is None else runner
         self.page_size = self.runner.page_size
         self.block_manager = BlockManager(self.runner.num_pages, self.page_size, config.enable_prefix_caching)
         pin = self.runner.device.type == "cuda"

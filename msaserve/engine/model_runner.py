@@ -81,9 +81,14 @@ class ModelRunner:
         there; the host waits once, at the end. The block tables must already hold the pages of
         all `steps` tokens (`LLMEngine` allocates them)."""
         inputs = build_step_inputs(batch, self.page_size, self.device)
-        meta, ids = inputs.meta, inputs.input_ids
-        if not meta.is_decode or len(inputs.sample_rows) != len(batch):
+        if not inputs.meta.is_decode or len(inputs.sample_rows) != len(batch):
             raise ValueError("execute_decode_round needs a batch of one new token per sequence")
+        return self.decode_round(inputs.input_ids, inputs.meta, steps)
+
+    @torch.inference_mode()
+    def decode_round(self, ids: torch.Tensor, meta: AttentionMetadata, steps: int) -> list[list[int]]:
+        """The round's loop from a decode step's inputs (ids [B], meta on the device) → tokens
+        [steps][B]; the ranks of a multi-rank replica run it from the driver's step message."""
         page_size = self.page_size
         sampled = []
         for step in range(steps):

@@ -60,6 +60,28 @@ class EngineSettings(BaseModel):
         "that many steps on the device with one host sync (tokens stream in bursts of up to this many).",
     )
 
+    tensor_parallel_size: int = Field(
+        1, ge=1, le=64,
+        description="Ranks (GPUs) one replica's attention and dense MLPs are split over; with "
+        "expert_parallel_size, the replica reserves tensor_parallel_size × expert_parallel_size GPUs in one "
+        "Ray placement group and runs a worker per GPU (MiniMax-M3 only above 1).",
+    )
+    expert_parallel_size: int = Field(
+        1, ge=1, le=64,
+        description="Ranks the MoE's routed experts are spread over (tokens sent to them by all-to-all); "
+        "must divide the expert count.",
+    )
+    placement_strategy: Literal["STRICT_PACK", "PACK", "SPREAD", "STRICT_SPREAD"] = Field(
+        "STRICT_PACK",
+        description="Ray placement strategy of a multi-rank replica's bundles (one per GPU): STRICT_PACK "
+        "keeps them on one node (NVLink).",
+    )
+    collective_timeout_s: float = Field(
+        120.0, gt=0.0, le=3600.0,
+        description="Multi-rank replicas: longest a step or collective may wait for a rank; past it the "
+        "replica fails (a dead worker never hangs it) and its sessions resume elsewhere.",
+    )
+
     @model_validator(mode="after")
     def _one_pool_size(self) -> Self:
         if self.num_pages is not None and self.kv_cache_memory_bytes is not None:

@@ -17,6 +17,7 @@ from ray.serve.config import RequestRouterConfig
 from msaserve.platform.config import RouterConfig, ServeConfig
 from msaserve.platform.gateway import Gateway
 from msaserve.platform.model_deployment import ModelDeployment
+from msaserve.platform.model_placement import model_deployment_options
 from msaserve.platform.preprocess_deployment import PreprocessDeployment
 
 ROUTER_CLASS = "msaserve.router.serve_router.MSARequestRouter"
@@ -47,7 +48,7 @@ def preprocess_app(config: ServeConfig) -> Application | None:
 
 def build_app(config: ServeConfig) -> Application:
     as_dict = config.model_dump(mode="json")
-    model_options = config.deployments.model.to_serve_options()
+    model_options = model_deployment_options(config)  # with the rank bundles of a multi-GPU replica
     model_options["request_router_config"] = router_config(config.router)
     # The engine loads in the background; the gateway answers 503 until it is ready.
     model = serve.deployment(ModelDeployment, name="Model").options(**model_options).bind(as_dict)

@@ -17,6 +17,8 @@ logger = logging.getLogger("ray.serve.msaserve.model")
 
 def build_engine(config: ServeConfig, engine_config: EngineConfig) -> AsyncEngine:
     """Blocking (loads weights); the model deployment runs it in a thread."""
+    if engine_config.world_size > 1:
+        return AsyncEngine(engine_config, engine=_group_engine(config, engine_config))
     if not config.kvcache.enabled:
         return AsyncEngine(engine_config)
     from msaserve.engine.kv.pages import identity_for
@@ -36,3 +38,26 @@ def build_engine(config: ServeConfig, engine_config: EngineConfig) -> AsyncEngin
     return AsyncEngine(
         engine_config, engine=LLMEngine(engine_config, model, tokenizer, page_store=page_store)
     )
+
+
+def _group_engine(config: ServeConfig, engine_config: EngineConfig):
+    """A multi-rank replica (tensor/expert parallel): the ranks load the model, this process
+    schedules; preempted pages go to the KV cache service when it is enabled."""
+    from msaserve.engine.parallel.engine import group_llm_engine
+
+    if not config.kvcache.enabled:
+        return group_llm_engine(engine_config)
+    from msaserve.engine.kv.pages import identity_for
+    from msaserve.engine.kv.service_swap import ServiceSwapStore
+    from msaserve.engine.memory import cache_dtypes
+    from msaserve.kvcache.client import KVCacheClient, start_shards
+    from msaserve.kvcache.config import ServiceConfig
+
+    shards = start_shards(ServiceConfig.from_settings(config.kvcache), detached=True)
+    kv_dtype, index_dtype = cache_dtypes(engine_config)
+
+    def store(model_config) -> ServiceSwapStore:
+        identity = identity_for(model_config, config.model.resolved_name(), kv_dtype, index_dtype)
+        return ServiceSwapStore(KVCacheClient(shards, identity))
+
+    return group_llm_engine(engine_config, page_store=store)

@@ -87,7 +87,14 @@ def cluster_problems(config: ServeConfig, *, api_keys_enabled: bool = True) -> l
             f"set serve.auth.api_keys_env: {API_KEYS_ENV}"
         )
     num_gpus = config.deployments.model.ray_actor_options.num_gpus
-    if config.model.device == "cuda" and num_gpus == 0:
+    ranks = config.engine.tensor_parallel_size * config.engine.expert_parallel_size
+    if ranks > 1 and num_gpus > 0:
+        problems.append(
+            f"serve.engine.tensor_parallel_size x expert_parallel_size = {ranks}: each model replica "
+            f"reserves its {ranks} GPUs in a placement group (one bundle per rank) and the replica itself "
+            "holds none; set serve.deployments.model.ray_actor_options.num_gpus: 0"
+        )
+    if config.model.device == "cuda" and num_gpus == 0 and ranks == 1:
         problems.append(
             "serve.model.device is cuda but serve.deployments.model.ray_actor_options.num_gpus is 0: "
             "Ray would give the replica no GPU; set num_gpus > 0 or serve.model.device: cpu"

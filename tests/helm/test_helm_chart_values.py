@@ -145,6 +145,19 @@ def test_generated_secrets_only_when_asked(render) -> None:
     assert rayservice["rayClusterConfig"]["authOptions"]["secretName"] == "demo-msaserve-ray-token"
 
 
+def test_multi_gpu_replica_renders_its_pod_and_args(render) -> None:
+    """TP 2 × EP 2: a pod of 4 GPUs holds the replica (num_gpus 0: its placement group reserves
+    them); its CPUs cover the driver's 4 and a CPU per rank."""
+    engine = {"tensor_parallel_size": 2, "expert_parallel_size": 2}
+    no_gpu = {"model": {"ray_actor_options": {"num_gpus": 0}}}
+    docs = render({"gpuWorkers": {"gpusPerPod": 4, "rayStartParams": {"num-cpus": "8"}},
+                   "serve": {"engine": engine, "deployments": no_gpu}})
+    gpu = _groups(docs)["gpu"]["template"]["spec"]["containers"][0]["resources"]
+    assert gpu["limits"]["nvidia.com/gpu"] == 4
+    serve = yaml.safe_load(_one(docs, "RayService")["spec"]["serveConfigV2"])
+    assert serve["applications"][0]["args"]["engine"] == engine
+
+
 @pytest.mark.parametrize(
     ("storage", "expected"),
     [
@@ -220,6 +233,21 @@ TEMPLATE_REFUSALS = [
     (
         {"serve": {"deployments": {"model": {"ray_actor_options": {"num_gpus": 2}}}}},
         "gpuWorkers.gpusPerPod=1",
+    ),
+    (  # a 2-GPU replica (tensor parallel) reserves its GPUs in a placement group, not num_gpus
+        {"serve": {"engine": {"tensor_parallel_size": 2}}},
+        "set serve.deployments.model.ray_actor_options.num_gpus: 0",
+    ),
+    (
+        {"serve": {"engine": {"tensor_parallel_size": 2},
+                   "deployments": {"model": {"ray_actor_options": {"num_gpus": 0}}}}},
+        "gpuWorkers.gpusPerPod=1",
+    ),
+    (
+        {"gpuWorkers": {"gpusPerPod": 2},
+         "serve": {"engine": {"expert_parallel_size": 2},
+                   "deployments": {"model": {"ray_actor_options": {"num_gpus": 0}}}}},
+        "gpuWorkers.rayStartParams.num-cpus=4",
     ),
     ({"kvcache": {"storage": {"mountPath": "/data"}}}, "make them equal"),
     ({"model": {"source": "pvc"}}, "set model.pvc.claimName"),

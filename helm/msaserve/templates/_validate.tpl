@@ -17,12 +17,23 @@ same rules to a ServeConfig in `msaserve deploy-config`.
 {{- end -}}
 {{- $gpus := dig "deployments" "model" "ray_actor_options" "num_gpus" 0 $serve | float64 -}}
 {{- $device := dig "model" "device" "cpu" $serve -}}
+{{- /* A replica of tensor_parallel_size x expert_parallel_size > 1 ranks reserves one GPU per rank in
+its placement group (msaserve/platform/model_placement.py); the replica actor itself holds none. */ -}}
+{{- $ranks := mul (dig "engine" "tensor_parallel_size" 1 $serve | int) (dig "engine" "expert_parallel_size" 1 $serve | int) -}}
+{{- if gt $ranks 1 -}}
+{{- if gt $gpus 0.0 -}}
+{{- fail (printf "serve.engine.tensor_parallel_size x expert_parallel_size = %d: each model replica reserves its %d GPUs in a placement group (one bundle per rank) and the replica itself holds none; set serve.deployments.model.ray_actor_options.num_gpus: 0" $ranks $ranks) -}}
+{{- end -}}
+{{- if eq $device "cuda" -}}
+{{- $gpus = float64 $ranks -}}
+{{- end -}}
+{{- end -}}
 {{- if .Values.gpuWorkers.enabled -}}
 {{- if eq $gpus 0.0 -}}
 {{- fail "gpuWorkers.enabled is true but serve.deployments.model.ray_actor_options.num_gpus is 0: the GPUs would sit idle; set num_gpus (e.g. 1) and serve.model.device: cuda, or gpuWorkers.enabled: false" -}}
 {{- end -}}
 {{- if gt $gpus (float64 .Values.gpuWorkers.gpusPerPod) -}}
-{{- fail (printf "serve.deployments.model.ray_actor_options.num_gpus=%v is more than gpuWorkers.gpusPerPod=%v: no GPU pod could hold a model replica" $gpus .Values.gpuWorkers.gpusPerPod) -}}
+{{- fail (printf "serve.deployments.model.ray_actor_options.num_gpus=%v (or tensor_parallel_size x expert_parallel_size GPUs) is more than gpuWorkers.gpusPerPod=%v: no GPU pod could hold a model replica" $gpus .Values.gpuWorkers.gpusPerPod) -}}
 {{- end -}}
 {{- else if gt $gpus 0.0 -}}
 {{- fail (printf "serve.deployments.model.ray_actor_options.num_gpus=%v but gpuWorkers.enabled is false: no pod has a GPU, so the model replicas could never start" $gpus) -}}
@@ -109,8 +120,15 @@ same rules to a ServeConfig in `msaserve deploy-config`.
 {{- if .Values.gpuWorkers.enabled -}}
 {{- $g := .Values.gpuWorkers -}}
 {{- $opts := dig "deployments" "model" "ray_actor_options" dict $serve -}}
-{{- $perPod := divf (float64 $g.gpusPerPod) (dig "num_gpus" 1.0 $opts | float64) | floor -}}
-{{- $needed := mulf $perPod (dig "num_cpus" 1.0 $opts | float64) -}}
+{{- $ranks := mul (dig "engine" "tensor_parallel_size" 1 $serve | int) (dig "engine" "expert_parallel_size" 1 $serve | int) -}}
+{{- $perReplica := dig "num_gpus" 1.0 $opts | float64 -}}
+{{- $cpus := dig "num_cpus" 1.0 $opts | float64 -}}
+{{- if gt $ranks 1 -}}
+{{- $perReplica = float64 $ranks -}}
+{{- $cpus = addf $cpus (float64 $ranks) -}}{{- /* the driver, then a CPU per rank bundle */ -}}
+{{- end -}}
+{{- $perPod := divf (float64 $g.gpusPerPod) $perReplica | floor -}}
+{{- $needed := mulf $perPod $cpus -}}
 {{- if lt (float64 (index $g.rayStartParams "num-cpus")) $needed -}}
 {{- fail (printf "gpuWorkers.rayStartParams.num-cpus=%v but the %v model replicas of a GPU pod ask for %v CPUs (serve.deployments.model.ray_actor_options.num_cpus): they could not all start; raise num-cpus" (index $g.rayStartParams "num-cpus") $perPod $needed) -}}
 {{- end -}}
