@@ -97,7 +97,8 @@ def preset_names() -> tuple[str, ...]:
 def preset_config_json(name: str, **overrides: Any) -> dict[str, Any]:
     """The config.json dict of checkpoint preset `name`."""
     if name not in CHECKPOINT_PRESETS:
-        raise ValueError(f"preset {name!r} is not a checkpoint preset: allowed {', '.join(CHECKPOINT_PRESETS)}")
+        allowed = ", ".join(CHECKPOINT_PRESETS)
+        raise ValueError(f"preset {name!r} is not a checkpoint preset: allowed {allowed}")
     return CHECKPOINT_PRESETS[name](**overrides)
 
 

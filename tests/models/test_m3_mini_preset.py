@@ -42,7 +42,8 @@ def test_m3_mini_parameter_shapes_on_meta() -> None:
     with torch.device("meta"):
         model = M3ForCausalLM(get_preset("m3-mini"))
     experts = model.layers[1].mlp.experts
-    assert experts.gate_up_proj.shape == (128, 2 * 3072, 6144) and experts.down_proj.shape == (128, 6144, 3072)
+    assert experts.gate_up_proj.shape == (128, 2 * 3072, 6144)
+    assert experts.down_proj.shape == (128, 6144, 3072)
     assert model.layers[0].mlp.gate_up_proj.weight.shape == (2 * 12288, 6144)
     assert model.layers[0].self_attn.indexer.k_proj.weight.shape == (128, 6144)
 
