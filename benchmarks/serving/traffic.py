@@ -112,12 +112,11 @@ def part_traffic(args: argparse.Namespace, sizes: Sizes, report: Report, names: 
                     continue
                 throughput[(name, backend, level)] = result.output_tok_s
                 record(report, sizes, name, key, level, result)
+                if backend == "dense" and (name, "msa", level) in throughput:  # the ratio as soon as known
+                    msa, dense = throughput[(name, "msa", level)], result.output_tok_s
+                    ratio = msa / dense if dense > 0 else float("nan")
+                    note = f"MSA / dense output tokens/s; {rule(sizes, name, level)}"
+                    report.add(f"{name}_throughput_ratio_c{level}", ratio, "x", note=note)
                 report.write(args.output_path)  # partial results survive a later failure
         engine = None
         free_memory()
-    for name in names:
-        for level in level_sets[name]:
-            msa, dense = throughput[(name, "msa", level)], throughput[(name, "dense", level)]
-            ratio = msa / dense if dense > 0 else float("nan")
-            report.add(f"{name}_throughput_ratio_c{level}", ratio, "x",
-                       note=f"MSA / dense output tokens/s; {rule(sizes, name, level)}")
