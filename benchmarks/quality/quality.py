@@ -35,7 +35,7 @@ from msaserve.models.gguf_loader import smollm2_gguf_path  # noqa: E402
 from msaserve.models.loader import load_model  # noqa: E402
 from msaserve.models.transformer import MSATransformer  # noqa: E402
 
-BACKENDS = {"dense": "dense", "msa": "naive"}  # our backend name for each column
+BACKENDS = {"dense": "dense", "msa": "msa"}  # our backend name for each column (msa: the CPU ops)
 LOGIT_ROWS = 1024  # rows of [rows, vocab] fp32 logits materialised at once
 
 

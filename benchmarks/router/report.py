@@ -40,6 +40,13 @@ def summarize(requests: list[SimRequest], replicas: dict[str, SimReplica], decis
     drain = max(r.finish for r in requests) - last_arrival  # type: ignore[operator]
     hit_tokens = sum(min(r.hit_blocks * cal.page_tokens, r.input_tokens) for r in requests)
     busy = [rep.busy_s for rep in replicas.values()]
+    per_replica = []
+    for rid, rep in replicas.items():
+        mine = [r for r in requests if r.replica == rid]
+        tokens = sum(r.input_tokens for r in mine)
+        hits = sum(min(r.hit_blocks * cal.page_tokens, r.input_tokens) for r in mine)
+        per_replica.append({"replica": rid, "requests": len(mine), "busy": rep.busy_s / makespan,
+                            "hit": hits / tokens if tokens else 0.0})
     return {
         "ttft_p50_s": percentile(ttft, 0.5),
         "ttft_p90_s": percentile(ttft, 0.9),
@@ -54,6 +61,7 @@ def summarize(requests: list[SimRequest], replicas: dict[str, SimReplica], decis
         "drain_s": drain,
         "sustained": drain <= max(30.0, 0.05 * span),
         "decisions": dict(decisions),
+        "per_replica": per_replica,
     }
 
 

@@ -71,13 +71,16 @@ def _publish(replica: SimReplica, recorder: RoutingStatsRecorder, state: RouterS
         num_running=len(replica.prefilling) + len(replica.decoding), num_waiting=len(replica.waiting),
         num_free_pages=replica.free_pages(), num_total_pages=replica.capacity,
     )
-    payload = routing_stats_payload(stats, _events(replica), recorder,
-                                    waiting_prefill_pages=replica.waiting_prefill_pages())
+    waiting = replica.waiting_prefill_pages() if REPORT_PREFILL else None
+    payload = routing_stats_payload(stats, _events(replica), recorder, waiting_prefill_pages=waiting)
     parsed = parse_routing_stats(payload)
     assert parsed is not None
     state.apply_stats(replica.replica_id, parsed, now)
 
 
+REPORT_PREFILL = True
+"""Whether simulated replicas report `waiting_prefill_pages` (the live ModelDeployment does not:
+`--no-prefill-report` runs the router on what it gets live, waiting × mean miss size)."""
 POLICY_NAMES = (*POLICIES, "ray_pow2", "ray_prefix_affinity")
 """Our policies (production code) and the simulated Ray Serve routers (ray_baselines.py)."""
 
@@ -197,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-aware", default="{}", help="JSON of KVAwareConfig fields")
     parser.add_argument("--limit", type=int, help="first N trace rows only (smoke runs)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-prefill-report", action="store_true",
+                        help="replicas do not report waiting_prefill_pages (as the live deployment)")
     parser.add_argument("--prefix", default="router.", help="figure name prefix in the results JSON")
     parser.add_argument("--out", default="benchmarks/results/router.json")
     parser.add_argument("--plot", default="docs/router_p90_ttft.png")
@@ -205,6 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--markdown", action="store_true", help="also print the sweep as markdown tables")
     parser.add_argument("--record-command", help="the command to record (with --from-sweep: the sweep's)")
     args = parser.parse_args(argv)
+    global REPORT_PREFILL
+    REPORT_PREFILL = not args.no_prefill_report
     cal = Calibration.load(args.calibration) if args.calibration else Calibration.default()
     kv_cfg = KVAwareConfig(**json.loads(args.kv_aware))
     trace = load_trace(args.trace, args.limit)

@@ -107,6 +107,9 @@ class SamplingParams:
              "an integer from 0 to 2^63-1"),
             ("stop", self.stop, len(self.stop) <= 16 and all(0 < len(s) <= 256 for s in self.stop),
              "at most 16 non-empty strings of at most 256 characters"),
+            ("stop_token_ids", self.stop_token_ids,
+             len(self.stop_token_ids) <= MAX_STOP_TOKEN_IDS and all(t >= 0 for t in self.stop_token_ids),
+             f"at most {MAX_STOP_TOKEN_IDS} token ids, each ≥ 0"),
             ("top_logprobs", self.top_logprobs, 0 <= self.top_logprobs <= 20, "0 to 20"),
             ("presence_penalty", self.presence_penalty, _within(self.presence_penalty, -2.0, 2.0),
              "-2.0 to 2.0"),
@@ -145,6 +148,9 @@ class SamplingParams:
         need the host's view of the previous token before the next step's logits are final, so
         they never run multi-step decode rounds."""
         return self.penalized or self.grammar is not None
+
+
+MAX_STOP_TOKEN_IDS = 64
 
 
 def _within(value: float, low: float, high: float) -> bool:

@@ -78,10 +78,15 @@ class MSAAttention(nn.Module):
         # cache service keeps) holds the same content whichever backend produced it; fp8 index
         # caches quantize per key (LayerKVCache.write_index) instead of a plain store.
         index_caches = (cache.index_cache,) if cache.index_scale is None else ()
+        kv_slots = slots if meta.kv_slot_mapping is None else meta.kv_slot_mapping
         layer_ops.rotary_and_write(q, rotary.cos, rotary.sin, True)
-        key_caches = (cache.k_cache, *(index_caches if index_k is None else ()))
-        layer_ops.rotary_and_write(k, rotary.cos, rotary.sin, True, slots, key_caches)
-        layer_ops.rotary_and_write(v, rotary.cos, rotary.sin, False, slots, (cache.v_cache,))
+        if index_k is None and index_caches and kv_slots is not slots:  # one write per slot mapping
+            layer_ops.rotary_and_write(k, rotary.cos, rotary.sin, True, kv_slots, (cache.k_cache,))
+            layer_ops.rotary_and_write(k, rotary.cos, rotary.sin, False, slots, index_caches)
+        else:
+            key_caches = (cache.k_cache, *(index_caches if index_k is None else ()))
+            layer_ops.rotary_and_write(k, rotary.cos, rotary.sin, True, kv_slots, key_caches)
+        layer_ops.rotary_and_write(v, rotary.cos, rotary.sin, False, kv_slots, (cache.v_cache,))
         if index_k is not None:
             layer_ops.rotary_and_write(index_k, rotary.index_cos, rotary.index_sin, True, slots, index_caches)
         if cache.index_scale is not None:

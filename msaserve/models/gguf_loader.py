@@ -2,8 +2,12 @@
 MSA transformer converted without training (`index_source: keys`, docs/design.md §2).
 """
 
+import contextlib
 import importlib.util
 import sys
+import threading
+import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -126,6 +130,51 @@ def read_state_dict(
     return state
 
 
+_PATCH_LOCK = threading.Lock()
+
+
+class _NumpyReadingIntoMemory(types.ModuleType):
+    """numpy, except that `memmap(path)` reads the whole file into a plain array."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(np, name)
+
+    @staticmethod
+    def memmap(path: Any, mode: str = "r", **_: Any) -> np.ndarray:
+        return np.fromfile(path, dtype=np.uint8)
+
+
+@contextlib.contextmanager
+def _gguf_file_in_memory() -> Iterator[None]:
+    """`gguf.GGUFReader` parses the metadata (SmolLM2's 49,152-token vocabulary and its merges)
+    with ~1.2 M slices of an `np.memmap`, and every memmap slice runs Python
+    (`memmap.__array_finalize__`); a plain array's do not. The reader finds `np.memmap` through
+    its module's `np`: here it reads the 98 MB file into memory instead (every tensor is
+    dequantized anyway): 11.6 → 3.4 s on a loaded 2-core machine (benchmarks/reliability/startup.py)."""
+    from gguf import gguf_reader
+
+    with _PATCH_LOCK:
+        gguf_reader.np = _NumpyReadingIntoMemory("numpy")
+        try:
+            yield
+        finally:
+            gguf_reader.np = np
+
+
+@contextlib.contextmanager
+def _embedding_init_skipped() -> Iterator[None]:
+    """`nn.Embedding`'s init on the meta device (`normal_`) imports torch._dynamo, 5.8 s of a
+    replica's startup, for weights that `load_state_dict(assign=True)` replaces; nothing else in
+    serving imports it. Only around the meta-device construction below."""
+    with _PATCH_LOCK:
+        reset = torch.nn.Embedding.reset_parameters
+        torch.nn.Embedding.reset_parameters = lambda self: None  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            torch.nn.Embedding.reset_parameters = reset  # type: ignore[method-assign]
+
+
 def load_gguf(
     path: str | Path,
     device: torch.device | str = "cpu",
@@ -139,9 +188,10 @@ def load_gguf(
     if not path.is_file():
         hint = INSTALL_HINT if path.name == SMOLLM2_FILE else "check the path"
         raise ModelFileMissing(f"GGUF file {path} not found: {hint}")
-    reader = gguf.GGUFReader(str(path))
+    with _gguf_file_in_memory():
+        reader = gguf.GGUFReader(str(path))
     config = read_config(reader, **overrides)
-    with torch.device("meta"):
+    with torch.device("meta"), _embedding_init_skipped():
         model = MSATransformer(config, attention_backend)
     model.load_state_dict(read_state_dict(reader, config, progress), strict=True, assign=True)
     return model.to(device=device, dtype=dtype).eval(), read_tokenizer(reader), config

@@ -28,6 +28,10 @@ class AttentionMetadata:
     """Q when every sequence has exactly Q (1–16) new tokens: layers use the decode ops."""
     logits_indices: torch.Tensor | None = None
     """[B] int64: flat index of the token whose logits each sequence needs (usually its last)."""
+    kv_slot_mapping: torch.Tensor | None = None
+    """[T] int64: where each new token's K and V go when they live in another pool than its
+    index-K (sparse residency, `engine/kv/residency.py`: every index page resident, a small
+    working set of K/V pages); None: `slot_mapping` for all three."""
     selections: list[torch.Tensor] | None = None
     """If a list, each MSA layer appends its block selection [T, Hkv, K] int32 (for the KV cache
     service's lazy page fetch and for tests); None skips recording."""

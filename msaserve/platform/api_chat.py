@@ -30,6 +30,7 @@ from msaserve.platform.openai_types import (
     ChatCompletionRequest,
     ChatDelta,
     ChoiceLogprobs,
+    DeltaFunctionCall,
     DeltaToolCall,
     ErrorResponse,
     ResponseFunctionCall,
@@ -38,7 +39,8 @@ from msaserve.platform.openai_types import (
 from msaserve.platform.structured_request import chat_grammar, required_tools
 from msaserve.platform.text_checks import reject_lone_surrogates
 from msaserve.platform.tool_formats import tool_format_of
-from msaserve.platform.tools import StreamingToolParser, ToolFormat, forced_name, parse_reply
+from msaserve.platform.tool_stream import ArgumentsDelta, CallStarted, Event, Text, tool_stream_parser
+from msaserve.platform.tools import ToolFormat, forced_name, parse_reply
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
@@ -56,7 +58,7 @@ def build_router(ctx: Any) -> APIRouter:
         info = await ctx.require_ready()
         ctx.auth.limits.acquire(key)
         try:
-            gens, prefix, known_tools = await _start(ctx, body, request, info)
+            gens, prefix, known_tools = await start_chat(ctx, body, request, info, session_of(request))
         except BaseException:
             ctx.auth.limits.release(key)
             raise
@@ -80,8 +82,11 @@ async def _released(events: AsyncIterator[str], ctx: Any, key: str) -> AsyncIter
         ctx.auth.limits.release(key)
 
 
-async def _start(ctx: Any, body: ChatCompletionRequest, request: Request, info: Any) -> tuple:
-    """(generations, one per choice; the assistant prefix in the prompt; the callable tool names)."""
+async def start_chat(
+    ctx: Any, body: ChatCompletionRequest, request: Request, info: Any, session_id: str | None
+) -> tuple[list[Generation], str, set[str]]:
+    """(generations, one per choice; the assistant prefix in the prompt; the callable tool names).
+    Shared by /v1/chat/completions and /v1/responses (which builds a chat request)."""
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     fmt = tool_format_of(info.tokenizer)
     grammar = chat_grammar(body, fmt)  # a required or named Hermes call is enforced by the grammar
@@ -100,7 +105,7 @@ async def _start(ctx: Any, body: ChatCompletionRequest, request: Request, info: 
         request_id=request.state.request_id,
         prompt_token_ids=token_ids,
         sampling=params,
-        session_id=session_of(request),
+        session_id=session_id,
         media=items,
         cache_salt=request.state.tenant.cache_salt,
     )
@@ -153,12 +158,25 @@ async def _complete(
     )
 
 
-def _tool_call_deltas(calls: list) -> ChatDelta:
-    return ChatDelta(tool_calls=[
-        DeltaToolCall(index=i, id=c.id, type="function",
-                      function=ResponseFunctionCall(name=c.name, arguments=c.arguments))
-        for i, c in enumerate(calls)
-    ])
+def _chat_deltas(events: list[Event]) -> list[ChatDelta]:
+    """The chat deltas of reply events: content; a call's start (id, type, name — with its arguments
+    when they came in the same batch, e.g. a call parsed whole); then its arguments in pieces."""
+    deltas: list[ChatDelta] = []
+    for i, event in enumerate(events):
+        if isinstance(event, Text):
+            deltas.append(ChatDelta(content=event.text))
+        elif isinstance(event, CallStarted):
+            after = events[i + 1] if i + 1 < len(events) else None
+            joined = isinstance(after, ArgumentsDelta) and after.index == event.index
+            function = DeltaFunctionCall(name=event.name, arguments=after.text if joined else "")
+            deltas.append(ChatDelta(tool_calls=[DeltaToolCall(index=event.index, id=event.id, type="function",
+                                                              function=function)]))
+        elif isinstance(event, ArgumentsDelta) and not (
+            i and isinstance(events[i - 1], CallStarted) and events[i - 1].index == event.index
+        ):
+            function = DeltaFunctionCall(arguments=event.text)
+            deltas.append(ChatDelta(tool_calls=[DeltaToolCall(index=event.index, function=function)]))
+    return deltas
 
 
 async def _stream(
@@ -177,27 +195,25 @@ async def _stream(
         return sse(ChatCompletionChunk(id=chunk_id, model=ctx.model_name, choices=[choice]))
 
     fmt = tool_format_of(tokenizer)
-    parsers = [StreamingToolParser(known, prefix, forced_name(body), fmt) if known else None for _ in gens]
+    parsers = [tool_stream_parser(known, prefix, forced_name(body), fmt) for _ in gens]
+    called = [False] * len(gens)
     for index in range(len(gens)):
         yield chunk(index, ChatDelta(role="assistant", content=""))
     try:
         async for index, out in merged(gens):
-            parser = parsers[index]
-            text = parser.feed(out.text) if parser else out.text
+            events = parsers[index].feed(out.text) + (parsers[index].finish() if out.finished else [])
+            called[index] = called[index] or any(isinstance(e, CallStarted) for e in events)
             lp = ChoiceLogprobs(content=logprob_entries(tokenizer, out.logprobs)) if body.logprobs else None
-            if text or lp:
-                yield chunk(index, ChatDelta(content=text), logprobs=lp)
-            if not out.finished:
-                continue
-            finish_reason = out.finish_reason
-            if parser:
-                rest, calls = parser.finish()
-                if rest:
-                    yield chunk(index, ChatDelta(content=rest))
-                if calls:
-                    finish_reason = _calls_reason(body, finish_reason)
-                    yield chunk(index, _tool_call_deltas(calls))
-            yield chunk(index, ChatDelta(), finish=finish_reason)
+            deltas = _chat_deltas(events)
+            if lp and not any(d.content is not None for d in deltas):
+                yield chunk(index, ChatDelta(content=""), logprobs=lp)
+                lp = None
+            for delta in deltas:
+                yield chunk(index, delta, logprobs=lp if delta.content is not None else None)
+                lp = None if delta.content is not None else lp
+            if out.finished:
+                reason = _calls_reason(body, out.finish_reason) if called[index] else out.finish_reason
+                yield chunk(index, ChatDelta(), finish=reason)
         for gen in gens:
             record_metrics(ctx, gen, "/v1/chat/completions")
         if include_usage:

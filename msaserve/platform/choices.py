@@ -1,8 +1,10 @@
 """`n` > 1: one engine request per choice, the prompt prefilled once.
 
 The first choice is started alone; `start_generation` returns after its first token, when its
-prompt's full pages are in the block manager's prefix cache, so the other n − 1 choices (started
-then) reuse those pages and prefill only the last partial page. Each choice gets its own request id
+prompt's full pages are in the block manager's prefix cache, so the other n − 1 choices, started
+then all together, reuse those pages and prefill only the last partial page. Each of those calls
+gets a Serve internal request id of its own (`serve_calls.py`): with the HTTP request's id shared,
+Serve's router left all but one of them waiting for a replica forever. Each choice gets its own request id
 (`<id>-<i>`) and, when the client set `seed`, the seed `seed + i`, so the same request gives the
 same n choices again while the choices differ from one another.
 """
@@ -33,14 +35,16 @@ async def start_choices(ctx: Any, request: GenerateRequest, n: int) -> list[Gene
     first = await start_generation(ctx, request)
     if n == 1:
         return [first]
-    started = [first]
-    try:
-        for i in range(1, n):
-            started.append(await start_generation(ctx, choice_request(request, i)))
-    except BaseException:
+    results = await asyncio.gather(
+        *(start_generation(ctx, choice_request(request, i), own_call_id=True) for i in range(1, n)),
+        return_exceptions=True,
+    )
+    started = [first] + [r for r in results if isinstance(r, Generation)]
+    failure = next((r for r in results if isinstance(r, BaseException)), None)
+    if failure is not None:
         for gen in started:
             gen.close()
-        raise
+        raise failure
     return started
 
 

@@ -10,11 +10,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from msaserve.engine.config import attention_backend_names
 from msaserve.engine.settings import EngineSettings
 from msaserve.kvcache.config import KVCacheConfig
+from msaserve.platform.client_address import parse_networks
 from msaserve.platform.config_deployments import DeploymentsConfig
 from msaserve.preprocess.limits import PreprocessLimits
 from msaserve.router.config import RouterConfig
@@ -52,8 +53,9 @@ class ModelConfig(StrictModel):
     )
     attention_backend: AttentionBackendName = Field(
         "msa",
-        description="'msa' picks the MSA kernels for the device (Triton on CUDA, the PyTorch "
-        "reference on CPU); 'naive' / 'triton' force one; 'dense' is the SDPA baseline.",
+        description="'msa' picks the MSA kernels for the device (Triton on CUDA; on CPU the compiled "
+        "C kernels, or vectorised PyTorch without a compiler); 'naive' (the spec) / 'triton' force one; "
+        "'dense' is the fastest dense attention for the device.",
     )
     device: Literal["cpu", "cuda"] = Field("cpu", description="Where the model deployment runs the engine.")
 
@@ -140,6 +142,12 @@ class HttpConfig(StrictModel):
         64, ge=1, le=1_000_000,
         description="Requests in flight from one client address; beyond it 429.",
     )
+    trusted_proxies: list[str] = Field(
+        default_factory=list,
+        description="Addresses or CIDR networks of proxies (load balancer, ingress) whose X-Forwarded-For "
+        "names the client for max_requests_per_client; empty = the header is never trusted, the TCP peer "
+        "is the client. Also uvicorn's FORWARDED_ALLOW_IPS in `msaserve serve`'s proxy.",
+    )
     ready_probe_timeout_s: float = Field(
         10.0, gt=0.0, le=600.0,
         description="GET /ready is 200 only if a model replica answered a 1-token probe within this long.",
@@ -150,6 +158,12 @@ class HttpConfig(StrictModel):
     metrics_open: bool = Field(
         False, description="Serve GET /metrics (Prometheus text) without an API key; by default it needs one."
     )
+
+    @field_validator("trusted_proxies")
+    @classmethod
+    def _networks(cls, entries: list[str]) -> list[str]:
+        parse_networks(entries)  # ValueError naming the bad entry and what is allowed
+        return entries
 
 
 class ServeConfig(StrictModel):

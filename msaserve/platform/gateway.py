@@ -17,7 +17,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from msaserve.platform import api_chat, api_completions, api_health, api_models, api_sessions
+from msaserve.platform import api_chat, api_completions, api_health, api_models, api_responses, api_sessions
 from msaserve.platform.auth import Authenticator
 from msaserve.platform.config import ServeConfig
 from msaserve.platform.errors import APIError, error_response, install_error_handlers
@@ -181,7 +181,7 @@ def create_api(ctx: GatewayContext) -> FastAPI:
     app.add_middleware(BodyLimitMiddleware, max_body_bytes=ctx.config.http.max_body_bytes)
     app.add_middleware(ConnectionGuard, limits=HttpLimits.from_config(ctx.config.http, in_proxy=False))
     app.add_middleware(RequestMetricsMiddleware, metrics=ctx.metrics, model=ctx.model_name)  # outermost
-    for module in (api_health, api_models, api_chat, api_completions, api_sessions):
+    for module in (api_health, api_models, api_chat, api_completions, api_responses, api_sessions):
         app.include_router(module.build_router(ctx))
     return app
 

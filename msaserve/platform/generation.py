@@ -29,6 +29,7 @@ from msaserve.engine.types import (
 from msaserve.platform.errors import APIError, bad_parameter, from_engine_error
 from msaserve.platform.model_messages import ModelError, ModelInfo
 from msaserve.platform.openai_types import TokenLogprobEntry, TopLogprob, Usage, _SamplingFields
+from msaserve.platform.serve_calls import own_internal_id
 
 logger = logging.getLogger("ray.serve.msaserve.gateway")
 
@@ -61,6 +62,7 @@ def sampling_from(
         top_k=body.top_k or 0,
         seed=body.seed,
         stop=stop + extra_stop,
+        stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=body.ignore_eos,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
@@ -145,12 +147,18 @@ class Generation:
             )
 
 
-async def start_generation(ctx: Any, request: GenerateRequest) -> Generation:
+async def start_generation(ctx: Any, request: GenerateRequest, own_call_id: bool = False) -> Generation:
+    """own_call_id: the call gets an internal id of its own (`serve_calls.own_internal_id`), for a
+    call made while another call of the same HTTP request may still wait for a replica."""
     handle = ctx.model.options(stream=True)
     if request.session_id:
         handle = handle.options(session_id=request.session_id)
     start = time.perf_counter()
-    stream = handle.generate.remote(request)
+    if own_call_id:
+        with own_internal_id():
+            stream = handle.generate.remote(request)
+    else:
+        stream = handle.generate.remote(request)
     try:
         first = await _next_from_replica(stream)
     except StopAsyncIteration:

@@ -7,7 +7,8 @@ the body deadline and the caps). It enforces:
 
 - a deadline on the request body (`http.body_read_timeout_s`): a client that sends headers and then
   trickles or stalls the body gets a 408 and the request ends (it held the connection 70 s+);
-- requests in flight per client address (`http.max_requests_per_client`, 429) and in all
+- requests in flight per client address (`http.max_requests_per_client`, 429; the TCP peer, or the
+  X-Forwarded-For client of a peer in `http.trusted_proxies`: client_address.py) and in all
   (`http.max_requests`, 503), counted until the response ends, so streams count;
 - and, in the proxy, a deadline on the headers (`header_timeout.install`), and no client override of
   Serve's request timeout or disconnect handling (`CLIENT_OVERRIDE_HEADERS` are dropped).
@@ -27,6 +28,7 @@ from dataclasses import asdict, dataclass
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from msaserve.platform import header_timeout
+from msaserve.platform.client_address import FORWARDED_ALLOW_IPS_ENV, ClientAddress
 from msaserve.platform.errors import APIError, error_response
 
 
@@ -37,6 +39,7 @@ class HttpLimits:
     max_requests: int
     max_requests_per_client: int
     max_body_bytes: int
+    trusted_proxies: tuple[str, ...] = ()
 
     @classmethod
     def from_config(cls, http, in_proxy: bool) -> "HttpLimits":  # http: config.HttpConfig
@@ -46,6 +49,7 @@ class HttpLimits:
             max_requests=http.max_requests,
             max_requests_per_client=http.max_requests_per_client,
             max_body_bytes=http.max_body_bytes,
+            trusted_proxies=tuple(http.trusted_proxies),
         )
 
 
@@ -64,6 +68,7 @@ class ConnectionGuard:
         self.app, self.limits = app, limits
         self.in_flight = 0
         self.per_client: dict[str, int] = {}
+        self.client_address = ClientAddress.from_entries(limits.trusted_proxies)
         if limits.header_timeout_s is not None:
             header_timeout.install(limits.header_timeout_s)
 
@@ -71,7 +76,8 @@ class ConnectionGuard:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        client = (scope.get("client") or ("unknown", 0))[0]
+        peer = (scope.get("client") or ("unknown", 0))[0]
+        client = self.client_address.of(peer, scope.get("headers") or [])
         refusal = self._refusal(client)
         if refusal is not None:
             await self._refuse(refusal, scope, receive, send, close=False)
@@ -170,17 +176,33 @@ LIMITS_ENV = "MSASERVE_PROXY_HTTP_LIMITS"
 
 def apply_proxy_limits(http) -> dict[str, str]:  # http: config.HttpConfig
     """Before `ray.init` (the proxy inherits the environment of the Ray it starts in): the
-    ConnectionGuard, with the header deadline, in Serve's HTTP proxy."""
-    os.environ[LIMITS_ENV] = json.dumps(asdict(HttpLimits.from_config(http, in_proxy=True)))
+    ConnectionGuard, with the header deadline, in Serve's HTTP proxy, and uvicorn's trusted
+    forwarders (FORWARDED_ALLOW_IPS, 127.0.0.1 by default) set to `http.trusted_proxies`."""
+    limits = HttpLimits.from_config(http, in_proxy=True)
+    os.environ[LIMITS_ENV] = json.dumps(asdict(limits))
     os.environ[PROXY_CALLBACK_ENV] = "msaserve.platform.http_limits:proxy_middlewares"
-    return {name: os.environ[name] for name in (LIMITS_ENV, PROXY_CALLBACK_ENV)}
+    os.environ[FORWARDED_ALLOW_IPS_ENV] = ",".join(limits.trusted_proxies)
+    return {name: os.environ[name] for name in (LIMITS_ENV, PROXY_CALLBACK_ENV, FORWARDED_ALLOW_IPS_ENV)}
+
+
+def proxy_limits_from_env() -> HttpLimits:
+    """The proxy's limits from LIMITS_ENV: any subset of the `http` section as JSON (what
+    `apply_proxy_limits` writes, or the Helm chart's `serve.http`), ServeConfig's defaults for the
+    rest, so a cluster's proxy gets the same guard as a local one."""
+    from msaserve.platform.config import HttpConfig
+
+    fields = json.loads(os.environ.get(LIMITS_ENV) or "{}")
+    return HttpLimits.from_config(HttpConfig.model_validate(fields), in_proxy=True)
 
 
 def proxy_middlewares() -> list:
-    """Called by Serve inside the proxy process (PROXY_CALLBACK_ENV)."""
+    """Called by Serve inside the proxy process (PROXY_CALLBACK_ENV), before it configures uvicorn:
+    uvicorn then trusts X-Forwarded-For from `http.trusted_proxies` only (none by default)."""
     from starlette.middleware import Middleware
 
-    return [Middleware(ConnectionGuard, limits=HttpLimits(**json.loads(os.environ[LIMITS_ENV])))]
+    limits = proxy_limits_from_env()
+    os.environ[FORWARDED_ALLOW_IPS_ENV] = ",".join(limits.trusted_proxies)
+    return [Middleware(ConnectionGuard, limits=limits)]
 
 
 def proxy_http_options(http) -> dict:  # http: config.HttpConfig

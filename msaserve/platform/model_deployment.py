@@ -24,6 +24,7 @@ from msaserve.platform.errors import from_engine_error
 from msaserve.platform.metrics import get_metrics
 from msaserve.platform.model_messages import ModelError, ModelInfo, SessionInfo
 from msaserve.platform.ray_defaults import bind_replica_grpc_to_loopback
+from msaserve.platform.response_store import ResponseStore, StoredResponse
 from msaserve.platform.session_table import SessionTable
 from msaserve.router.stats import RoutingStatsRecorder, routing_stats_payload
 
@@ -67,6 +68,7 @@ class ModelDeployment:
         self.engine = None
         self.error: str | None = None
         self.sessions = SessionTable()
+        self.responses = ResponseStore()
         self.drain_rate = DrainRate()
         self.routing = RoutingStatsRecorder()
         self.routing.replica_id = self.replica_id
@@ -199,6 +201,16 @@ class ModelDeployment:
             return known_here
         in_service = await self.engine.call(lambda engine: engine.sessions.delete(session_id))
         return known_here or in_service
+
+    async def put_response(self, key: str, record: StoredResponse) -> None:
+        """Store a Responses API response (key: its tenant-scoped id; see response_store.py)."""
+        self.responses.put(key, record)
+
+    async def get_response(self, key: str) -> StoredResponse | None:
+        return self.responses.get(key)
+
+    async def delete_response(self, key: str) -> bool:
+        return self.responses.delete(key)
 
     async def _report_loop(self) -> None:
         """Replica gauges for the dashboard: load, pages, prefix hits, tokens/s."""

@@ -117,6 +117,9 @@ class _SamplingFields(_Request):
     top_k: int | None = Field(None, description="msaserve extension: 0 (off) or a positive integer.")
     max_tokens: int | None = Field(None, description="Output tokens; default: up to the context length.")
     stop: str | list[str] | None = Field(None, description="Up to 16 strings that end the output.")
+    stop_token_ids: list[int] | None = Field(
+        None, description="msaserve extension (as vLLM's): token ids that end the output, not part of it."
+    )
     seed: int | None = Field(None, description="Same seed and request → same output.")
     n: int = Field(1, description="Choices to generate, 1 to 16; they share the prompt's cached pages.")
     presence_penalty: float = Field(0.0, description="-2.0 to 2.0, once per token already in the output.")
@@ -212,11 +215,18 @@ class ChatCompletion(_Response):
     usage: Usage | None = None
 
 
+class DeltaFunctionCall(_Response):
+    name: str | None = None
+    arguments: str | None = None
+
+
 class DeltaToolCall(_Response):
+    """The first delta of a call has id, type and function.name; later ones add arguments text."""
+
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
-    function: ResponseFunctionCall | None = None
+    function: DeltaFunctionCall | None = None
 
 
 class ChatDelta(_Response):

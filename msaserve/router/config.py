@@ -55,6 +55,11 @@ class RouterConfig(BaseModel):
         _default("index_credit"), ge=0.0, le=1e9,
         description="Pages credited where the session's MSA index is resident (KV cache service).",
     )
+    family_credit: float = Field(
+        _default("family_credit"), ge=0.0, le=1e9,
+        description="Pages credited to the rendezvous home of the request's first page, so that a "
+        "prefix family nobody holds yet lands where its last miss did.",
+    )
     imbalance_ratio: float = Field(
         _default("imbalance_rel"), ge=1.0, le=1000.0,
         description="Relative imbalance guard: with the absolute one, fall back to power-of-two "

@@ -5,12 +5,21 @@ together, and keep load balanced.
               + w_decode · active_pages(r)
               − affinity_credit   [r is the session's home and not overloaded]
               − index_credit      [the session's MSA index is resident on r]
+              − family_credit     [r is the rendezvous home of the request's first page, which
+                                   no replica holds]
 
 `miss_pages(r)` is the request's pages that r does not hold (leading-prefix match on chained
 hashes), `queued_pages(r)` the prefill already queued on r: the work before this request's first
 token. The queue is priced up to a horizon (load adaptation): past it every replica has enough
 work not to idle and only the work a miss adds still matters, so near and past capacity requests
 stay with their prefixes instead of following the shortest of several long queues.
+`family_credit` keeps a prefix family (requests whose first page is equal) together when no
+replica is known to hold it: past capacity, KV pressure evicts prefixes before the router sees
+them reused, and without a tie-break each miss of a family lands on a different replica, which
+then all hold (and evict) copies; with it the family's next miss lands where the last one did and
+finds the pages fresh. The home is rendezvous hashing (highest hash of replica id and page hash),
+stable across router processes and balanced over families in expectation. Off by default: a
+family can be a large share of the traffic (a popular system prompt), and its home then overloads.
 `active_pages(r)` is pages held by r's live sequences (decode cost per step grows
 with it, and it is KV pressure that evicts cached prefixes).
 
@@ -23,6 +32,7 @@ falls back to power of two choices: the state it reasons about is then likely st
 """
 
 import dataclasses
+import hashlib
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -62,13 +72,19 @@ class KVAwareConfig:
     """Pages of prefill a session's home replica is credited with."""
     index_credit: float = 16.0
     """Pages credited where the session's MSA index is resident (KV cache service)."""
+    family_credit: float = 0.0
+    """Pages credited to the rendezvous home of the request's first page (see the module docstring).
+    Off by default: 8 (picked on Mooncake, 4 replicas, past capacity, from 0 / 8 / 16 / 32) beat
+    prefix_affinity there, but on the agent-sessions trace a family is one of four system prompts,
+    and crediting its home overloaded it (docs/performance-router.md)."""
     imbalance_abs: float = 16.0
     """Sequences: the guard needs max − min load above this…"""
     imbalance_rel: float = 3.0
     """…and max load above this multiple of the mean."""
 
     def __post_init__(self) -> None:
-        for name in ("w_prefill", "w_decode", "w_queue", "affinity_credit", "index_credit", "imbalance_abs"):
+        for name in ("w_prefill", "w_decode", "w_queue", "affinity_credit", "index_credit", "family_credit",
+                     "imbalance_abs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: allowed a number ≥ 0")
         if self.imbalance_rel < 1.0:
@@ -98,7 +114,8 @@ class KVAwarePolicy(Policy):
         cfg = self.config
         return r.load - min(others) > cfg.imbalance_abs and r.load > cfg.imbalance_rel * mean
 
-    def cost(self, r: ReplicaState, request: RequestView, now: float, home_ok: bool) -> tuple[float, int]:
+    def cost(self, r: ReplicaState, request: RequestView, now: float, home_ok: bool,
+             family_home: str | None = None) -> tuple[float, int]:
         """(cost, predicted hit pages) of sending `request` to `r`."""
         cfg = self.config
         hit = r.hit_pages(request.page_hashes, now)
@@ -110,6 +127,8 @@ class KVAwarePolicy(Policy):
             cost -= cfg.affinity_credit
         if request.session_id is not None and request.session_id in r.resident_sessions:
             cost -= cfg.index_credit
+        if family_home is not None and r.replica_id == family_home:
+            cost -= cfg.family_credit
         return cost, hit
 
     def choose(self, request: RequestView, replicas: Sequence[ReplicaState], now: float) -> Decision:
@@ -128,18 +147,41 @@ class KVAwarePolicy(Policy):
         # Spill-over: a replica that cannot take the request now is not considered while another can.
         eligible = [r for r in candidates if not self.overloaded(r, request, candidates)] or candidates
         scored = []
+        family = self._family(request, eligible, now)
         for r in eligible:
             is_home = home_ok and r.replica_id == home_id
-            cost, hit = self.cost(r, request, now, is_home)
+            cost, hit = self.cost(r, request, now, is_home, family)
             scored.append((cost, r.load, r.replica_id, hit))
         cost, _, chosen_id, hit = min(scored)
         return Decision(chosen_id, self._reason(home_id, chosen_id, hit), hit)
+
+    def _family(self, request: RequestView, eligible: Sequence[ReplicaState], now: float) -> str | None:
+        """The family home to credit: only for a request no eligible replica holds a page of (a
+        family the router has lost track of), so a held prefix or a session is never pulled away."""
+        if not self.config.family_credit or not request.page_hashes:
+            return None
+        if any(r.holds(request.page_hashes[0], now) for r in eligible):
+            return None
+        return family_home(request, eligible)
 
     @staticmethod
     def _reason(home_id: str | None, chosen_id: str, hit: int) -> Reason:
         if home_id is not None:
             return "session_affinity" if chosen_id == home_id else "session_moved"
         return "prefix_hit" if hit > 0 else "least_cost"
+
+
+def family_home(request: RequestView, replicas: Sequence[ReplicaState]) -> str | None:
+    """Rendezvous home of the request's first page: the replica with the highest hash of
+    (replica id, first page hash); None without pages."""
+    if not request.page_hashes or not replicas:
+        return None
+    first = request.page_hashes[0]
+
+    def weight(r: ReplicaState) -> bytes:
+        return hashlib.blake2b(f"{r.replica_id}:{first}".encode(), digest_size=8).digest()
+
+    return max(replicas, key=weight).replica_id
 
 
 POLICIES = tuple(POLICY_CLASSES)

@@ -17,7 +17,7 @@ Class path: `msaserve.router.serve_router.MSARequestRouter` (ROUTER_CLASS_PATH).
                                  RequestRouterConfig.request_routing_stats_period_s = stats_period_s
 
 Also accepted: the KVAwareConfig names themselves (imbalance_abs, imbalance_rel, w_queue,
-index_credit), page_size (the engine's; when absent it is learned from the payloads, see
+index_credit, family_credit), page_size (the engine's; when absent it is learned from the payloads, see
 core.RouterCore), estimate_expiry_s, default_max_tokens, seed. Unknown keys fail at config time.
 `request_router_config(router_section)` builds the whole RequestRouterConfig.
 

@@ -300,7 +300,7 @@ def test_dispatch_rejects_unknown_and_unavailable_backends():
         get_ops("fast")
     with pytest.raises(ValueError, match="needs a CUDA device"):
         get_ops("triton", "cpu")
-    assert get_ops("msa", "cpu").name == "naive"
+    assert get_ops("msa", "cpu").name == "msa"  # the CPU ops (kernels/<op>/cpu.py)
     assert not get_ops("dense").sparse
 
 

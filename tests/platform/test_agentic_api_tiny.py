@@ -139,15 +139,43 @@ def test_named_tool_choice_streams_a_valid_call(client) -> None:
             tool_choice={"type": "function", "function": {"name": "get_weather"}},
         )
     )
-    calls = [
+    deltas = [
         tc
         for c in chunks
         if c.choices and c.choices[0].delta.tool_calls
         for tc in c.choices[0].delta.tool_calls
     ]
-    assert [tc.function.name for tc in calls] == ["get_weather"]
-    jsonschema.validate(json.loads(calls[0].function.arguments), WEATHER)
+    # the first delta of a call names it; the arguments follow in pieces as they are generated
+    assert deltas[0].id and deltas[0].type == "function" and deltas[0].function.name == "get_weather"
+    assert all(d.index == 0 and d.id is None and d.function.name is None for d in deltas[1:])
+    assert len(deltas) > 2
+    jsonschema.validate(json.loads("".join(d.function.arguments for d in deltas)), WEATHER)
     assert chunks[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_stop_token_ids_end_the_output(client) -> None:
+    token_a = 3 + ord("a")  # the byte tokenizer: ids 3–258 are the bytes
+    kwargs = dict(model=MODEL, max_tokens=12, temperature=0, logit_bias={str(token_a): 100})
+    chat = client.chat.completions.create(**kwargs, messages=HELLO, extra_body={"stop_token_ids": [token_a]})
+    assert chat.choices[0].message.content == "" and chat.choices[0].finish_reason == "stop"
+    assert chat.usage.completion_tokens == 1  # the stop token ended it, and is not in the text
+    text = client.completions.create(**kwargs, prompt="Hello", extra_body={"stop_token_ids": [7, token_a]})
+    assert text.choices[0].text == "" and text.choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError) as error:
+        client.chat.completions.create(**kwargs, messages=HELLO, extra_body={"stop_token_ids": [-1]})
+    assert error.value.body["param"] == "stop_token_ids"
+
+
+def test_n_choices_start_together_without_hanging(client) -> None:
+    """Choices 1..n-1 start together. Before each got a Serve internal request id of its own they
+    shared the HTTP request's, and Serve's router left all but one of them waiting for a replica
+    forever: after a plain request, an n=4 request hung every time (here: until this timeout)."""
+    quick = client.with_options(timeout=60)
+    for seed in range(2):
+        quick.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=2)
+        reply = quick.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=4, n=4, seed=seed)
+        assert [c.index for c in reply.choices] == [0, 1, 2, 3]
+        assert reply.usage.completion_tokens == 16
 
 
 def test_n_choices_share_the_prompt_pages_and_seed_reproduces_them(client, live_app) -> None:

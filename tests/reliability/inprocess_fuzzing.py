@@ -64,6 +64,7 @@ def _base_bodies() -> dict[str, dict]:
     return {
         "/v1/chat/completions": chat,
         "/v1/completions": {"model": MODEL, "prompt": "hi", "max_tokens": 2},
+        "/v1/responses": {"model": MODEL, "input": chat["messages"], "max_output_tokens": 2},
     }
 
 
@@ -72,6 +73,8 @@ PATHS = [
     ["max_tokens"], ["temperature"], ["top_p"], ["top_k"], ["seed"], ["stop"], ["n"], ["stream"], ["tools"],
     ["tool_choice"], ["logprobs"], ["top_logprobs"], ["prompt"], ["stream_options"], ["response_format"],
     ["max_completion_tokens"], ["\ud800"], ["unknown_field"],
+    ["input"], ["input", 0], ["input", 0, "content"], ["instructions"], ["previous_response_id"],
+    ["max_output_tokens"], ["text"], ["store"],
 ]
 
 
@@ -214,7 +217,7 @@ SESSION_IDS = st.sampled_from(EDGE_STRINGS[1:]) | st.text(st.characters(codec=No
 def fuzz_hostile(
     gateway: InProcessGateway, report: InProcessFuzzReport, examples: int, rng_seed: int
 ) -> None:
-    """Hostile JSON bodies on the two generation routes, hostile session ids on the session routes."""
+    """Hostile JSON bodies on the generation routes, hostile session ids on the session routes."""
     for route in _base_bodies():
         _body_case(gateway, report, route, examples, rng_seed)()
 

@@ -11,6 +11,7 @@ import pytest
 from hostile_clients import (
     abort_mid_stream,
     closed_within,
+    connect,
     idle_connections,
     normal_request,
     oversized_chunked_body,
@@ -22,13 +23,13 @@ from local_serve_app import LiveApp, start_live_app
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
 KEY, MODEL = "hostile-key", "msaserve/tiny"
-HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_BODY = 3.0, 3.0, 65536
+HEADER_TIMEOUT_S, BODY_TIMEOUT_S, MAX_BODY, PER_CLIENT = 3.0, 3.0, 65536, 6
 SERVE_CONFIG = {
     "model": {"spec": "tiny"},
     "engine": {"max_num_seqs": 4, "max_waiting": 16, "max_model_len": 512},
     "auth": {"api_keys": [KEY]},
     "http": {"header_timeout_s": HEADER_TIMEOUT_S, "body_read_timeout_s": BODY_TIMEOUT_S,
-             "max_body_bytes": MAX_BODY, "keep_alive_timeout_s": 2},
+             "max_body_bytes": MAX_BODY, "keep_alive_timeout_s": 2, "max_requests_per_client": PER_CLIENT},
 }  # fmt: skip
 
 
@@ -70,4 +71,33 @@ def test_abort_mid_stream_frees_the_sequence(app: LiveApp) -> None:
     while (stats := app.engine_stats()).num_running + stats.num_waiting and time.monotonic() < deadline:
         time.sleep(0.2)
     assert stats.num_running == 0 and stats.num_waiting == 0, stats
+    assert normal_request(app.base_url, KEY, MODEL) == 200
+
+
+def test_a_forged_x_forwarded_for_does_not_lift_the_per_client_cap(app: LiveApp) -> None:
+    """uvicorn in Serve's proxy applied X-Forwarded-For from 127.0.0.1 by default, so a local client
+    that forged a new address per request was a new client each time and never met the cap."""
+    import httpx
+
+    stalled = []
+    try:
+        for i in range(PER_CLIENT):  # in flight until the body timeout: headers, 10 of 1000 bytes
+            sock = connect(app.base_url)
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {KEY}\r\nX-Forwarded-For: 203.0.113.{i}\r\n".encode()
+                + b"Content-Length: 1000\r\n\r\n" + b'{"model": '
+            )
+            stalled.append(sock)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+        headers = {"Authorization": f"Bearer {KEY}", "X-Forwarded-For": "198.51.100.1"}
+        deadline, status = time.monotonic() + BODY_TIMEOUT_S - 0.5, 0
+        while status != 429 and time.monotonic() < deadline:  # until the proxy counted all stalled
+            status = httpx.post(app.base_url + "/v1/chat/completions", json=body, headers=headers,
+                                timeout=30).status_code  # fmt: skip
+    finally:
+        for sock in stalled:
+            sock.close()
+    assert status == 429
+    time.sleep(0.5)  # the closed connections leave the count
     assert normal_request(app.base_url, KEY, MODEL) == 200

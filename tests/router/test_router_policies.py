@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from msaserve.router.kv_aware import KVAwareConfig, KVAwarePolicy, make_policy
+from msaserve.router.kv_aware import KVAwareConfig, KVAwarePolicy, family_home, make_policy
 from msaserve.router.policies import Pow2Policy, PrefixAffinityPolicy, RoundRobinPolicy, is_imbalanced
 from msaserve.router.state import RequestView, RouterState
 
@@ -132,7 +132,7 @@ def test_by_default_a_full_kv_cache_keeps_the_session_home():
 
 
 def test_queued_work_is_priced_up_to_the_horizon_then_the_prefix_decides():
-    cfg = KVAwareConfig(queue_horizon_pages=64, w_queue=0.5)
+    cfg = KVAwareConfig(queue_horizon_pages=64, w_queue=0.5, family_credit=0.0)
     below = make_state({"cached": PREFIX, "queued": 60}, {"queued": 0})  # 40-page hit vs 30 pages queued
     assert choose(KVAwarePolicy(below, config=cfg), below, req(PREFIX)).replica_id == "r0"
     short = make_state({"cached": PREFIX[:5], "queued": 60}, {"queued": 0})  # 5-page hit: the queue wins
@@ -224,3 +224,30 @@ def test_a_policy_is_one_class() -> None:
         POLICY_CLASSES.pop("first_replica_test")
     with pytest.raises(ValueError, match=r"router\.policy='nope' is invalid: allowed round_robin, pow2"):
         make_policy("nope", RouterState())
+
+
+def test_family_home_is_stable_and_spreads_families():
+    state = make_state({}, {}, {}, {})
+    replicas = list(state.replicas.values())
+    homes = [family_home(req([f, f + 1]), replicas) for f in range(400)]
+    # The first page decides, whatever the order of the candidates.
+    assert homes == [family_home(req([f, 99]), list(reversed(replicas))) for f in range(400)]
+    counts = {rid: homes.count(rid) for rid in state.replicas}
+    assert all(60 <= c <= 140 for c in counts.values()), counts
+    assert family_home(req([]), replicas) is None
+
+
+def test_family_credit_sends_a_miss_to_its_family_home_and_yields_to_a_holder():
+    state = make_state({}, {}, {}, {})
+    request = req(PREFIX)
+    home = family_home(request, list(state.replicas.values()))
+    credited = KVAwarePolicy(state, config=KVAwareConfig(family_credit=16.0))
+    assert choose(credited, state, request).replica_id == home
+    # Without the credit the tie breaks on replica id, whatever the family.
+    plain = KVAwarePolicy(state, config=KVAwareConfig(family_credit=0.0))
+    assert choose(plain, state, request).replica_id == "r0"
+    # The credit is for families nobody holds: a replica holding even the first page (1 page saved,
+    # less than 16 credited) gets the request, so a held prefix or a session is never pulled away.
+    holder = next(rid for rid in state.replicas if rid != home)
+    state.replicas[holder].cached = set(PREFIX[:1])
+    assert choose(credited, state, request).replica_id == holder

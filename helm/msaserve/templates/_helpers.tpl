@@ -123,6 +123,16 @@ ctx: dict "root" $ "apiKeys" <bool>; the API keys go only to the group the gatew
   value: /tmp/.cache/huggingface
 - name: RAY_USAGE_STATS_ENABLED
   value: "0"
+{{- /* The HTTP proxy's guard (msaserve/platform/http_limits.py), as `msaserve serve` installs it
+locally: Serve's proxy on this pod calls the callback, which reads serve.http (ServeConfig defaults
+for the rest) and sets uvicorn's trusted X-Forwarded-For peers to http.trusted_proxies. */}}
+{{- $http := .root.Values.serve.http | default dict }}
+- name: RAY_SERVE_HTTP_PROXY_CALLBACK_IMPORT_PATH
+  value: msaserve.platform.http_limits:proxy_middlewares
+- name: MSASERVE_PROXY_HTTP_LIMITS
+  value: {{ toJson $http | quote }}
+- name: FORWARDED_ALLOW_IPS
+  value: {{ join "," (dig "trusted_proxies" list $http) | quote }}
 {{- if and .apiKeys .root.Values.apiKeys.enabled }}
 - name: MSASERVE_API_KEYS
   valueFrom:

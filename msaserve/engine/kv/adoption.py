@@ -12,13 +12,19 @@
    selection always contains the `n_local` pages ending at the query's page and, when `n_init > 0`,
    the init pages (docs/design.md §2), so these come too.
 3. `prefetch` keeps a bounded number of background reads in flight for the rest, and `poll`
-   imports the ones that arrived, so lazily fetched steps become rare and then stop.
+   imports the ones that arrived, so lazily fetched steps become rare and then stop. They go in
+   predicted order, not page order: first the pages the previous step selected in any layer
+   (most-selected first) for every layer still missing them — decode selections move little
+   between steps, and pages selected by one layer (recent pages, sinks) tend to be selected by
+   the others — then the newest pages.
 
 One fetcher serves one sequence: its block table is row 0 of the step's metadata.
 """
 
+import collections
 import contextlib
 import dataclasses
+import itertools
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -112,11 +118,15 @@ class LazyPageFetcher:
         record: SessionRecord,
         caches: Sequence[LayerKVCache],
         block_table: Sequence[int],
+        kv_block_table: Sequence[int] | None = None,
     ) -> None:
-        """block_table: logical → physical page for this sequence, covering every stored page."""
+        """block_table: logical → physical page for this sequence, covering every stored page;
+        kv_block_table: where the K/V of each page goes when not at block_table's page (a
+        sparse-resident session's K/V pool, `resident_session.py`)."""
         self.client, self.record, self.caches = client, record, list(caches)
         self.codec = PageCodec(client.model)
         self.block_table = list(block_table)
+        self.kv_block_table = None if kv_block_table is None else list(kv_block_table)
         # Logical page i is stored under hashes[i]: the full pages, then the partial tail if any.
         self.hashes = list(record.page_hashes) + ([record.tail_hash] if record.tail_hash is not None else [])
         self.num_pages = 0  # adopted pages (set by load_index)
@@ -124,6 +134,10 @@ class LazyPageFetcher:
         self._layer_of = {c.index_cache.data_ptr(): layer for layer, c in enumerate(caches)}
         self._pending: list[tuple[PendingFetch, list[tuple[int, int]]]] = []
         self.stats = AdoptionStats()
+        self.last_selected: dict[int, list[int]] = {}
+        """layer → the adopted pages it selected in its latest step."""
+        self.prefetch_log: list[list[tuple[int, int]]] = []
+        """(page, layer) items of each background read, in the order they started (the latest 1,000)."""
 
     # ---- 1. the index ------------------------------------------------------------------------
     def load_index(self) -> int:
@@ -184,7 +198,7 @@ class LazyPageFetcher:
         if any(p is None for p in payloads):
             raise PageLost(f"session {self.record.session_id!r}: K/V of page {logical_page} is missing or "
                            "corrupt in the KV cache service")
-        physical = self.block_table[logical_page]
+        physical = (self.block_table if self.kv_block_table is None else self.kv_block_table)[logical_page]
         for layer, payload in zip(layers, payloads, strict=True):
             self.codec.import_kv(self.caches[layer], [physical], [payload])
             self.resident[layer, logical_page] = True
@@ -194,7 +208,9 @@ class LazyPageFetcher:
     # ---- 2. on demand ------------------------------------------------------------------------
     def ensure(self, layer: int, logical_pages: Sequence[int]) -> None:
         """Make the K+V of these adopted pages resident in `layer` (fetching what is missing)."""
-        need = sorted({p for p in logical_pages if 0 <= p < self.num_pages and not self.resident[layer, p]})
+        selected = sorted({p for p in logical_pages if 0 <= p < self.num_pages})
+        self.last_selected[layer] = selected
+        need = [p for p in selected if not self.resident[layer, p]]
         if not need:
             return
         start = time.perf_counter()
@@ -231,26 +247,37 @@ class LazyPageFetcher:
         )
 
     # ---- 3. background -----------------------------------------------------------------------
+    def predicted(self) -> list[tuple[int, int]]:
+        """(page, layer) the next steps are likely to select: every page some layer selected in
+        its latest step, the most-selected (then newest) first, for every layer."""
+        counts = collections.Counter(p for pages in self.last_selected.values() for p in pages)
+        pages = sorted(counts, key=lambda p: (-counts[p], -p))
+        return [(p, layer) for p in pages for layer in range(len(self.caches))]
+
     def prefetch(self, max_pages: int) -> None:
-        """Keep up to max_pages (page, layer) reads in flight for pages not yet resident, newest
-        pages first (decode selects recent pages more often)."""
+        """Keep up to max_pages (page, layer) reads in flight for pages not yet resident: the
+        predicted ones first, then the newest pages (decode selects recent pages more often)."""
         in_flight = sum(len(items) for _, items in self._pending)
         budget = max_pages - in_flight
         if budget <= 0:
             return
-        wanted = []
+        wanted: list[tuple[int, int]] = []
         requested = {item for _, items in self._pending for item in items}
-        for page in range(self.num_pages - 1, -1, -1):
-            for layer in range(len(self.caches)):
-                if not self.resident[layer, page] and (page, layer) not in requested:
-                    wanted.append((page, layer))
-                    if len(wanted) == budget:
-                        break
-            if len(wanted) == budget:
-                break
+
+        def want(page: int, layer: int) -> bool:
+            if not self.resident[layer, page] and (page, layer) not in requested:
+                requested.add((page, layer))
+                wanted.append((page, layer))
+            return len(wanted) == budget
+
+        layers = range(len(self.caches))
+        newest = ((page, layer) for page in range(self.num_pages - 1, -1, -1) for layer in layers)
+        any(want(page, layer) for page, layer in itertools.chain(self.predicted(), newest))
         if wanted:
             fetch = self.client.get_kv_async([(self.hashes[p], layer) for p, layer in wanted])
             self._pending.append((fetch, wanted))
+            if len(self.prefetch_log) < 1_000:
+                self.prefetch_log.append(wanted)
 
     def poll(self, wait: bool = False) -> int:
         """Import the background reads that have arrived (all of them if wait); returns pages."""

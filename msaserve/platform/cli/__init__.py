@@ -6,7 +6,7 @@ from importlib import import_module
 
 # Subcommand modules under msaserve.platform.cli; each defines register(subparsers), which adds
 # its parser and sets `func(args) -> int` as the default.
-COMMANDS = ["generate", "deploy_config", "cluster", "serve", "chat", "bench"]
+COMMANDS = ["generate", "deploy_config", "cluster", "serve", "chat", "bench", "convert"]
 
 
 def build_parser() -> argparse.ArgumentParser:

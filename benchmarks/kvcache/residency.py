@@ -1,0 +1,386 @@
+"""Sparse-KV residency at 1M tokens: sessions per GPU, TPOT at page budgets, adoption without the stall.
+
+`m3-proxy` (random weights, the M3 attention shape: Hq 64, Hkv 4, D 128, P 128, top-k 16), a
+1,048,576-token session. Replica A prefills it (the re-prefill baseline, MSA kernels) and decodes
+with everything resident (the TPOT baseline, eager: neither side replays CUDA graphs). Then:
+- **budgets**: the session is offloaded (`ResidentSession.offload`: index on the GPU, K/V in a
+  pinned host tier) and decodes with a K/V working set of 5 / 10 / 25 % of its pages: TPOT
+  against resident, pages and bytes moved per step, tokens against A's;
+- **adoption**: the session, persisted to the KV cache service (in-process shards), is adopted by
+  a fresh sparse-resident session (10 % budget): time to first token and TPOT over the first
+  `--adopt-steps` tokens, with and without background prefetch in predicted order;
+- **sessions per GPU**: 1M-token sessions allocated until the GPU is full, fully resident vs
+  sparse resident (GPU memory only: the host tiers live in the node's KV cache service).
+
+    python benchmarks/kvcache/residency.py                        # H200
+    python benchmarks/kvcache/residency.py --device cpu --quick   # CPU smoke run at small sizes
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(HERE)]
+
+from adopt import QUICK_OVERRIDES, Replica, git_revision, hardware, log, prefill_session, sync  # noqa: E402
+
+from msaserve.engine.kv.host_tier import HostKV  # noqa: E402
+from msaserve.engine.kv.pages import identity_for  # noqa: E402
+from msaserve.engine.kv.persist import SessionWriter  # noqa: E402
+from msaserve.engine.kv.resident_session import ResidentSession, allocate_resident_caches  # noqa: E402
+from msaserve.kernels import get_ops  # noqa: E402
+from msaserve.kvcache.client import KVCacheClient  # noqa: E402
+from msaserve.kvcache.config import ServiceConfig  # noqa: E402
+from msaserve.models.cache import allocate_caches  # noqa: E402
+from msaserve.models.presets import get_preset  # noqa: E402
+from msaserve.models.transformer import MSATransformer, init_random_weights  # noqa: E402
+
+
+def sparse_decode(
+    model, ops, session: ResidentSession, first: int, start: int, steps: int, prefetch_items: int = 0
+) -> tuple[list[int], list[float]]:
+    """Greedy decode on a sparse-resident session → (tokens after `first`, step times)."""
+    wrapped, device = session.wrap_ops(ops), session.device
+    tokens, times = [first], []
+    with torch.inference_mode():
+        for step in range(steps):
+            sync(device)
+            t0 = time.perf_counter()
+            meta = session.decode_metadata(start + step)
+            hidden = model(torch.tensor([tokens[-1]], device=device), meta, session.caches, ops=wrapped)
+            tokens.append(int(torch.argmax(model.compute_logits(hidden)[0])))
+            if prefetch_items:
+                session.prefetch(prefetch_items)
+            sync(device)
+            times.append(time.perf_counter() - t0)
+    return tokens[1:], times
+
+
+def resident_decode(replica: Replica, first: int, start: int, steps: int) -> tuple[list[int], list[float]]:
+    tokens, times = [first], []
+    with torch.inference_mode():
+        for step in range(steps):
+            sync(replica.device)
+            t0 = time.perf_counter()
+            tokens.append(replica.run([tokens[-1]], start + step, decode=True))
+            sync(replica.device)
+            times.append(time.perf_counter() - t0)
+    return tokens[1:], times
+
+
+def budget_pages_for(config, pages: int, fraction: float) -> int:
+    least = max(2, config.n_local + 1) + config.num_kv_heads * config.top_k
+    return max(least, round(fraction * pages))
+
+
+def count_sessions(make) -> int:
+    """How many `make()` allocations fit on the GPU (freed again before returning)."""
+    held = []
+    try:
+        while len(held) < 10_000:
+            held.append(make())
+    except torch.cuda.OutOfMemoryError:
+        pass
+    count = len(held)
+    del held
+    torch.cuda.empty_cache()
+    return count
+
+
+def run(args: argparse.Namespace) -> dict:
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = get_preset("m3-proxy", num_layers=args.num_layers, **(QUICK_OVERRIDES if args.quick else {}))
+    with torch.device(device):
+        model = init_random_weights(MSATransformer(config, attention_backend="msa").to(dtype), seed=0)
+    model.eval().requires_grad_(False)
+    ops = get_ops("msa", device)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, config.vocab_size, (args.context,), generator=generator).tolist()
+    steps = max(args.steps, args.adopt_steps)
+    capacity = args.context + steps + 2
+    pages = -(-args.context // config.page_size)
+    max_pages = -(-capacity // config.page_size)
+    identity = identity_for(config, f"m3-proxy-random-seed0-L{args.num_layers}", dtype)
+    client = KVCacheClient.in_process(
+        ServiceConfig(
+            num_shards=args.shards,
+            memory_bytes=max(
+                3 * pages * config.page_size * config.num_kv_heads * config.head_dim * 4 * args.num_layers,
+                64 << 20,
+            ),
+        ),
+        identity,
+    )
+
+    # Warm-up off the clock: every kernel (autotuning) and path on a short session.
+    warm = min(args.context // 2, 2 * args.chunk)
+    warm_tokens = torch.randint(3, config.vocab_size, (warm,), generator=generator).tolist()
+    warm_replica, warm_first, _ = prefill_session(model, ops, warm_tokens, warm + 40, args.chunk)
+    warm_pages = -(-(warm + 40) // config.page_size)
+    SessionWriter(client, "warm").sync(
+        [*warm_tokens, warm_first],
+        warm_replica.state.caches,
+        range(warm_replica.state.max_pages),
+        warm,
+        tail=True,
+    )
+    resident_decode(warm_replica, warm_first, warm, 4)
+    budget = budget_pages_for(config, warm_pages, 0.5)
+    session = ResidentSession.offload(config, warm_replica.state.caches, warm, budget, warm_pages)
+    sparse_decode(model, ops, session, warm_first, warm, 4)
+    session, _ = ResidentSession.adopt(
+        client, client.get_session("warm"), config, budget, warm_pages, device, dtype
+    )
+    sparse_decode(model, ops, session, warm_first, warm, 4, prefetch_items=8)
+    warm_replica = session = None
+    client.delete_session("warm")
+    log("warm-up done")
+
+    replica, first, reprefill_s = prefill_session(model, ops, tokens, capacity, args.chunk)
+    log(f"re-prefill of {args.context} tokens: {reprefill_s:.3f} s")
+    caches = replica.state.caches
+    SessionWriter(client, "bench").sync(
+        [*tokens, first], caches, range(replica.state.max_pages), args.context, tail=True
+    )
+    host = HostKV(
+        len(caches), max_pages, tuple(caches[0].k_cache.shape[1:]), dtype, pin=device.type == "cuda"
+    )
+    for layer, cache in enumerate(caches):  # the host tier every budget's session shares
+        for start in range(0, pages, 1024):
+            end = min(pages, start + 1024)
+            host.write(
+                layer, range(start, end), torch.stack([cache.k_cache[start:end], cache.v_cache[start:end]], 1)
+            )
+    # Resident decode writes only at positions ≥ context: the offloads below copy the index of the
+    # prefilled pages, and the host tier already holds their K/V.
+    want, resident_times = resident_decode(replica, first, args.context, steps)
+    tpot_resident = statistics.median(resident_times[1:])
+    log(f"resident TPOT {tpot_resident * 1e3:.2f} ms")
+
+    results = dict(
+        config=config,
+        device=device,
+        pages=pages,
+        reprefill_s=reprefill_s,
+        tpot_resident=tpot_resident,
+        budgets={},
+        adoption={},
+    )
+    for fraction in args.budgets:
+        budget = budget_pages_for(config, pages, fraction)
+        sync(device)
+        t0 = time.perf_counter()
+        session = ResidentSession.offload(config, caches, args.context, budget, max_pages, host=host)
+        sync(device)
+        offload_s = time.perf_counter() - t0
+        got, times = sparse_decode(model, ops, session, first, args.context, args.steps)
+        stats = session.stats
+        results["budgets"][fraction] = dict(
+            budget_pages=budget,
+            tpot=statistics.median(times[1:]),
+            match=got == want[: args.steps],
+            pages_per_step=stats.pages_fetched / args.steps,
+            bytes_per_step=stats.bytes_fetched / args.steps,
+            offload_s=offload_s,
+            gpu_bytes=session.gpu_bytes,
+        )
+        log(
+            f"budget {fraction:.0%} ({budget} pages): "
+            f"TPOT {results['budgets'][fraction]['tpot'] * 1e3:.2f} ms, "
+            f"{stats.pages_fetched / args.steps:.1f} pages/step, tokens equal {got == want[: args.steps]}"
+        )
+        session = None
+    replica = caches = None
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    args.adopt_host = host
+
+    for prefetch in (0, args.prefetch_items):
+        results["adoption"][prefetch] = adopt_and_decode(
+            args, model, ops, client, config, pages, max_pages, dtype, device, first, want, prefetch
+        )
+    if device.type == "cuda":
+        kv_dtype = dtype
+        results["sessions_resident"] = count_sessions(
+            lambda: allocate_caches(config, max_pages, device, kv_dtype)
+        )
+        results["sessions_sparse"] = {
+            fraction: count_sessions(
+                lambda f=fraction: allocate_resident_caches(
+                    config, max_pages, budget_pages_for(config, pages, f), device, kv_dtype
+                )[0]
+            )
+            for fraction in args.budgets
+        }
+        log(
+            f"1M sessions per GPU: resident {results['sessions_resident']}, "
+            f"sparse {results['sessions_sparse']}"
+        )
+    return results
+
+
+def adopt_and_decode(
+    args, model, ops, client, config, pages, max_pages, dtype, device, first, want, prefetch: int
+) -> dict:
+    """A fresh sparse-resident session (10 % budget) adopts the stored session and decodes."""
+    budget = budget_pages_for(config, pages, 0.10)
+    host = args.adopt_host  # the replica's pinned host tier, allocated before (pinning takes seconds)
+    sync(device)
+    t0 = time.perf_counter()
+    record = client.get_session_head("bench")
+    token_ids = client.get_session_tokens_async("bench")
+    session, covered = ResidentSession.adopt(
+        client, record, config, budget, max_pages, device, dtype, host=host
+    )
+    index_s = time.perf_counter() - t0
+    assert covered == args.context, (covered, args.context)
+    last = int(token_ids.result()[-1])
+    got, times = sparse_decode(model, ops, session, last, args.context, 1, prefetch)
+    ttft = time.perf_counter() - t0
+    rest, rest_times = sparse_decode(
+        model, ops, session, got[0], args.context + 1, args.adopt_steps - 1, prefetch
+    )
+    tokens, times = got + rest, times + rest_times
+    n = len(times)
+    result = dict(
+        ttft=ttft,
+        index_s=index_s,
+        tpot_median=statistics.median(times),
+        tpot_mean=sum(times) / n,
+        tpot_p90=sorted(times)[int(0.9 * (n - 1))],
+        match=tokens == want[:n],
+        steps=n,
+        service_bytes_per_step=session.host.service_bytes / n,
+        device_bytes_per_step=session.stats.bytes_fetched / n,
+        first_step=times[0],
+    )
+    log(
+        f"adopted (prefetch {prefetch}): first token {ttft * 1e3:.1f} ms "
+        f"(index {index_s * 1e3:.1f} ms), TPOT "
+        f"median {result['tpot_median'] * 1e3:.2f} ms over {n}, tokens equal {result['match']}"
+    )
+    return result
+
+
+def report(args: argparse.Namespace, r: dict) -> None:
+    meta = dict(
+        command="python benchmarks/kvcache/residency.py " + " ".join(sys.argv[1:]),
+        hardware=hardware(r["device"]),
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        git_revision=os.environ.get("MSASERVE_GIT_REVISION") or git_revision(),  # a copy has no .git
+    )
+    shape = "m3-proxy (quick shapes)" if args.quick else "m3-proxy"
+    label = (
+        f"{shape}, {r['config'].num_layers} layers, {args.context} tokens, eager decode (no CUDA graphs) "
+        f"on both sides, in-process KV cache shards ({args.shards})"
+    )
+    base = r["tpot_resident"]
+    ten = r["budgets"].get(0.10)
+    best = min(r["adoption"].items(), key=lambda kv: kv[1]["tpot_median"])
+    entries = {
+        "kvcache.residency_tpot_resident_ms": dict(value=round(base * 1e3, 3), unit="ms"),
+        "kvcache.lazy_tpot_penalty": dict(
+            value=round(best[1]["tpot_median"] / base, 3),
+            unit="x resident TPOT",
+            note=f"sparse-resident adoption (10% budget, prefetch {best[0]} items), median over the first "
+            f"{best[1]['steps']} tokens; tokens equal: {best[1]['match']}",
+        ),
+        "kvcache.sparse_adopt_vs_reprefill": dict(
+            value=round(r["reprefill_s"] / best[1]["ttft"], 2),
+            unit="x",
+            note=f"re-prefill (MSA, chunk {args.chunk}) {r['reprefill_s']:.3f} s / "
+            f"sparse-resident adoption's "
+            f"first token {best[1]['ttft']:.4f} s (in-process shards, one adoption)",
+        ),
+        "kvcache.sparse_adopt_time_to_token_s": dict(value=round(best[1]["ttft"], 4), unit="s"),
+    }
+    for fraction, b in r["budgets"].items():
+        entries[f"kvcache.sparse_residency_tpot_penalty_{round(fraction * 100)}pct"] = dict(
+            value=round(b["tpot"] / base, 3),
+            unit="x resident TPOT",
+            note=f"{b['budget_pages']} of {r['pages']} pages per layer; {b['pages_per_step']:.1f} pages "
+            f"({b['bytes_per_step'] / 2**20:.1f} MiB) moved per step; tokens equal: {b['match']}",
+        )
+    if ten is not None:
+        entries["kvcache.sparse_residency_bytes_per_step_10pct"] = dict(
+            value=round(ten["bytes_per_step"]), unit="bytes",
+            note=f"host → GPU K/V per decode step (all layers), {ten['pages_per_step']:.1f} pages")
+    if ten is not None and "sessions_resident" in r:
+        sparse = r["sessions_sparse"][0.10]
+        entries["kvcache.sparse_residency_sessions_per_gpu_1m"] = dict(
+            value=sparse,
+            unit="sessions",
+            note=f"10% budget; fully resident: {r['sessions_resident']} "
+            f"({sparse / max(1, r['sessions_resident']):.1f}x); "
+            f"5%/25%: {r['sessions_sparse'].get(0.05)}/{r['sessions_sparse'].get(0.25)}; GPU memory only, "
+            f"{r['config'].num_layers} layers",
+        )
+        entries["kvcache.fully_resident_sessions_per_gpu_1m"] = dict(
+            value=r["sessions_resident"], unit="sessions"
+        )
+    for entry in entries.values():
+        entry.update(meta, workload=label)
+    out = Path(args.output)
+    data = json.loads(out.read_text()) if out.exists() else {}
+    data.update(entries)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"\n{label}; results → {out}")
+    print(f"{'run':<34}{'TPOT ms':>9}{'x resident':>11}{'MiB/step':>10}{'tokens eq':>10}")
+    print(f"{'resident':<34}{base * 1e3:>9.2f}{1:>11.2f}{0:>10.1f}{'-':>10}")
+    for fraction, b in r["budgets"].items():
+        name = f"sparse {fraction:.0%} ({b['budget_pages']} pages)"
+        print(
+            f"{name:<34}{b['tpot'] * 1e3:>9.2f}{b['tpot'] / base:>11.2f}{b['bytes_per_step'] / 2**20:>10.1f}"
+            f"{b['match']!s:>10}"
+        )
+    for prefetch, a in r["adoption"].items():
+        name = f"adopted 10%, prefetch {prefetch} (ttft {a['ttft'] * 1e3:.0f} ms)"
+        print(
+            f"{name:<34}{a['tpot_median'] * 1e3:>9.2f}{a['tpot_median'] / base:>11.2f}"
+            f"{a['device_bytes_per_step'] / 2**20:>10.1f}{a['match']!s:>10}"
+        )
+    print(
+        f"re-prefill {r['reprefill_s']:.3f} s; "
+        f"adopt vs re-prefill {entries['kvcache.sparse_adopt_vs_reprefill']['value']}x"
+    )
+    if "sessions_resident" in r:
+        print(f"1M-token sessions per GPU: resident {r['sessions_resident']}, sparse {r['sessions_sparse']}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--quick", action="store_true", help="small shapes and context (CPU smoke run)")
+    parser.add_argument("--context", type=int, default=None, help="session tokens (default 1M; quick 8192)")
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--chunk", type=int, default=None, help="prefill chunk (default 32768; quick 1024)")
+    parser.add_argument("--steps", type=int, default=64, help="decode steps per budget")
+    parser.add_argument("--adopt-steps", type=int, default=256, help="decode steps after adoption")
+    parser.add_argument("--budgets", type=float, nargs="+", default=[0.05, 0.10, 0.25])
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument(
+        "--prefetch-items", type=int, default=64, help="(page, layer) service reads in flight"
+    )
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    args.context = args.context or (8192 if args.quick else 1 << 20)
+    args.chunk = args.chunk or (1024 if args.quick else 32768)
+    default_name = "kvcache_cpu_quick.json" if args.quick else "kvcache.json"
+    args.output = args.output or str(ROOT / "benchmarks" / "results" / default_name)
+    report(args, run(args))
+
+
+if __name__ == "__main__":
+    main()

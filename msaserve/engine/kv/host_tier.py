@@ -1,0 +1,183 @@
+"""The host tier of a sparse-resident session: its K/V pages in (pinned) host memory.
+
+A session decoding with sparse residency (`residency.py`) keeps only a working set of K/V pages on
+the GPU; every other page lives here, one `[2, P, Hkv, D]` block per (layer, page), so that a page
+the indexer selects is one host-to-device copy away. Pages arrive three ways:
+- **offload**: a session prefilled (or decoded) fully resident hands its pages over;
+- **write-behind**: a page that fills while the session decodes is copied here before its GPU
+  slot can be reused (`ResidentSession`);
+- **the KV cache service** (an adopted session, `ServiceSource`): a page not yet here is read from
+  the service the first time it is needed, and `prefetch` keeps reads in flight in predicted
+  order — each layer's previous selection and the local window first, then the newest pages —
+  never in page order.
+"""
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from msaserve.engine.kv.pages import PageCodec
+from msaserve.kvcache.client import KVCacheClient, PendingFetch, ServiceUnavailable
+
+
+class PageLostInService(RuntimeError):
+    """A page the session needs is missing or corrupt in the KV cache service."""
+
+
+@dataclasses.dataclass
+class ServiceSource:
+    """An adopted session's pages in the KV cache service: logical page i is `hashes[i]`."""
+
+    client: KVCacheClient
+    hashes: list[int]
+    session_id: str
+
+    def __post_init__(self) -> None:
+        self.codec = PageCodec(self.client.model)
+
+    def read(self, items: Sequence[tuple[int, int]]) -> torch.Tensor:
+        """(page, layer) items → host tensor [n, 2, P, Hkv, D] (one batched read)."""
+        try:
+            payloads = self.client.get_kv([(self.hashes[p], layer) for p, layer in items])
+        except ServiceUnavailable as e:
+            raise PageLostInService(f"session {self.session_id!r}: {e}") from e
+        lost = [item for item, payload in zip(items, payloads, strict=True) if payload is None]
+        if lost:
+            raise PageLostInService(f"session {self.session_id!r}: K/V of (page, layer) {lost} are missing "
+                                    "or corrupt in the KV cache service")
+        return self.codec.decode_kv(payloads)
+
+    def read_async(self, items: Sequence[tuple[int, int]]) -> PendingFetch:
+        return self.client.get_kv_async([(self.hashes[p], layer) for p, layer in items])
+
+
+class HostKV:
+    """K/V of one session's pages in host memory: `[L, max_pages, 2, P, Hkv, D]`, pinned when the
+    session decodes on CUDA. `present[l, p]`: whether (page p, layer l) is here."""
+
+    def __init__(self, num_layers: int, max_pages: int, page_shape: tuple[int, int, int], dtype: torch.dtype,
+                 pin: bool, source: ServiceSource | None = None) -> None:
+        """page_shape: (P, Hkv, D). source: where pages not offloaded or written back come from."""
+        self.data = torch.empty(num_layers, max_pages, 2, *page_shape, dtype=dtype, pin_memory=pin)
+        self.present = torch.zeros(num_layers, max_pages, dtype=torch.bool)
+        self.source = source
+        self._pending: list[tuple[PendingFetch, list[tuple[int, int]]]] = []
+        self.service_log: list[tuple[str, list[tuple[int, int]]]] = []
+        """("demand" | "prefetch", (page, layer) items) of each service read, in the order they
+        started (the latest 10,000)."""
+        self.service_reads = 0
+        self.service_bytes = 0
+
+    def reset(self, source: ServiceSource | None) -> "HostKV":
+        """Reuse this (pinned) memory for another session: nothing present, pages from `source`."""
+        self.wait_all()
+        self.present.zero_()
+        self.source, self.service_log, self.service_reads, self.service_bytes = source, [], 0, 0
+        return self
+
+    @property
+    def page_bytes(self) -> int:
+        return self.data[0, 0].numel() * self.data.element_size()
+
+    def write(self, layer: int, pages: Sequence[int], kv: torch.Tensor) -> None:
+        """kv [n, 2, P, Hkv, D] (any device) → these pages of `layer` (asynchronous from CUDA
+        into pinned memory: stream order makes any later read of them see the data)."""
+        pages = list(pages)
+        index = torch.as_tensor(pages, dtype=torch.long)
+        if kv.device.type == "cpu":
+            self.data[layer, index] = kv
+        elif pages == list(range(pages[0], pages[0] + len(pages))):  # a run: one copy
+            self.data[layer, pages[0] : pages[0] + len(pages)].copy_(kv, non_blocking=True)
+        else:
+            for i, page in enumerate(pages):  # one pinned destination per page: non-blocking copies
+                self.data[layer, page].copy_(kv[i], non_blocking=True)
+        self.present[layer, index] = True
+
+    def ensure(self, layer: int, pages: Sequence[int]) -> None:
+        """These pages of `layer` are here after this: the ones not here are read from the source
+        (waiting for a background read already started for them)."""
+        present = self.present[layer].numpy()
+        missing = [p for p in pages if not present[p]]
+        if missing:
+            self.poll(wait_for={(p, layer) for p in missing})
+            missing = [p for p in missing if not present[p]]
+        if missing:
+            if self.source is None:
+                raise PageLostInService(f"(pages {missing}, layer {layer}) are in neither the GPU working "
+                                        "set nor the host tier, and the session has no service source")
+            items = [(p, layer) for p in missing]
+            self._log("demand", items)
+            self._store(items, self.source.read(items))
+            self.service_reads += 1
+
+    def _store(self, items: Sequence[tuple[int, int]], kv: torch.Tensor) -> None:
+        for (page, layer), block in zip(items, kv, strict=True):
+            self.data[layer, page] = block
+            self.present[layer, page] = True
+        self.service_bytes += kv.numel() * kv.element_size()
+
+    # ---- background reads from the service ---------------------------------------------------
+    def prefetch(self, predicted: Sequence[tuple[int, int]], max_items: int) -> int:
+        """Keep up to max_items (page, layer) service reads in flight: the `predicted` items first
+        (in the order given), then the newest pages of every layer. Returns the items started."""
+        if self.source is None:
+            return 0
+        budget = max_items - sum(len(items) for _, items in self._pending)
+        if budget <= 0:
+            return 0
+        requested = {item for _, items in self._pending for item in items}
+        wanted: list[tuple[int, int]] = []
+
+        def want(item: tuple[int, int]) -> bool:
+            page, layer = item
+            stored = 0 <= page < len(self.source.hashes)
+            if stored and not self.present[layer, page] and item not in requested:
+                requested.add(item)
+                wanted.append(item)
+            return len(wanted) >= budget
+
+        done = any(want(item) for item in predicted)
+        if not done:  # then the newest pages (numpy: this runs between decode steps)
+            absent = ~self.present[:, : len(self.source.hashes)].numpy()  # [L, pages]
+            for page in np.flatnonzero(absent.any(axis=0))[::-1].tolist():
+                if any(want((page, layer)) for layer in np.flatnonzero(absent[:, page]).tolist()):
+                    break
+        if wanted:
+            self._pending.append((self.source.read_async(wanted), wanted))
+            self._log("prefetch", wanted)
+        return len(wanted)
+
+    def _log(self, kind: str, items: list[tuple[int, int]]) -> None:
+        if len(self.service_log) < 10_000:
+            self.service_log.append((kind, items))
+
+    def poll(self, wait_for: set[tuple[int, int]] | None = None) -> int:
+        """Store the background reads that have arrived, and wait for those holding an item of
+        `wait_for`. Returns the items stored."""
+        stored, still = 0, []
+        for fetch, items in self._pending:
+            must = wait_for is not None and not wait_for.isdisjoint(items)
+            if not (must or fetch.done()):
+                still.append((fetch, items))
+                continue
+            try:
+                payloads = fetch.result()
+            except ServiceUnavailable:
+                continue  # a background read: those pages are read on demand instead
+            arrived = [(item, p) for item, p in zip(items, payloads, strict=True) if p is not None]
+            if arrived:
+                kv = self.source.codec.decode_kv([p for _, p in arrived])
+                self._store([item for item, _ in arrived], kv)
+                stored += len(arrived)
+        self._pending = still
+        return stored
+
+    def wait_all(self) -> None:
+        """Wait for every background read (before the session's memory is reused)."""
+        for fetch, _ in self._pending:
+            with contextlib.suppress(ServiceUnavailable):
+                fetch.result()
+        self._pending = []

@@ -1,0 +1,261 @@
+"""A session that decodes with every index page on the GPU and only a working set of its K/V.
+
+Per MSA layer the session owns an index cache of `max_pages` pages (logical page = physical page)
+and a K/V pool of `budget_pages` slots (`residency.WorkingSet`). A decode step:
+1. `decode_metadata(position)` — on a page boundary the page just filled is written back to the
+   host tier (write-behind) and the new page takes its ring slot; the new token's K/V go to that
+   slot (`AttentionMetadata.kv_slot_mapping`), its index key to its logical page;
+2. the wrapped `indexer_decode` (`wrap_ops`) selects blocks over the resident index, then the
+   selected pages that are not resident are copied in from the host tier (which reads an adopted
+   session's pages from the KV cache service on first use) — before attention reads them;
+3. the wrapped `sparse_decode` attends through the layer's logical page → slot table.
+The K/V read are bit for bit the fully resident session's, so greedy tokens are identical.
+After a step, `prefetch` keeps service reads in flight in predicted order (each layer's previous
+selection and the local window first, then the newest pages), never in page order.
+
+Layers that attend densely (no index branch) would read every page: not supported here.
+"""
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from msaserve.engine.kv.adoption import LazyPageFetcher
+from msaserve.engine.kv.host_tier import HostKV, ServiceSource
+from msaserve.engine.kv.residency import WorkingSet
+from msaserve.kernels import AttentionOps
+from msaserve.kvcache.client import KVCacheClient
+from msaserve.kvcache.session_records import SessionRecord
+from msaserve.models.cache import LayerKVCache
+from msaserve.models.config import MSAConfig
+from msaserve.models.metadata import AttentionMetadata
+
+
+@dataclasses.dataclass
+class ResidencyStats:
+    steps: int = 0
+    fetches: int = 0
+    """(layer, step) pairs that copied pages in."""
+    pages_fetched: int = 0
+    """(page, layer) K/V pages copied host → GPU."""
+    bytes_fetched: int = 0
+    pages_written_back: int = 0
+    fetch_log: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)
+    """(step, layer, pages) of every fetch, in order (the latest 10,000)."""
+
+
+def allocate_resident_caches(
+    config: MSAConfig, max_pages: int, budget_pages: int, device: torch.device, dtype: torch.dtype,
+    index_dtype: torch.dtype | None = None,
+) -> tuple[list[LayerKVCache], list[torch.Tensor]]:
+    """→ (caches, pools). Per layer: K and V of budget_pages, views of one pool
+    [budget_pages, 2, P, Hkv, D] (a page moves in one copy); index cache [max_pages, P, HkI, DI]."""
+    index_dtype = index_dtype or dtype
+    fp8 = index_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+    c = config
+    pool_shape = (budget_pages, 2, c.page_size, c.num_kv_heads, c.head_dim)
+    index_shape = (max_pages, c.page_size, c.num_index_heads, c.index_head_dim)
+    pools = [torch.zeros(pool_shape, device=device, dtype=dtype) for _ in range(c.num_layers)]
+    caches = [
+        LayerKVCache(
+            k_cache=pool[:, 0],  # strided views: the kernels take any page stride
+            v_cache=pool[:, 1],
+            index_cache=torch.zeros(index_shape, device=device, dtype=index_dtype),
+            index_scale=torch.ones(index_shape[:3], device=device, dtype=torch.float32) if fp8 else None,
+        )
+        for pool in pools
+    ]
+    return caches, pools
+
+
+class ResidentSession:
+    def __init__(self, config: MSAConfig, max_pages: int, budget_pages: int, host: HostKV,
+                 device: torch.device, dtype: torch.dtype, index_dtype: torch.dtype | None = None) -> None:
+        """budget_pages: K/V pages per layer on the GPU (≥ ring + Hkv·top_k, so one step's
+        selection always fits); max_pages: pages the session may reach (its index is all there)."""
+        self.config, self.max_pages, self.device, self.host = config, max_pages, torch.device(device), host
+        self.ring = max(2, config.n_local + 1)
+        least = self.ring + config.num_kv_heads * config.top_k
+        if budget_pages < least or budget_pages > max_pages:
+            raise ValueError(f"budget_pages={budget_pages} is invalid: allowed {least} (ring {self.ring} + "
+                             f"Hkv·top_k) ≤ budget_pages ≤ max_pages={max_pages}")
+        self.page_size, self.budget_pages = config.page_size, budget_pages
+        self.caches, self.pools = allocate_resident_caches(config, max_pages, budget_pages, self.device,
+                                                           dtype, index_dtype)
+        self.sets = [WorkingSet(budget_pages, self.ring) for _ in self.caches]
+        # [L, 1, max_pages] per layer logical page → K/V slot. Entries of non-resident pages are
+        # stale or 0: attention only reads the selected pages, which are resident.
+        self.kv_tables = torch.zeros(len(self.caches), 1, max_pages, dtype=torch.int32, device=self.device)
+        self.index_table = torch.arange(max_pages, dtype=torch.int32, device=self.device)[None]
+        self._layer_of_index = {c.index_cache.data_ptr(): layer for layer, c in enumerate(self.caches)}
+        self._layer_of_kv = {c.k_cache.data_ptr(): layer for layer, c in enumerate(self.caches)}
+        self.write_page = -1
+        self.last_selected: list[list[int]] = [[] for _ in self.caches]
+        self.stats = ResidencyStats()
+
+    # ---- building one -------------------------------------------------------------------------
+    @classmethod
+    def offload(cls, config: MSAConfig, caches: Sequence[LayerKVCache], num_tokens: int, budget_pages: int,
+                max_pages: int, host: HostKV | None = None) -> "ResidentSession":
+        """A session held fully resident in `caches` (logical page = physical page) → sparse
+        resident: its index copied, every page's K/V to the (pinned) host tier, the page being
+        written to its ring slot. host: a host tier already holding these pages (benchmarks
+        offload one session at several budgets)."""
+        first = caches[0]
+        device, dtype = first.k_cache.device, first.k_cache.dtype
+        pages = -(-num_tokens // config.page_size)
+        if host is None:
+            page_shape = tuple(first.k_cache.shape[1:])
+            host = HostKV(len(caches), max_pages, page_shape, dtype, pin=device.type == "cuda")
+            for layer, src in enumerate(caches):
+                for start in range(0, pages, 1024):  # bounded temporaries on the device
+                    end = min(pages, start + 1024)
+                    host.write(layer, range(start, end), torch.stack([src.k_cache[start:end],
+                                                                      src.v_cache[start:end]], dim=1))
+        session = cls(config, max_pages, budget_pages, host, device, dtype, first.index_cache.dtype)
+        for src, dst in zip(caches, session.caches, strict=True):
+            dst.index_cache[:pages] = src.index_cache[:pages]
+            if src.index_scale is not None:
+                dst.index_scale[:pages] = src.index_scale[:pages]
+        session._enter_page(num_tokens // config.page_size, load=True)
+        return session
+
+    @classmethod
+    def adopt(cls, client: KVCacheClient, record: SessionRecord, config: MSAConfig, budget_pages: int,
+              max_pages: int, device: torch.device, dtype: torch.dtype,
+              index_dtype: torch.dtype | None = None, host: HostKV | None = None,
+              ) -> tuple["ResidentSession", int]:
+        """Adopt a stored session: the whole index now, K/V pages as they are selected (read from
+        the service into the pinned host tier, then into the working set) → (session, tokens
+        covered; the caller runs the record's remaining tokens). host: a host tier to reuse (a
+        replica keeps its pinned memory allocated: pinning GiBs takes seconds)."""
+        hashes = list(record.page_hashes) + ([record.tail_hash] if record.tail_hash is not None else [])
+        c = config
+        source = ServiceSource(client, hashes, record.session_id)
+        if host is None:
+            host = HostKV(c.num_layers, max_pages, (c.page_size, c.num_kv_heads, c.head_dim), dtype,
+                          pin=torch.device(device).type == "cuda", source=source)
+        else:
+            host.reset(source)
+        session = cls(config, max_pages, budget_pages, host, device, dtype, index_dtype)
+        ring = session.ring
+        # Index of every page at its logical page; the stored tail's K/V (it is written into
+        # next) straight to its ring slot.
+        fetcher = LazyPageFetcher(client, record, session.caches, list(range(max_pages)),
+                                  kv_block_table=[p % ring for p in range(max_pages)])
+        covered = fetcher.load_index()
+        session._enter_page(covered // c.page_size, load=False)  # a loaded tail is already in its slot
+        return session, covered
+
+    # ---- one decode step ----------------------------------------------------------------------
+    def _enter_page(self, page: int, load: bool) -> None:
+        """Page `page` starts receiving tokens: write the page filled before it back to the host
+        tier, and give it its ring slot in every layer (load: copy its K/V in from the host tier)."""
+        if self.write_page >= 0:
+            slot = self.write_page % self.ring
+            for layer in range(len(self.caches)):
+                self.host.write(layer, [self.write_page], self.pools[layer][slot : slot + 1])
+            self.stats.pages_written_back += len(self.caches)
+        for layer, working in enumerate(self.sets):
+            slot, _ = working.place_write_page(page)
+            if load and self.host.present[layer, page]:
+                self._copy_in([page], [slot], layer)
+        self.kv_tables[:, 0, page] = page % self.ring
+        self.write_page = page
+
+    def decode_metadata(self, position: int) -> AttentionMetadata:
+        """The metadata of a one-token decode step at `position` (the session's tokens so far)."""
+        page = position // self.page_size
+        if page != self.write_page:
+            if page != self.write_page + 1:
+                raise ValueError(f"position={position} is invalid: allowed the next token of page "
+                                 f"{self.write_page} or the first of page {self.write_page + 1}")
+            self._enter_page(page, load=False)
+        device = self.device
+        positions = torch.tensor([position], device=device)
+        kv_slot = (page % self.ring) * self.page_size + position % self.page_size
+        self.stats.steps += 1
+        return AttentionMetadata(
+            positions=positions, slot_mapping=positions.clone(),
+            kv_slot_mapping=torch.tensor([kv_slot], device=device),
+            block_tables=self.index_table,
+            seq_lens=torch.tensor([position + 1], device=device, dtype=torch.int32),
+            cu_seqlens_q=torch.tensor([0, 1], device=device, dtype=torch.int32),
+            max_query_len=1, decode_query_len=1,
+            logits_indices=torch.zeros(1, dtype=torch.long, device=device),
+        )
+
+    def make_resident(self, layer: int, selected: torch.Tensor) -> None:
+        """selected [.., Hkv, K] block ids of `layer` (-1 unused) → those pages are in the working set."""
+        pages = torch.unique(selected[selected >= 0]).tolist()
+        self.last_selected[layer] = pages
+        filled = self.sets[layer].admit(pages, self.stats.steps)
+        if not filled:
+            return
+        new_pages, slots = [p for p, _ in filled], [s for _, s in filled]
+        self._copy_in(new_pages, slots, layer)
+        self.kv_tables[layer, 0, torch.as_tensor(new_pages, device=self.device)] = torch.as_tensor(
+            slots, dtype=torch.int32, device=self.device)
+        self.stats.fetches += 1
+        if len(self.stats.fetch_log) < 10_000:
+            self.stats.fetch_log.append((self.stats.steps, layer, tuple(new_pages)))
+
+    def _copy_in(self, pages: list[int], slots: list[int], layer: int) -> None:
+        """Host tier → the layer's slots. On CUDA one asynchronous copy per page straight from
+        the pinned tier (no gather on the host); stream order puts them before attention."""
+        self.host.ensure(layer, pages)
+        pool = self.pools[layer]  # [budget_pages, 2, P, Hkv, D]
+        if self.device.type == "cuda":
+            for page, slot in zip(pages, slots, strict=True):
+                pool[slot].copy_(self.host.data[layer, page], non_blocking=True)
+        else:
+            pool[torch.as_tensor(slots)] = self.host.data[layer, torch.as_tensor(pages)]
+        self.stats.pages_fetched += len(pages)
+        self.stats.bytes_fetched += len(pages) * self.host.page_bytes
+
+    def wrap_ops(self, ops: AttentionOps) -> AttentionOps:
+        """The model's ops for this session's decode steps: the indexer makes its selection
+        resident; sparse attention reads through the layer's slot table."""
+
+        def indexer_decode(q_index, index_cache, block_tables, *args, **kwargs):
+            selected = ops.indexer_decode(q_index, index_cache, block_tables, *args, **kwargs)  # [1,1,Hkv,K]
+            self.make_resident(self._layer_of_index[index_cache.data_ptr()], selected)
+            return selected
+
+        def sparse_decode(q, k_cache, v_cache, block_tables, *args, **kwargs):
+            table = self.kv_tables[self._layer_of_kv[k_cache.data_ptr()]]
+            return ops.sparse_decode(q, k_cache, v_cache, table, *args, **kwargs)
+
+        def refuse(*args, **kwargs):
+            raise ValueError("a sparse-resident session runs one token per step (decode); prefill it "
+                             "fully resident and offload it, or run its new tokens as decode steps")
+
+        return dataclasses.replace(ops, indexer_decode=indexer_decode, sparse_decode=sparse_decode,
+                                   indexer_prefill=refuse, sparse_prefill=refuse, dense_prefill=refuse,
+                                   dense_decode=refuse, graph_capturable=False)
+
+    # ---- background --------------------------------------------------------------------------
+    def predicted(self) -> list[tuple[int, int]]:
+        """(page, layer) the next step is expected to select, per layer: the forced pages (the
+        init pages and the local window ending at the page being written, docs/design.md §2),
+        then the layer's previous selection (decode selections change little between steps)."""
+        c = self.config
+        forced = [*range(c.n_init), *range(max(0, self.write_page - c.n_local + 1), self.write_page + 1)]
+        return [(p, layer) for layer, pages in enumerate(self.last_selected)
+                for p in dict.fromkeys(forced + pages)]
+
+    def prefetch(self, max_items: int) -> int:
+        """Service reads into the host tier, predicted pages first (an adopted session)."""
+        self.host.poll()
+        return self.host.prefetch(self.predicted(), max_items)
+
+    @property
+    def gpu_bytes(self) -> int:
+        """GPU memory of the session: every index page, budget_pages of K/V per layer."""
+        total = 0
+        for c in self.caches:
+            for t in (c.k_cache, c.v_cache, c.index_cache, c.index_scale):
+                total += 0 if t is None else t.numel() * t.element_size()
+        return total
+

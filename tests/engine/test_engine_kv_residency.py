@@ -1,0 +1,133 @@
+"""Sparse-KV residency (engine/kv/resident_session.py): a session decoding with its whole index
+and only a small working set of K/V pages on the device gives exactly the greedy tokens of the
+fully resident session, evicting and fetching pages as the selection moves — offloaded locally or
+adopted from the KV cache service.
+
+tiny: P=16, K=4, Hkv=2, so one step selects at most 8 pages per layer; the 600-token session has
+38 pages and the working set 10 or 12."""
+
+import pytest
+import torch
+from reference_decode import SequenceState
+
+from msaserve.engine.kv.pages import identity_for
+from msaserve.engine.kv.persist import SessionWriter
+from msaserve.engine.kv.residency import ResidencyBudgetError, WorkingSet
+from msaserve.engine.kv.resident_session import ResidentSession
+from msaserve.kernels import get_ops
+from msaserve.kvcache.client import KVCacheClient
+from msaserve.kvcache.config import ServiceConfig
+from msaserve.models.presets import get_preset
+from msaserve.models.transformer import MSATransformer, init_random_weights
+
+PROMPT_LEN, STEPS = 600, 24  # decoding crosses a page boundary at 608: write-back and ring reuse
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model() -> MSATransformer:
+    return init_random_weights(MSATransformer(get_preset("tiny"), "msa"), seed=0).eval()
+
+
+@pytest.fixture(scope="module")
+def resident(model):
+    """The fully resident session: its prefilled state (copied) and its next STEPS greedy tokens."""
+    prompt = torch.randint(3, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        state = SequenceState(model, PROMPT_LEN + STEPS + 1)
+        hidden = state.prefill(prompt, chunk_size=128)[-1:]
+        tokens = [int(torch.argmax(model.compute_logits(hidden)[0]))]
+        snapshot = [(c.k_cache.clone(), c.v_cache.clone(), c.index_cache.clone()) for c in state.caches]
+        for step in range(STEPS):
+            hidden = state.forward([tokens[-1]], PROMPT_LEN + step, decode=True)
+            tokens.append(int(torch.argmax(model.compute_logits(hidden)[0])))
+        for cache, (k, v, index) in zip(state.caches, snapshot, strict=True):  # back to the prefill's end
+            cache.k_cache.copy_(k)
+            cache.v_cache.copy_(v)
+            cache.index_cache.copy_(index)
+    return prompt, state, tokens
+
+
+def decode(model, session: ResidentSession, first_token: int, start: int, steps: int,
+           prefetch_items: int = 0) -> list[int]:
+    ops = session.wrap_ops(get_ops("msa", "cpu"))
+    tokens = [first_token]
+    with torch.inference_mode():
+        for step in range(steps):
+            meta = session.decode_metadata(start + step)
+            hidden = model(torch.tensor([tokens[-1]]), meta, session.caches, ops=ops)
+            tokens.append(int(torch.argmax(model.compute_logits(hidden)[0])))
+            if prefetch_items:
+                session.prefetch(prefetch_items)
+    return tokens
+
+
+def test_offloaded_session_decodes_identical_tokens_with_a_small_working_set(model, resident):
+    _, state, want = resident
+    max_pages = state.max_pages
+    session = ResidentSession.offload(model.config, state.caches, PROMPT_LEN, budget_pages=10,
+                                      max_pages=max_pages)
+    assert session.caches[0].k_cache.shape[0] == 10 and session.caches[0].index_cache.shape[0] == max_pages
+    assert decode(model, session, want[0], PROMPT_LEN, STEPS) == want
+    stats = session.stats
+    assert stats.pages_fetched > STEPS  # pages really came in from the host tier...
+    assert sum(w.evictions for w in session.sets) > 0  # ...and went out again
+    assert stats.pages_written_back == model.config.num_layers  # page 37 filled at position 608
+    for working in session.sets:
+        assert len(working.resident_pages()) <= 10
+
+
+def test_budget_below_one_selection_is_refused(model, resident):
+    _, state, _ = resident
+    with pytest.raises(ValueError, match="budget_pages=9 is invalid"):
+        ResidentSession.offload(model.config, state.caches, PROMPT_LEN, budget_pages=9,
+                                max_pages=state.max_pages)
+
+
+def test_adopted_session_fetches_selected_pages_first_and_decodes_identical_tokens(model, resident):
+    prompt, state, want = resident
+    identity = identity_for(model.config, "tiny@seed0", torch.float32)
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity)
+    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
+                                       tail=True)
+    record = client.get_session("long")
+    session, covered = ResidentSession.adopt(client, record, model.config, budget_pages=12,
+                                             max_pages=state.max_pages, device=torch.device("cpu"),
+                                             dtype=torch.float32)
+    assert covered == PROMPT_LEN
+    assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=8) == want
+    host = session.host
+    assert not host.present.all()  # the service was never copied whole
+    # Service reads follow the selection: the first is what step 1's first layer selected (beyond
+    # the tail page adoption loaded); background reads come after, predicted pages first, then the
+    # newest pages: never page order.
+    first_fetch = session.stats.fetch_log[0]
+    assert first_fetch[:2] == (1, 0)
+    assert host.service_log[0] == ("demand", [(p, 0) for p in first_fetch[2]])
+    for kind, items in host.service_log:
+        if kind == "prefetch":
+            predicted_or_newest = [p for p, _ in items]
+            assert predicted_or_newest != sorted(predicted_or_newest) or len(items) == 1
+    assert any(kind == "prefetch" for kind, _ in host.service_log)
+
+
+def test_working_set_keeps_the_write_ring_and_recently_selected_pages():
+    working = WorkingSet(num_slots=6, ring=2)
+    assert working.place_write_page(10) == (0, -1)
+    assert working.admit([1, 2, 3, 4], step=1) == [(1, 2), (2, 3), (3, 4), (4, 5)]
+    working.admit([3, 4], step=2)
+    # Page 5 takes the slot of the least recently selected page (1 or 2, both step 1: the lower slot).
+    assert working.admit([3, 5], step=3) == [(5, 2)]
+    assert working.resident_pages() == [2, 3, 4, 5, 10]
+    assert working.evictions == 1
+    assert working.place_write_page(11) == (1, -1)  # the next write page: the ring's other slot
+    assert working.place_write_page(12) == (0, 10)  # page 10 leaves the ring (written back before)
+    with pytest.raises(ResidencyBudgetError, match="selected 5 pages"):
+        working.admit([20, 21, 22, 23, 24], step=4)

@@ -1,0 +1,98 @@
+"""The CPU MSA ops (`<op>/cpu.py`, the `msa` backend's on CPU) against the naive spec: the C kernels
+(fp32) and the vectorised PyTorch paths they fall back to (MSASERVE_CPU_NATIVE=0, and other
+dtypes), on random paged inputs with scattered pages, chunked prefill, decode with several
+queries, shuffled and empty selection slots, shared or per-head index keys, and the M3 form."""
+
+import importlib
+
+import pytest
+import torch
+from test_kernels_triton_cases import (
+    Ops,
+    Shape,
+    check_indexer_decode,
+    check_indexer_prefill,
+    check_sparse_decode,
+    check_sparse_prefill,
+)
+
+from msaserve.kernels import cpu_native
+from msaserve.kernels.dispatch import get_ops
+
+
+def _ops(impl: str) -> Ops:
+    return Ops(*(importlib.import_module(f"msaserve.kernels.{op}.{impl}").__dict__[op] for op in
+                 ("indexer_decode", "indexer_prefill", "sparse_decode", "sparse_prefill")))
+
+
+CPU, NAIVE = _ops("cpu"), _ops("naive")
+_LENS = (9, 48, 83, 150, 301)
+SHAPES = [
+    Shape(_LENS, page_size=16, num_kv_heads=2, group=3, head_dim=32, index_heads=1, top_k=4),
+    Shape(_LENS, page_size=16, num_kv_heads=2, group=2, head_dim=32, index_heads=2, top_k=4, n_init=2),
+    # MSA in the M3 form: no init block, n_local forced blocks ending at the query's block.
+    Shape(_LENS, page_size=16, num_kv_heads=2, group=1, head_dim=32, index_heads=1, top_k=4, n_init=0,
+          n_local=2),
+    Shape((40, 300, 129), page_size=32, num_kv_heads=3, group=3, head_dim=64, index_heads=1, top_k=5,
+          n_init=0, n_local=3),
+]
+IDS = [f"P{s.page_size}-G{s.group}-HkI{s.index_heads}-init{s.n_init}-local{s.n_local}" for s in SHAPES]
+
+
+@pytest.fixture(params=["native", "torch"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test runs on the C kernels and on the PyTorch fallback."""
+    if request.param == "torch":
+        monkeypatch.setenv("MSASERVE_CPU_NATIVE", "0")
+    else:
+        from msaserve.kernels.sparse_prefill import cpu_kernel
+
+        if cpu_kernel.library() is None:
+            pytest.skip("no C compiler here: only the PyTorch path runs")
+    return request.param
+
+
+def test_msa_backend_uses_the_cpu_ops_on_cpu() -> None:
+    ops = get_ops("msa", "cpu")
+    assert ops.sparse and ops.sparse_prefill is CPU.sparse_prefill
+    assert ops.indexer_prefill is CPU.indexer_prefill and ops.indexer_decode is CPU.indexer_decode
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_indexers_match_naive(shape: Shape, path: str) -> None:
+    check_indexer_prefill(CPU, NAIVE, shape, torch.float32, "cpu", seed=1)
+    check_indexer_decode(CPU, NAIVE, shape, 3, torch.float32, "cpu", seed=2)
+
+
+def test_indexers_with_fp8_index_keys(path: str) -> None:
+    check_indexer_prefill(CPU, NAIVE, SHAPES[0], torch.float32, "cpu", fp8=True, seed=3)
+    check_indexer_decode(CPU, NAIVE, SHAPES[2], 1, torch.float32, "cpu", fp8=True, seed=4)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=IDS)
+def test_sparse_ops_match_naive(shape: Shape, path: str) -> None:
+    check_sparse_prefill(CPU, NAIVE, shape, torch.float32, "cpu", seed=5)
+    check_sparse_decode(CPU, NAIVE, shape, 1, torch.float32, "cpu", seed=6)
+    check_sparse_decode(CPU, NAIVE, shape, 4, torch.float32, "cpu", seed=7)
+
+
+def test_sparse_prefill_with_empty_slots(path: str) -> None:
+    check_sparse_prefill(CPU, NAIVE, SHAPES[0], torch.float32, "cpu", seed=8, empty_slots=True)
+
+
+def test_sparse_ops_bf16_take_the_torch_path() -> None:
+    check_sparse_prefill(CPU, NAIVE, SHAPES[3], torch.bfloat16, "cpu", seed=9)
+    check_sparse_decode(CPU, NAIVE, SHAPES[1], 2, torch.bfloat16, "cpu", seed=10)
+
+
+def test_native_build_is_cached_by_source(tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A source builds once into the cache directory; a changed source is a new library."""
+    monkeypatch.setenv("MSASERVE_CACHE_DIR", str(tmp_path))
+    source = "int answer(void) { return 42; }\n"
+    lib = cpu_native.load("probe", source)
+    if lib is None:
+        pytest.skip("no C compiler here")
+    assert lib.answer() == 42
+    assert len(list(tmp_path.glob("probe-*.so"))) == 1
+    assert cpu_native.load("probe", source.replace("42", "7")).answer() == 7
+    assert len(list(tmp_path.glob("probe-*.so"))) == 2
