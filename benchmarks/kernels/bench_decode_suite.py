@@ -133,9 +133,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     started, rows = time.time(), []
-    for num_q in map(int, args.queries.split(",")):
-        for batch in map(int, args.batches.split(",")):
-            for context in map(int, args.contexts.split(",")):
+    for batch in map(int, args.batches.split(",")):
+        for context in map(int, args.contexts.split(",")):
+            for num_q in map(int, args.queries.split(",")):
                 case = {"batch": batch, "context": context, "q_per_request": num_q}
                 if time.time() - started > args.budget_s:
                     rows.append({**case, "skipped": f"past the {args.budget_s:.0f} s budget"})
@@ -146,6 +146,11 @@ def main() -> None:
                     rows.append({**case, "skipped": f"failed: {exc!r}"[:300]})
                     torch.cuda.empty_cache()
                 print(json.dumps(rows[-1], default=str), flush=True)
+                write(args, rows)  # after every case: a run cut short keeps what it measured
+    print_table(rows)
+
+
+def write(args: argparse.Namespace, rows: list[dict]) -> None:
     done = [r["ratio"] for r in rows if "ratio" in r]
     entry = {"value": round(statistics.median(done), 4) if done else float("nan"),
              "unit": "x (median over the cases of best dense / MSA step, bf16 index)", "target": "report",
@@ -155,7 +160,6 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode_suite.json").write_text(json.dumps({"kernels.decode_suite": entry}, indent=1,
                                                            default=str))
-    print_table(rows)
 
 
 if __name__ == "__main__":

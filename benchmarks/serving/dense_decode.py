@@ -1,5 +1,5 @@
-"""How strong is the dense baseline's decode? One layer's decode attention at the m3-proxy shape
-(Hq=64, Hkv=4, D=128, P=128, bf16, contexts full), timed four ways in the same run:
+"""How strong is the dense baseline's decode? One layer's decode attention at the M3 shape (m3-mini's,
+Hq=64, Hkv=4, D=128, P=128, bf16, contexts full), timed four ways in the same run:
 
   paged      the dense backend's paged flash-decoding kernel (msaserve/kernels/dense/paged_decode.py)
   contiguous SDPA (flash) over K/V already contiguous per sequence: the ideal non-paged dense decode
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         print("dense_decode.py needs a CUDA GPU", file=sys.stderr)
         return 2
     args.device = "cuda"
-    report = Report(args, "m3-proxy attention, one layer (Hq=64, Hkv=4, D=128, P=128, bf16)")
+    report = Report(args, "M3 attention shape, one layer (Hq=64, Hkv=4, D=128, P=128, bf16)")
     note = "one layer's decode attention, one query per sequence, contexts full; CUDA graphs except gather"
     rows = []
     with torch.inference_mode():

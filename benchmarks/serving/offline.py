@@ -1,133 +1,73 @@
-"""Offline serving benchmark of the replica engine (issue 4): MSA against dense in the same run.
+"""Offline serving benchmark of the replica engine on `m3-mini` (issues 4, 27): MSA against the same
+model with every layer full attention served by the fastest dense kernel, in the same run.
 
-Parts (`--part`, one or more; default all):
-  session   one long session: prefill `--session-len` tokens (1M on GPU), then decode 256; the dense
-            backend at the same length or the longest that fits.
-  agentic   sessions sharing a 60K-token prefix, turns appending 1–4K tokens, 100–500 output
-            tokens, closed-loop at concurrency 1, 8, 32.
-  mooncake  the Mooncake trace (token counts and prefix sharing from its hash_ids), same loop.
-  cpu       SmolLM2-135M on the CPU: one stream and 8 concurrent streams against transformers.
+Parts (`--part`, one or more; default all but cpu):
+  agentic    sessions sharing a 60K-token prefix, turns appending 1–4K tokens, 100–500 output
+             tokens, closed-loop at concurrency 1, 8, 32 (`--levels`).
+  mooncake   the Mooncake trace (token counts and prefix sharing from its hash_ids), same loop, c = 8.
+  prefill    one 128K-token prompt's prefill.
+  breakdown  where an agentic decode step and a prefill chunk spend their kernel time (attention,
+             indexer, MoE, dense MLP, rest), per backend (`step_breakdown.py`).
+  session    one 1M-token session: prefill, 256 decode steps (TPOT), peak HBM; the decode step's
+             breakdown and its byte floor (`session.py`, `byte_ceiling.py`).
+  cpu        SmolLM2-135M on the CPU: one stream and 8 concurrent streams against transformers.
 
-The traffic parts (agentic, mooncake) run each (backend, level) for a fixed measurement window
-(`--window-s`, 25 s on the GPU) under one rule for MSA and dense (`workloads.py`); given together
-they share one engine per backend. The dense backend is the strongest we have: SDPA (flash)
-prefill, and decode by a paged flash-decoding kernel in CUDA graphs (`msaserve/kernels/dense/`).
+The traffic parts run each (backend, level) for a fixed measurement window (`--window-s`, 15 s on
+the GPU) under one rule for MSA and dense (`workloads.py`); given together they share one engine
+per backend. Every engine runs the same m3-mini weights (`bench_setup.py`).
 
-GPU runs use the `m3-proxy` preset (random weights; `--layers` is reported with every figure).
-`--device cpu` runs session/agentic/mooncake on the `tiny` preset at scaled-down sizes, and
-`--quick` shrinks everything further: those runs only check the script end to end and write
-benchmarks/results/engine-quick.json. GPU runs and the `cpu` part write benchmarks/results/engine.json,
-merged with what is there.
+GPU runs write `m3.*` entries to benchmarks/results/m3.json (and the byte-ceiling fraction as
+`engine.*`), merged with what is there, after every part. `--device cpu` runs the m3-mini parts at
+small widths and `--quick` shrinks the sizes: those runs only check the script end to end and write
+benchmarks/results/m3-quick.json. The `cpu` part writes benchmarks/results/engine.json.
 
-  python benchmarks/serving/offline.py --device cuda --part agentic mooncake --layers 2
-  python benchmarks/serving/offline.py --device cuda --part session --layers 2
+  python benchmarks/serving/offline.py --device cuda --part agentic mooncake prefill breakdown
+  python benchmarks/serving/offline.py --device cuda --part session
   python benchmarks/serving/offline.py --device cpu --part cpu
   python benchmarks/serving/offline.py --quick --device cpu
 """
 
 import argparse
 import sys
-import time
+import traceback
 from pathlib import Path
 
 import torch
-from bench_setup import Sizes, build_engine, free_memory, prompt_vocab, sizes_for, synchronize
+from bench_setup import model_label, sizes_for
 from report import Report
+from session import part_prefill, part_session
+from step_breakdown import part_breakdown
 from traffic import part_traffic
 
-from msaserve.engine.llm_engine import LLMEngine
-from msaserve.engine.types import GenerateRequest, SamplingParams
+from msaserve.models.presets import M3_MINI_LAYERS
 
 TRACE = str(Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl")
 CONCURRENCY = (1, 8, 32)
-DENSE_SESSION = ("dense backend: SDPA (flash) prefill in the same chunks as MSA; decode by the paged "
-                 "flash-decoding kernel (msaserve/kernels/dense/paged_decode.py) in a CUDA graph")
-
-
-def run_one_session(engine: LLMEngine, length: int, decode: int, device: str, seed: int = 0
-                    ) -> dict[str, float]:
-    """Prefill `length` random tokens, decode `decode` → prefill_s, tpot_ms, hbm_gib."""
-    vocab = prompt_vocab(engine)
-    prompt = torch.randint(3, vocab, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    engine.add_request(GenerateRequest("session", prompt, SamplingParams(
-        max_tokens=decode, temperature=0.0, ignore_eos=True)))
-    synchronize(device)
-    start = time.perf_counter()
-    first = last = None
-    pages = 0
-    while engine.has_unfinished():
-        for output in engine.step():
-            now = time.perf_counter()  # the step synchronised when it read the sampled token
-            first = first or now
-            last = now
-            if output.finished:
-                pages = output.stats.num_pages
-    hbm = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
-    per_page = engine.runner.kv_cache_bytes / (engine.runner.num_pages + 1)
-    return {
-        "prefill_s": first - start, "tpot_ms": 1000 * (last - first) / max(1, decode - 1),
-        "hbm_gib": hbm, "session_kv_gib": pages * per_page / 2**30,
-    }
-
-
-def part_session(args: argparse.Namespace, sizes: Sizes, report: Report) -> None:
-    length, decode = sizes.session_len, sizes.session_decode
-    max_len = length + decode + 256
-    engine = build_engine(args, sizes, "msa", max_len, 1, sizes.session_chunk, exact_pages=True)
-    run_one_session(engine, 2 * sizes.session_chunk + 5, 4, args.device, seed=1)  # warm-up: compile, tune
-    msa = run_one_session(engine, length, decode, args.device)
-    engine = None
-    free_memory()
-    report.add("session_len_tokens", length, "tokens")
-    report.add("session_msa_prefill_s", msa["prefill_s"], "s")
-    report.add("session_msa_tpot_ms", msa["tpot_ms"], "ms")
-    report.add("session_msa_hbm_gib", msa["hbm_gib"], "GiB")
-    report.add("session_msa_kv_gib", msa["session_kv_gib"], "GiB")
-    dense, dense_len = None, length
-    while dense is None and dense_len >= min(1024, length):
-        engine = None
-        try:  # dense prefills in the same chunks as MSA (SDPA with a lower-right causal bias)
-            engine = build_engine(args, sizes, "dense", dense_len + decode + 256, 1, sizes.session_chunk,
-                                  exact_pages=True)
-            run_one_session(engine, min(1024, dense_len), 4, args.device, seed=1)
-            dense = run_one_session(engine, dense_len, decode, args.device)
-        except torch.cuda.OutOfMemoryError:
-            print(f"dense session of {dense_len} tokens does not fit; halving", file=sys.stderr)
-            dense_len //= 2
-        finally:
-            engine = None
-            free_memory()
-    if dense is not None:
-        how = DENSE_SESSION if args.device == "cuda" else None
-        report.add("session_dense_len_tokens", dense_len, "tokens", note=how)
-        report.add("session_dense_prefill_s", dense["prefill_s"], "s", note=how)
-        report.add("session_dense_tpot_ms", dense["tpot_ms"], "ms", note=how)
-        report.add("session_dense_hbm_gib", dense["hbm_gib"], "GiB", note=how)
-        if dense_len == length:
-            report.add("session_prefill_speedup", dense["prefill_s"] / msa["prefill_s"], "x")
-            report.add("session_decode_speedup", dense["tpot_ms"] / msa["tpot_ms"], "x")
-
-
-PARTS = ("session", "agentic", "mooncake", "cpu")
+PARTS = ("agentic", "mooncake", "prefill", "breakdown", "session", "cpu")
 TRAFFIC = ("agentic", "mooncake")
 
 
 def output_path(args: argparse.Namespace, part: str) -> str:
     """Scaled-down runs (--quick, or the GPU parts on the CPU) only check the script: they never
-    write over the measured figures in engine.json."""
+    write over the measured figures."""
     if args.output:
         return args.output
-    scaled_down = args.quick or (args.device == "cpu" and part != "cpu")
-    return f"benchmarks/results/engine{'-quick' if scaled_down else ''}.json"
+    if part == "cpu":
+        return "benchmarks/results/engine.json"
+    scaled_down = args.quick or args.device == "cpu"
+    return f"benchmarks/results/m3{'-quick' if scaled_down else ''}.json"
 
 
-def run_part(args: argparse.Namespace, sizes: Sizes, report: Report, part: str | list[str]) -> None:
+def run_part(args: argparse.Namespace, report: Report, part: str | list[str]) -> None:
+    sizes = sizes_for(args)
     if isinstance(part, list):
         part_traffic(args, sizes, report, part)
     elif part == "session":
         part_session(args, sizes, report)
+    elif part == "prefill":
+        part_prefill(args, sizes, report)
+    elif part == "breakdown":
+        part_breakdown(args, sizes, report)
     else:
         from cpu_smollm2 import run_cpu_smollm2
 
@@ -145,16 +85,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--device", choices=("cuda", "cpu"), default=default_device)
     parser.add_argument("--quick", action="store_true", help="small sizes: check the script end to end")
     parser.add_argument("--part", choices=("all", *PARTS), nargs="+", default=["all"],
-                        help="parts to run; agentic and mooncake given together share their engines")
-    parser.add_argument("--layers", type=int, default=4, help="m3-proxy layers (reported with each figure)")
+                        help="parts to run (all: every part but cpu); agentic and mooncake given together "
+                        "share their engines")
+    parser.add_argument("--layers", type=int, default=M3_MINI_LAYERS,
+                        help="m3-mini layers (1 dense MLP + the rest MoE; reported with each figure)")
     parser.add_argument("--session-len", type=int, default=None, help="override the session length")
     parser.add_argument("--mooncake-requests", type=int, default=None,
                         help="trace requests per level (default: GPU as many as the window takes, CPU 16)")
     parser.add_argument("--levels", type=int, nargs="+", default=list(CONCURRENCY),
-                        help="concurrency levels of the agentic and mooncake parts")
+                        help="concurrency levels of the agentic part")
+    parser.add_argument("--mooncake-levels", type=int, nargs="+", default=[8],
+                        help="concurrency levels of the mooncake part")
     parser.add_argument("--window-s", type=float, default=None,
                         help="measurement window per (backend, level) of the traffic parts (default: GPU "
-                        "25 s, 8 s with --quick; CPU none: a fixed set of sessions run to the end; 0: none)")
+                        "15 s, 6 s with --quick; CPU none: a fixed set of sessions run to the end; 0: none)")
     parser.add_argument("--trace", default=TRACE)
     parser.add_argument("--decode-steps", type=int, default=1,
                         help="EngineConfig.decode_steps of the traffic engines, both backends alike")
@@ -162,8 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads, the same for both sides "
                         "(default 1: on a shared 2-core machine OpenMP spin-waits made 2 threads 30× slower)")
     parser.add_argument("--output", default=None,
-                        help="JSON path (default benchmarks/results/engine.json, engine-quick.json for "
-                        "scaled-down runs)")
+                        help="JSON path (default benchmarks/results/m3.json, m3-quick.json for scaled-down "
+                        "runs, engine.json for the cpu part)")
     return parser.parse_args(argv)
 
 
@@ -171,24 +115,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.device == "cpu":
         torch.set_num_threads(args.threads)
-    sizes = sizes_for(args)
-    chosen = PARTS if "all" in args.part else tuple(p for p in PARTS if p in args.part)
+    chosen = tuple(p for p in PARTS if p != "cpu") if "all" in args.part else tuple(
+        p for p in PARTS if p in args.part)
     runs: list[str | list[str]] = [p for p in chosen if p not in TRAFFIC]
     traffic = [p for p in chosen if p in TRAFFIC]
     if traffic:
-        runs.insert(1 if "session" in chosen else 0, traffic)
+        runs.insert(0, traffic)
     reports: dict[str, Report] = {}
-    model = sizes.preset if sizes.preset == "tiny" else f"m3-proxy, {args.layers} layers"
+    failed: list[str] = []
     with torch.inference_mode():
         for part in runs:
-            path = output_path(args, part if isinstance(part, str) else part[0])
-            report = reports.setdefault(path, Report(args, model))
-            run_part(args, sizes, report, part)
-            report.write(path)  # after every part, so a later failure loses nothing
+            name = part if isinstance(part, str) else part[0]
+            args.output_path = output_path(args, name)
+            model = "SmolLM2-135M" if name == "cpu" else model_label(args)
+            area = "engine" if name == "cpu" else "m3"
+            report = reports.setdefault(args.output_path, Report(args, model, area))
+            try:
+                run_part(args, report, part)
+            except Exception:  # reported; the other parts still run (one device call holds several)
+                traceback.print_exc()
+                print(f"part {part} failed", file=sys.stderr, flush=True)
+                failed.append(name)
+            report.write(args.output_path)  # after every part, so a later failure loses nothing
     for path, report in reports.items():
         print(f"\n{path}")
         report.print_table()
-    return 0
+    if failed:
+        print(f"failed parts: {', '.join(failed)}", file=sys.stderr)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

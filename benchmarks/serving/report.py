@@ -1,5 +1,6 @@
-"""Benchmark results: `engine.<metric>` entries with value, unit, command, hardware, date and git
-revision, merged into a JSON file (so parts run separately add up), and a table printed last."""
+"""Benchmark results: `<area>.<metric>` entries (`engine.*`, or `m3.*` for the m3-mini figures) with
+value, unit, command, hardware, date and git revision, merged into a JSON file (so parts run
+separately add up), and a table printed last."""
 
 import argparse
 import datetime
@@ -23,6 +24,9 @@ def hardware(device: str) -> str:
 
 
 def git_revision() -> str:
+    """HEAD's short hash, or MSASERVE_GIT_REVISION where the tree travels without .git (the GPU run)."""
+    if os.environ.get("MSASERVE_GIT_REVISION"):
+        return os.environ["MSASERVE_GIT_REVISION"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
@@ -31,16 +35,18 @@ def git_revision() -> str:
 
 
 class Report:
-    def __init__(self, args: argparse.Namespace, model: str) -> None:
+    def __init__(self, args: argparse.Namespace, model: str, area: str = "engine") -> None:
         self.device = args.device
+        self.area = area
         self.model = model
         self.command = "python " + " ".join(shlex.quote(a) for a in sys.argv)
         self.entries: dict[str, dict] = {}
         self.revision = git_revision()
 
-    def add(self, metric: str, value: float, unit: str, model: str | None = None, note: str | None = None
-            ) -> None:
-        """note: how the figure was measured (e.g. the traffic parts' window rule)."""
+    def add(self, metric: str, value: float, unit: str, model: str | None = None, note: str | None = None,
+            area: str | None = None, **extra: object) -> None:
+        """note: how the figure was measured (e.g. the traffic parts' window rule); area: another
+        area than the report's (the key's prefix); extra: more fields of the entry (a table)."""
         entry = {
             "value": None if isinstance(value, float) and math.isnan(value) else round(float(value), 4),
             "unit": unit,
@@ -52,7 +58,8 @@ class Report:
         }
         if note:
             entry["note"] = note
-        self.entries[f"engine.{metric}"] = entry
+        entry.update(extra)
+        self.entries[f"{area or self.area}.{metric}"] = entry
         print(f"{metric}: {value:.4g} {unit}", file=sys.stderr, flush=True)
 
     def write(self, path: str) -> None:

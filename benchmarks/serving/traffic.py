@@ -86,7 +86,10 @@ def _engine(args: argparse.Namespace, sizes: Sizes, backend: str, levels: tuple[
 
 def part_traffic(args: argparse.Namespace, sizes: Sizes, report: Report, names: list[str]) -> None:
     """The named parts (agentic, mooncake) at each concurrency, MSA then dense."""
-    levels = (1, 2) if args.quick else tuple(args.levels)
+    level_sets = {"agentic": tuple(args.levels), "mooncake": tuple(args.mooncake_levels)}
+    if args.quick:
+        level_sets = {"agentic": (1, 2), "mooncake": (2,)}
+    levels = tuple(sorted({level for name in names for level in level_sets[name]}))
     window = "to the end" if sizes.window_s is None else f"{sizes.window_s:g} s each"
     print(f"traffic: {len(BACKENDS)} backends × {len(names)} parts × {len(levels)} levels, {window}",
           file=sys.stderr, flush=True)
@@ -97,7 +100,7 @@ def part_traffic(args: argparse.Namespace, sizes: Sizes, report: Report, names: 
         warm = traffic_sessions(args, sizes, names[0], vocab, 2, warmup=True)
         run_closed_loop(engine, warm, 2, sizes.warmup_s)  # compile, autotune
         for name in names:
-            for level in levels:
+            for level in level_sets[name]:
                 result = _run_level(args, sizes, engine, name, level)
                 key = f"{name}_{backend}_c{level}"
                 if result is None:
@@ -109,11 +112,11 @@ def part_traffic(args: argparse.Namespace, sizes: Sizes, report: Report, names: 
                     continue
                 throughput[(name, backend, level)] = result.output_tok_s
                 record(report, sizes, name, key, level, result)
+                if backend == "dense" and (name, "msa", level) in throughput:  # the ratio as soon as known
+                    msa, dense = throughput[(name, "msa", level)], result.output_tok_s
+                    ratio = msa / dense if dense > 0 else float("nan")
+                    note = f"MSA / dense output tokens/s; {rule(sizes, name, level)}"
+                    report.add(f"{name}_throughput_ratio_c{level}", ratio, "x", note=note)
+                report.write(args.output_path)  # partial results survive a later failure
         engine = None
         free_memory()
-    for name in names:
-        for level in levels:
-            msa, dense = throughput[(name, "msa", level)], throughput[(name, "dense", level)]
-            ratio = msa / dense if dense > 0 else float("nan")
-            report.add(f"{name}_throughput_ratio_c{level}", ratio, "x",
-                       note=f"MSA / dense output tokens/s; {rule(sizes, name, level)}")

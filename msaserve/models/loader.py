@@ -1,6 +1,6 @@
 """`load_model(spec)`: one entry point for every model source the engine and CLI accept.
 
-spec: "smollm2" (the bundled GGUF), a preset name ("tiny", "m3-proxy"), a directory with
+spec: "smollm2" (the bundled GGUF), a preset name ("tiny", "m3-mini", "m3-proxy"), a directory with
 config.json + safetensors, or a path to a .gguf file.
 """
 
@@ -15,8 +15,9 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from msaserve.models.config import MSAConfig
 from msaserve.models.gguf_loader import ModelFileMissing, load_gguf, smollm2_gguf_path
-from msaserve.models.presets import PRESETS, get_preset
-from msaserve.models.registry import architecture_of
+from msaserve.models.minimax_m3.random_weights import init_m3_random_weights
+from msaserve.models.presets import CHECKPOINT_PRESETS, PRESETS, get_preset, preset_config_json, preset_names
+from msaserve.models.registry import architecture_for, architecture_of
 from msaserve.models.tokenizer import Tokenizer
 from msaserve.models.transformer import MSATransformer, init_random_weights
 from msaserve.models.vision import VisionConfig, VisionTower
@@ -45,6 +46,8 @@ def load_model(
     """
     if spec == "smollm2":
         spec = str(smollm2_gguf_path())
+    if spec in CHECKPOINT_PRESETS:
+        return _load_checkpoint_preset(spec, device, dtype, attention_backend, seed, progress, overrides)
     if spec in PRESETS:
         return _load_preset(spec, device, dtype, attention_backend, seed, progress, overrides)
     path = Path(spec)
@@ -55,7 +58,7 @@ def load_model(
         model, config = architecture_of(path).load(path, device, dtype, attention_backend, progress)
         return LoadedModel(model, _directory_tokenizer(path, config), config)
     raise ModelFileMissing(
-        f"model {spec!r} not found: expected 'smollm2', a preset ({', '.join(PRESETS)}), a directory "
+        f"model {spec!r} not found: expected 'smollm2', a preset ({', '.join(preset_names())}), a directory "
         "with config.json and safetensors, or a .gguf file"
     )
 
@@ -70,6 +73,25 @@ def _load_preset(name: str, device: torch.device | str, dtype: torch.dtype, back
         model = MSATransformer(config, backend).to(dtype)
     init_random_weights(model, seed=seed)
     attach_random_vision_tower(model, seed, device, dtype)
+    return LoadedModel(model.eval(), Tokenizer.byte_level(config.vocab_size), config)
+
+
+def _load_checkpoint_preset(name: str, device: torch.device | str, dtype: torch.dtype, backend: str,
+                            seed: int, progress: bool, overrides: dict[str, Any]) -> LoadedModel:
+    """A config.json preset (m3-mini): config and model class from the registry by model_type,
+    as for a checkpoint directory; built without memory, then materialised in `dtype` on
+    `device` (never in fp32 first: m3-mini's experts alone are ≈ 44 GB in bf16) and filled with
+    random weights instead of a checkpoint's."""
+    raw = preset_config_json(name, **overrides)
+    architecture = architecture_for(raw["model_type"])
+    config = architecture.parse_config(raw)
+    if progress:
+        print(f"initialising {name} ({config.num_layers} layers) with random weights, seed {seed}",
+              file=sys.stderr)
+    with torch.device("meta"):
+        model = architecture.model_class(config, backend)
+    model = model.to(dtype=dtype).to_empty(device=device)
+    init_m3_random_weights(model, seed=seed)
     return LoadedModel(model.eval(), Tokenizer.byte_level(config.vocab_size), config)
 
 

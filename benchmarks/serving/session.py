@@ -1,0 +1,166 @@
+"""The long-sequence parts of the offline benchmark, MSA then dense on the same model:
+
+  session   one session: prefill `session_len` tokens (1M on the GPU), decode 256; TPOT, peak
+            HBM; then the decode step's breakdown (step_breakdown.py) and its byte floor
+            (byte_ceiling.py) per backend.
+  prefill   one `prefill_len`-token prompt (128K on the GPU): prefill time, MSA against dense.
+"""
+
+import argparse
+import sys
+import time
+import traceback
+
+import torch
+from bench_setup import Sizes, build_engine, free_memory, prompt_vocab, synchronize
+from byte_ceiling import copy_bandwidth_tbps, step_floor
+from report import Report
+from step_breakdown import format_row, header, profile_steps
+
+from msaserve.engine.llm_engine import LLMEngine
+from msaserve.engine.types import GenerateRequest, SamplingParams
+
+DENSE = ("dense backend: every layer full attention, prefill in the same chunks as MSA and decode, each "
+         "by the fastest dense kernel measured for its shape (msaserve/kernels/dense/select.py), decode "
+         "in a CUDA graph")
+
+
+def tag(length: int) -> str:
+    if length == 1 << 20:
+        return "1m"
+    return f"{length // 1024}k" if length % 1024 == 0 else str(length)
+
+
+def _prompt(engine: LLMEngine, length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, prompt_vocab(engine), (length,), generator=generator).tolist()
+
+
+def run_one_session(engine: LLMEngine, length: int, decode: int, device: str, seed: int = 0
+                    ) -> dict[str, float]:
+    """Prefill `length` random tokens, decode `decode` → prefill_s, tpot_ms, hbm_gib, session_kv_gib."""
+    prompt = _prompt(engine, length, seed)
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    engine.add_request(GenerateRequest("session", prompt, SamplingParams(
+        max_tokens=decode, temperature=0.0, ignore_eos=True)))
+    synchronize(device)
+    start = time.perf_counter()
+    first = last = None
+    pages = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            now = time.perf_counter()  # the step synchronised when it read the sampled token
+            first = first or now
+            last = now
+            if output.finished:
+                pages = output.stats.num_pages
+    hbm = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
+    per_page = engine.runner.kv_cache_bytes / (engine.runner.num_pages + 1)
+    return {
+        "prefill_s": first - start, "tpot_ms": 1000 * (last - first) / max(1, decode - 1),
+        "hbm_gib": hbm, "session_kv_gib": pages * per_page / 2**30,
+    }
+
+
+def decode_breakdown(engine: LLMEngine, length: int, device: str, steps: int = 4) -> dict[str, float]:
+    """The session's prompt again (its pages come from the prefix cache), one step to finish its
+    prefill, then `steps` decode steps profiled eagerly."""
+    engine.add_request(GenerateRequest("breakdown", _prompt(engine, length, 0), SamplingParams(
+        max_tokens=steps + 2, temperature=0.0, ignore_eos=True)))
+    while engine.has_unfinished() and not engine.step():
+        pass
+    row = profile_steps(engine, steps, device)
+    while engine.has_unfinished():
+        engine.step()
+    return row
+
+
+def _session(args: argparse.Namespace, sizes: Sizes, backend: str, length: int, decode: int,
+             breakdown: bool) -> dict:
+    engine = None
+    try:
+        engine = build_engine(args, sizes, backend, length + decode + 256, 1, sizes.session_chunk,
+                              exact_pages=True)
+        run_one_session(engine, min(2 * sizes.session_chunk + 5, length), 4, args.device, seed=1)  # warm-up
+        result = run_one_session(engine, length, decode, args.device)
+        if breakdown:
+            try:  # a diagnostic: its failure must not cost the session's figures
+                result["breakdown"] = decode_breakdown(engine, length, args.device)
+            except Exception:
+                traceback.print_exc()
+        return result
+    finally:
+        engine = None
+        free_memory()
+
+
+def part_session(args: argparse.Namespace, sizes: Sizes, report: Report) -> None:
+    length, decode, t = sizes.session_len, sizes.session_decode, tag(sizes.session_len)
+    results = {}
+    for backend in ("msa", "dense"):
+        try:
+            results[backend] = _session(args, sizes, backend, length, decode, breakdown=True)
+        except torch.cuda.OutOfMemoryError as error:
+            print(f"{backend} session of {length} tokens: out of memory ({error})", file=sys.stderr)
+            continue
+        r = results[backend]
+        note = DENSE if backend == "dense" else "MSA backend (Triton kernels), decode in a CUDA graph"
+        report.add(f"session_{t}_{backend}_prefill_s", r["prefill_s"], "s", note=note)
+        report.add(f"session_{t}_{backend}_tpot_ms", r["tpot_ms"], "ms", note=note)
+        report.add(f"session_{t}_{backend}_hbm_gib", r["hbm_gib"], "GiB", note=note + "; peak allocated")
+        report.add(f"session_{t}_{backend}_kv_gib", r["session_kv_gib"], "GiB", note=note)
+        report.write(args.output_path)
+    if len(results) < 2:
+        return
+    msa, dense = results["msa"], results["dense"]
+    report.add(f"session_{t}_prefill_speedup", dense["prefill_s"] / msa["prefill_s"], "x",
+               note=f"dense / MSA prefill time of {length} tokens, chunks of {sizes.session_chunk}; {DENSE}")
+    report.add(f"session_{t}_decode_speedup", dense["tpot_ms"] / msa["tpot_ms"], "x",
+               note=f"dense / MSA TPOT at {length} tokens, batch 1, {decode} steps; {DENSE}")
+    _byte_ceiling(args, report, length, msa, dense, t)
+    if "breakdown" not in msa or "breakdown" not in dense:
+        return
+    rows = [{"step": f"session {t} decode b1", "backend": b, **results[b]["breakdown"]} for b in results]
+    report.add(f"session_{t}_step_breakdown", msa["breakdown"]["total"] / dense["breakdown"]["total"],
+               "x (MSA / dense kernel ms per decode step)", table=rows,
+               note="kernel time per decode step by part, eager steps under torch.profiler "
+                    "(benchmarks/serving/step_breakdown.py)")
+    print(f"\n{header()}")
+    for row in rows:
+        print(format_row(f"{row['backend']} {row['step']}", row))
+
+
+def _byte_ceiling(args: argparse.Namespace, report: Report, length: int, msa: dict, dense: dict,
+                  t: str) -> None:
+    """The TPOTs against the bytes each step must read (byte_ceiling.py)."""
+    from bench_setup import shared_model
+
+    model = shared_model(args).model
+    tbps = copy_bandwidth_tbps(args.device)
+    floors = {b: step_floor(model, length, b == "msa", tbps) for b in ("msa", "dense")}
+    ceiling = floors["dense"]["bytes_gb"] / floors["msa"]["bytes_gb"]
+    speedup = dense["tpot_ms"] / msa["tpot_ms"]
+    detail = (f"batch-1 decode at {length} tokens; bytes per step MSA {floors['msa']['bytes_gb']:.2f} GB "
+              f"(weights {floors['msa']['weights_gb']:.2f}), dense {floors['dense']['bytes_gb']:.2f} GB; "
+              f"copy bandwidth {tbps:.2f} TB/s; floors MSA {floors['msa']['floor_ms']:.3f} ms / dense "
+              f"{floors['dense']['floor_ms']:.3f} ms; TPOT MSA {msa['tpot_ms']:.3f} / dense "
+              f"{dense['tpot_ms']:.3f} ms (whole engine step: forward, logits, sampling, host work)")
+    report.add("session_decode_fraction_of_byte_ceiling", speedup / ceiling, "fraction", area="engine",
+               note=f"measured decode speedup {speedup:.3f}x / byte ceiling {ceiling:.3f}x; {detail}")
+    for backend in ("msa", "dense"):
+        tpot = (msa if backend == "msa" else dense)["tpot_ms"]
+        report.add(f"session_{t}_{backend}_tpot_fraction_of_floor", floors[backend]["floor_ms"] / tpot,
+                   "fraction", note=detail)
+
+
+def part_prefill(args: argparse.Namespace, sizes: Sizes, report: Report) -> None:
+    """One long prompt's prefill, MSA against dense (in the session part's chunks)."""
+    length, t = sizes.prefill_len, tag(sizes.prefill_len)
+    times = {}
+    for backend in ("msa", "dense"):
+        times[backend] = _session(args, sizes, backend, length, 2, breakdown=False)["prefill_s"]
+        report.add(f"prefill_{t}_{backend}_s", times[backend], "s",
+                   note=f"time to first token of one {length}-token prompt, chunks of {sizes.session_chunk}")
+    report.add(f"prefill_speedup_{t}", times["dense"] / times["msa"], "x",
+               note=f"dense / MSA time to first token of one {length}-token prompt; {DENSE}")
