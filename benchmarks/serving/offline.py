@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[str | list[str]] = [p for p in chosen if p not in TRAFFIC]
     traffic = [p for p in chosen if p in TRAFFIC]
     if traffic:
-        runs.insert(0, traffic)
+        runs.append(traffic)  # last: the single-shot parts finish even when the traffic runs out of time
     reports: dict[str, Report] = {}
     failed: list[str] = []
     with torch.inference_mode():
