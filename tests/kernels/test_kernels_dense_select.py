@@ -177,3 +177,18 @@ def test_recorded_choice_is_used_without_measuring(tmp_path) -> None:
     torch.testing.assert_close(serving.attention(q, k, v, 0.25).double(), reference(q, k, v, 0.25),
                                atol=1e-5, rtol=1e-4)
     assert never.calls == [] and serving.measurements == 0
+
+
+def test_the_engine_selector_never_offers_a_per_shape_compiled_candidate(monkeypatch):
+    """FlexAttention compiles per exact length: measured at one length of a bucket, it recompiled at
+    every other and, past torch's recompile limit, ran an unfused path that materialised the scores
+    (m3-mini on the H200, 2026-12-03: dense decode 1.7 s per token at c = 32). The engine's selector,
+    whose one measurement serves a whole bucket, must not be able to pick it."""
+    from msaserve.kernels.dense import candidates, select
+
+    monkeypatch.setattr(select, "_DEFAULT", None)
+    offered = select.default_selector().candidates
+    assert candidates.CANDIDATES["flex"].exact_shape
+    assert "flex" not in offered
+    assert set(offered) == {n for n, c in candidates.CANDIDATES.items() if not c.exact_shape}
+    assert "sdpa_default" in offered

@@ -39,12 +39,17 @@ class Unsupported(RuntimeError):
 @dataclass(frozen=True)
 class Candidate:
     """name: stable id (used in caches and tables); kinds: the mask kinds it computes;
-    fn(q, k, v, scale) → o as described in the module docstring; cuda_only: never tried on CPU."""
+    fn(q, k, v, scale) → o as described in the module docstring; cuda_only: never tried on CPU;
+    exact_shape: compiled for each exact shape, so a measurement at one length says nothing about the
+    other lengths of its bucket (each new length recompiles, and past torch's recompile limit the call
+    silently runs an unfused path that materialises the scores): benchmarks may time it shape by
+    shape, the engine's bucketed selector never picks it."""
 
     name: str
     kinds: frozenset[str]
     fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor]
     cuda_only: bool = True
+    exact_shape: bool = False
 
 
 def mask_kind(q_len: int, kv_len: int) -> str:
@@ -255,11 +260,16 @@ CANDIDATES: dict[str, Candidate] = {c.name: c for c in (
     Candidate("sdpa_cudnn", _NO_CHUNK, _sdpa_forced(SDPBackend.CUDNN_ATTENTION)),
     Candidate("sdpa_flash", _ALL, _flash_lower_right),
     Candidate("sdpa_efficient", _ALL, _efficient_lower_right),
-    Candidate("flex", _ALL, _flex),
+    Candidate("flex", _ALL, _flex, exact_shape=True),
     Candidate("cudnn_split", frozenset({"chunk"}), _split("cudnn")),
     Candidate("flash_split", frozenset({"chunk"}), _split("flash")),
     Candidate("fa4", _ALL, _fa4),
 )}
+
+
+def bucketable() -> dict[str, Candidate]:
+    """The candidates whose one measurement serves every length of a shape bucket (the engine's)."""
+    return {name: c for name, c in CANDIDATES.items() if not c.exact_shape}
 
 
 def applicable(kind: str, device: torch.device) -> list[Candidate]:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from msaserve.kernels.dense.candidates import CANDIDATES, Candidate, Unsupported, mask_kind
+from msaserve.kernels.dense.candidates import CANDIDATES, Candidate, Unsupported, bucketable, mask_kind
 
 Timer = Callable[[str, Callable[[], torch.Tensor]], float]
 FALLBACK = "sdpa_default"
@@ -192,5 +192,5 @@ def default_selector() -> DenseSelector:
     on-disk cache (a JSON file; written after every new measurement)."""
     global _DEFAULT
     if _DEFAULT is None:
-        _DEFAULT = DenseSelector(cache_path=os.environ.get("MSASERVE_DENSE_CACHE") or None)
+        _DEFAULT = DenseSelector(bucketable(), cache_path=os.environ.get("MSASERVE_DENSE_CACHE") or None)
     return _DEFAULT
