@@ -23,7 +23,11 @@ log = logging.getLogger(__name__)
 # -fopenmp links libgomp.so.1: the process already holds torch's copy of that soname (torch/lib),
 # so the kernels share torch's OpenMP thread pool instead of starting a second one. (Measured: a
 # Python thread pool running the same kernels cost 1.5× dense CPU time at 4K, OpenMP 1.3×.)
-_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-ffast-math", "-std=c11")
+# -ffast-math only when compiling (vectorised expf): linking with it would add crtfastmath.o, whose
+# constructor sets flush-to-zero / denormals-are-zero for the whole process when the library loads
+# (seen: every later float op in the server and the tests lost subnormals).
+_FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-ffast-math", "-std=c11")
+_LINK_FLAGS = ("-shared", "-fopenmp")
 
 
 def cache_dir() -> Path:
@@ -45,7 +49,8 @@ def load(name: str, source: str) -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler found: the CPU MSA ops use their PyTorch path")
         return None
-    key = hashlib.sha256("\0".join((source, compiler, *_FLAGS, platform.machine())).encode()).hexdigest()
+    parts = (source, compiler, *_FLAGS, *_LINK_FLAGS, platform.machine())
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()
     path = cache_dir() / f"{name}-{key[:16]}.so"
     if not path.is_file():
         try:
@@ -60,8 +65,10 @@ def _build(compiler: str, source: str, path: Path) -> None:
     """Compile into a temporary file, then rename: concurrent builders never see half a library."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        src, lib = Path(tmp) / "kernel.c", Path(tmp) / "kernel.so"
+        src, obj, lib = Path(tmp) / "kernel.c", Path(tmp) / "kernel.o", Path(tmp) / "kernel.so"
         src.write_text(source)
-        subprocess.run([compiler, *_FLAGS, str(src), "-o", str(lib), "-lm"], check=True,
+        subprocess.run([compiler, *_FLAGS, "-c", str(src), "-o", str(obj)], check=True,
+                       capture_output=True, timeout=120)
+        subprocess.run([compiler, *_LINK_FLAGS, str(obj), "-o", str(lib), "-lm"], check=True,
                        capture_output=True, timeout=120)
         os.replace(lib, path)

@@ -217,7 +217,8 @@ class IndexCalibrator:
             with torch.no_grad():
                 mass = data.mass(positions)
             optimiser.zero_grad()
-            loss_at(positions, mass, weight).backward()
+            with torch.enable_grad():  # the fit needs autograd whatever the caller's grad mode is
+                loss_at(positions, mass, weight).backward()
             optimiser.step()
         with torch.no_grad():
             after = float(loss_at(held_out, held_mass, weight))

@@ -96,3 +96,27 @@ def test_native_build_is_cached_by_source(tmp_path, monkeypatch: pytest.MonkeyPa
     assert len(list(tmp_path.glob("probe-*.so"))) == 1
     assert cpu_native.load("probe", source.replace("42", "7")).answer() == 7
     assert len(list(tmp_path.glob("probe-*.so"))) == 2
+
+
+def test_loading_a_native_kernel_keeps_subnormal_floats(tmp_path) -> None:
+    """Linking with -ffast-math added crtfastmath.o, whose constructor turned on flush-to-zero for the
+    whole process the moment the library loaded: afterwards every float op in the server (and
+    hypothesis in the test suite) lost subnormals. Checked in a fresh process: the mode is global."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys\n"
+        "from msaserve.kernels import cpu_native\n"
+        "lib = cpu_native.load('subnormal_probe', 'float half(float x) { return x * 0.5f; }\\n')\n"
+        "if lib is None:\n"
+        "    print('no-compiler'); sys.exit(0)\n"
+        "tiny = sys.float_info.min\n"
+        "print('ok' if tiny / 2 > 0 else 'flushed')\n"
+    )
+    env = {**__import__("os").environ, "MSASERVE_CACHE_DIR": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env,
+                         timeout=120, check=True).stdout.strip()
+    if out == "no-compiler":
+        pytest.skip("no C compiler here")
+    assert out == "ok"

@@ -102,3 +102,14 @@ def test_convert_rejects_a_model_with_a_learned_index(tmp_path, capsys) -> None:
     argv = ["convert", "--model", "tiny", "--out", str(tmp_path / "o"), "--calibration-text", str(text)]
     assert cli_main(argv) == 2
     assert "already has a learned MSA index" in capsys.readouterr().err
+
+
+def test_calibration_fits_even_when_the_caller_turned_autograd_off() -> None:
+    """`msaserve generate` run in-process used to switch autograd off for the whole process; the
+    fit then failed with 'element 0 of tensors does not require grad' (seen in the full suite)."""
+    previous = torch.is_grad_enabled()
+    torch.set_grad_enabled(False)
+    try:
+        test_calibration_reduces_the_distillation_loss()
+    finally:
+        torch.set_grad_enabled(previous)

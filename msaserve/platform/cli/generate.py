@@ -65,7 +65,11 @@ def run(args: argparse.Namespace) -> int:
     if not 0.0 < args.top_p <= 1.0:
         print(f"error: --top-p={args.top_p} is invalid: allowed (0, 1]", file=sys.stderr)
         return 2
-    torch.set_grad_enabled(False)
+    with torch.no_grad():  # scoped: `msaserve generate` called in-process must not turn autograd off after it
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         loaded = load_model(args.model, attention_backend=args.attention)
     except (ModelFileMissing, UnsupportedModelType, CheckpointMismatch) as error:
