@@ -9,7 +9,7 @@ tail is masked before the block max. Selection is the spec's `select_blocks` (al
 import torch
 
 from msaserve.kernels.indexer_prefill import cpu_kernel
-from msaserve.kernels.indexer_prefill.naive import check_forced_blocks, gather_pages, select_blocks
+from msaserve.kernels.indexer_prefill.naive import check_forced_blocks, select_blocks, sequence_index_keys
 
 # Queries scored at once per sequence: bounds the [Hkv, chunk, T] fp32 logits (3 × 512 × 16K = 96 MiB).
 _QUERY_CHUNK = 512
@@ -54,9 +54,7 @@ def indexer_prefill(
         if end == start:
             continue
         length = int(seq_lens[b])
-        keys = gather_pages(index_cache, block_tables[b], length).float()
-        if index_scale is not None:
-            keys = keys * gather_pages(index_scale[..., None], block_tables[b], length)
+        keys = sequence_index_keys(index_cache, block_tables[b], length, index_scale)
         first = length - (end - start)
         if cpu_kernel.supported(q_index):
             scores = cpu_kernel.block_scores(q_index[start:end], keys, first, page_size)

@@ -23,6 +23,15 @@ def gather_pages(cache: torch.Tensor, block_table: torch.Tensor, length: int) ->
     return cache[pages].reshape(num_pages * page_size, *cache.shape[2:])[:length]
 
 
+def sequence_index_keys(index_cache: torch.Tensor, block_table: torch.Tensor, length: int,
+                        index_scale: torch.Tensor | None) -> torch.Tensor:
+    """One sequence's first `length` index keys as fp32 [length, HkI, DI], fp8 keys scaled back."""
+    keys = gather_pages(index_cache, block_table, length).float()
+    if index_scale is not None:
+        keys = keys * gather_pages(index_scale[..., None], block_table, length)
+    return keys
+
+
 def block_scores(
     q_index: torch.Tensor,
     index_keys: torch.Tensor,
@@ -126,9 +135,7 @@ def indexer_prefill(
         if end == start:
             continue
         length = int(seq_lens[b])
-        keys = gather_pages(index_cache, block_tables[b], length).float()
-        if index_scale is not None:
-            keys = keys * gather_pages(index_scale[..., None], block_tables[b], length)
+        keys = sequence_index_keys(index_cache, block_tables[b], length, index_scale)
         first = length - (end - start)
         for q0 in range(start, end, _QUERY_CHUNK):
             q1 = min(q0 + _QUERY_CHUNK, end)
