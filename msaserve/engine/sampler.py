@@ -33,6 +33,7 @@ def filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.
         probs = torch.softmax(sorted_logits, dim=-1)
         mass_before = torch.cumsum(probs, dim=-1) - probs
         drop_sorted = mass_before >= top_p
+        drop_sorted[0] = False  # a top_p below fp32's range (1e-300) rounds to 0 and would drop it too
         drop = torch.zeros_like(drop_sorted).scatter(0, order, drop_sorted)
         logits = logits.masked_fill(drop, float("-inf"))
     return logits

@@ -82,3 +82,11 @@ def test_bad_prompts_are_rejected_by_name(tiny_model):
         engine.add_request(GenerateRequest("r", [5, 100_000], SamplingParams()))
     with pytest.raises(ContextTooLong, match="100 tokens"):
         engine.add_request(GenerateRequest("r", [5] * 90, SamplingParams(max_tokens=11)))
+
+
+def test_a_top_p_below_fp32_range_keeps_the_top_token() -> None:
+    """top_p = 2.58e-205 (found by the API fuzz) rounds to 0 in fp32: every token was dropped, the
+    softmax was NaN and the engine step failed with a 500."""
+    logits = torch.tensor([0.5, 2.0, -1.0, 1.0])
+    filtered = filter_top_k_top_p(logits, 0, 2.579109304857392e-205)
+    assert torch.isfinite(filtered).tolist() == [False, True, False, False]
