@@ -37,7 +37,6 @@ from msaserve.platform.openai_types import (
     ResponseToolCall,
 )
 from msaserve.platform.structured_request import chat_grammar, required_tools
-from msaserve.platform.text_checks import reject_lone_surrogates
 from msaserve.platform.tool_formats import tool_format_of
 from msaserve.platform.tool_stream import ArgumentsDelta, CallStarted, Event, Text, tool_stream_parser
 from msaserve.platform.tools import ToolFormat, forced_name, parse_reply
@@ -52,11 +51,7 @@ def build_router(ctx: Any) -> APIRouter:
 
     @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
-        key = ctx.authorize(request)
-        reject_lone_surrogates(body.model_dump(exclude_none=True))
-        ctx.check_model(body.model)
-        info = await ctx.require_ready()
-        ctx.auth.limits.acquire(key)
+        key, info = await ctx.admit(body, request)
         try:
             gens, prefix, known_tools = await start_chat(ctx, body, request, info, session_of(request))
         except BaseException:

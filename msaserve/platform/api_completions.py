@@ -27,7 +27,6 @@ from msaserve.platform.openai_types import (
     CompletionRequest,
     ErrorResponse,
 )
-from msaserve.platform.text_checks import reject_lone_surrogates
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
@@ -40,11 +39,7 @@ def build_router(ctx: Any) -> APIRouter:
 
     @router.post(_ROUTE, response_model=Completion, responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request) -> Any:
-        key = ctx.authorize(request)
-        reject_lone_surrogates(body.model_dump(exclude_none=True))
-        ctx.check_model(body.model)
-        info = await ctx.require_ready()
-        ctx.auth.limits.acquire(key)
+        key, info = await ctx.admit(body, request)
         try:
             gen = await _start(ctx, body, request, info)
         except BaseException:

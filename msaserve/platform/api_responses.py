@@ -34,7 +34,6 @@ from msaserve.platform.responses_convert import (
 )
 from msaserve.platform.responses_stream import ResponseEventWriter
 from msaserve.platform.responses_types import DeletedResponse, ResponseObject, ResponsesRequest, ResponseUsage
-from msaserve.platform.text_checks import reject_lone_surrogates
 from msaserve.platform.tool_formats import tool_format_of
 from msaserve.platform.tool_stream import tool_stream_parser
 from msaserve.platform.tools import forced_name, parse_reply
@@ -146,11 +145,7 @@ def build_router(ctx: Any) -> APIRouter:
 
     @router.post(ROUTE, response_model=ResponseObject, responses=_ERRORS)
     async def create_response(body: ResponsesRequest, request: Request) -> Any:
-        key = ctx.authorize(request)
-        reject_lone_surrogates(body.model_dump(exclude_none=True))
-        ctx.check_model(body.model)
-        info = await ctx.require_ready()
-        ctx.auth.limits.acquire(key)
+        key, info = await ctx.admit(body, request)
         try:
             turn = await _begin(ctx, body, request, info)
         except BaseException:

@@ -27,6 +27,7 @@ from msaserve.platform.model_messages import ModelInfo
 from msaserve.platform.ray_defaults import bind_replica_grpc_to_loopback
 from msaserve.platform.request_metrics import RequestMetricsMiddleware
 from msaserve.platform.tenants import make_tenant
+from msaserve.platform.text_checks import reject_lone_surrogates
 
 # A child of Serve's logger, so every line lands in the replica log with Serve's request id.
 logger = logging.getLogger("ray.serve.msaserve.gateway")
@@ -96,6 +97,16 @@ class GatewayContext:
             key, self.auth.is_admin(key), self.config.auth.share_prefix_cache
         )
         return key
+
+    async def admit(self, body: Any, request: Request) -> tuple[str, ModelInfo]:
+        """The checks every generation route makes before it starts (key, text, model, readiness) and
+        the key's concurrency slot, taken last: the caller releases it once the reply has ended."""
+        key = self.authorize(request)
+        reject_lone_surrogates(body.model_dump(exclude_none=True))
+        self.check_model(body.model)
+        info = await self.require_ready()
+        self.auth.limits.acquire(key)
+        return key, info
 
 
 def request_id_of(request: Request) -> str:
