@@ -35,6 +35,8 @@ SHAPES = [
           n_local=2),
     Shape((40, 300, 129), page_size=32, num_kv_heads=3, group=3, head_dim=64, index_heads=1, top_k=5,
           n_init=0, n_local=3),
+    # P and D multiples of 64: the C kernels' 4 x 64 register tiles (SmolLM2's converted shape).
+    Shape((40, 300, 129), page_size=64, num_kv_heads=3, group=3, head_dim=64, index_heads=3, top_k=3),
 ]
 IDS = [f"P{s.page_size}-G{s.group}-HkI{s.index_heads}-init{s.n_init}-local{s.n_local}" for s in SHAPES]
 

@@ -17,6 +17,57 @@ SOURCE = r"""
 /* Built with -ffast-math: no infinities, so a future block's score is the finite floor NEG. */
 #define NEG (-1e30f)
 
+/* 16 fp32 lanes (GCC vector extension: zmm with AVX-512, two ymm with AVX2, ...). */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+/* Scores of up to 4 query rows against 64 transposed keys kt[i * page + p] (p in 0..63): a 4 x 64
+   register tile, DI rank-1 updates (4 key vectors loaded, 16 FMAs per step). out[r][p]. */
+static void tile_4x64(const float *const qrow[4], const float *kt, int64_t page, int64_t di,
+                      float out[4][64]) {
+    v16 acc[4][4] = {{{0}}};
+    for (int64_t i = 0; i < di; i++) {
+        const v16 *k = (const v16 *)(kt + i * page);
+        const v16 k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
+        for (int r = 0; r < 4; r++) {
+            const float b = qrow[r][i];
+            acc[r][0] += b * k0; acc[r][1] += b * k1; acc[r][2] += b * k2; acc[r][3] += b * k3;
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int v = 0; v < 4; v++) *(v16 *)(out[r] + 16 * v) = acc[r][v];
+}
+
+/* As msa_block_scores, for page % 64 == 0: the scores of a block come from 4 x 64 register tiles. */
+static void block_scores_tiled(const float *q, const float *kt, float *out, int64_t r0, int64_t r1,
+                               int64_t first, int64_t j, int64_t hkv, int64_t h, int64_t di, int64_t page,
+                               int64_t num_blocks) {
+    float s[4][64];
+    for (int64_t r = r0; r < r1; r += 4) {
+        const float *qrow[4];
+        for (int t = 0; t < 4; t++) qrow[t] = q + ((r + t < r1 ? r + t : r1 - 1) * hkv + h) * di;
+        float best[4] = {NEG, NEG, NEG, NEG};
+        for (int64_t p0 = 0; p0 < page; p0 += 64) {
+            if (first + r1 - 1 < j * page + p0) break;  /* no row of the tile sees these keys */
+            tile_4x64(qrow, kt + p0, page, di, s);
+            for (int t = 0; t < 4 && r + t < r1; t++) {
+                int64_t n = first + r + t - j * page - p0 + 1;  /* keys at positions <= the row's */
+                if (n > 64) n = 64;
+                float b = best[t];
+                #pragma omp simd reduction(max:b)
+                for (int64_t p = 0; p < 64; p++) {
+                    const float x = p < n ? s[t][p] : NEG;
+                    b = x > b ? x : b;
+                }
+                best[t] = b;
+            }
+        }
+        for (int t = 0; t < 4 && r + t < r1; t++) {
+            const int64_t n = first + r + t - j * page + 1;
+            out[((r + t) * hkv + h) * num_blocks + j] = n > 0 ? best[t] : NEG;
+        }
+    }
+}
+
 /* q [rows, Hkv, DI] at positions first.. (ascending, consecutive); keys [T, HkI, DI];
    out [rows, Hkv, NB]: out[t, h, j] = max over p in block j, p <= t of <q[t, h], keys[p, h']>. */
 void msa_block_scores(const float *q, const float *keys, float *out, int64_t rows, int64_t first,
@@ -24,7 +75,7 @@ void msa_block_scores(const float *q, const float *keys, float *out, int64_t row
     const int64_t lead = first % page, groups = (lead + rows + page - 1) / page;
     #pragma omp parallel num_threads(threads)
     {
-        float *kt = malloc(sizeof(float) * di * page), *s = malloc(sizeof(float) * page);
+        float *kt = aligned_alloc(64, (sizeof(float) * di * page + 127) / 64 * 64), *s = malloc(sizeof(float) * page);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < groups * hkv; task++) {
             const int64_t grp = task / hkv, h = task % hkv, hk = hki == 1 ? 0 : h;
@@ -41,6 +92,12 @@ void msa_block_scores(const float *q, const float *keys, float *out, int64_t row
                 if (avail > page) avail = page;
                 for (int64_t p = 0; p < avail; p++)
                     for (int64_t i = 0; i < di; i++) kt[i * page + p] = kb[p * hki * di + i];
+                if (page % 64 == 0) {
+                    for (int64_t p = avail; p < page; p++)
+                        for (int64_t i = 0; i < di; i++) kt[i * page + p] = 0.0f;
+                    block_scores_tiled(q, kt, out, r0, r1, first, j, hkv, h, di, page, num_blocks);
+                    continue;
+                }
                 for (int64_t r = r0; r < r1; r++) {
                     int64_t n = first + r - j * page + 1;
                     if (n > page) n = page;

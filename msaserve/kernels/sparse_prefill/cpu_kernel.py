@@ -20,6 +20,97 @@ SOURCE = r"""
 /* Built with -ffast-math (vectorised expf): no infinities, so "minus infinity" is a finite floor. */
 #define NEG (-1e30f)
 
+/* 16 fp32 lanes (GCC vector extension: zmm with AVX-512, two ymm with AVX2, ...). */
+typedef float v16 __attribute__((vector_size(64), aligned(4)));
+
+/* Online-softmax attention of up to 4 query vectors (rows x group heads) over one 64-key slice of
+   a block: scores from a 4 x 64 register tile over D, masked past each vector's n[t] keys, then
+   acc[t] (D floats) += softmax weights x V, 4 x 64 dims at a time. kt: the keys transposed
+   [D][page]; vb: the slice's first value row (row stride vs); qv[t]: the query; m, l: running
+   max and sum per vector. Vectors past `count` are copies of the last (their results dropped). */
+static void attend_tile(const float *const qv[4], int count, const int64_t n[4], const float *kt,
+                        int64_t page, const float *vb, int64_t vs, int64_t d, float scale,
+                        float *const acc[4], float *m, float *l) {
+    v16 sc[4][4] = {{{0}}};
+    for (int64_t i = 0; i < d; i++) {
+        const v16 *k = (const v16 *)(kt + i * page);
+        const v16 k0 = k[0], k1 = k[1], k2 = k[2], k3 = k[3];
+        for (int t = 0; t < 4; t++) {
+            const float b = qv[t][i];
+            sc[t][0] += b * k0; sc[t][1] += b * k1; sc[t][2] += b * k2; sc[t][3] += b * k3;
+        }
+    }
+    float w[4][64], corr[4];
+    int64_t keys = 0;
+    for (int t = 0; t < 4; t++) {
+        for (int v = 0; v < 4; v++) *(v16 *)(w[t] + 16 * v) = sc[t][v] * scale;
+        const int64_t nt = t < count ? n[t] : 0;
+        float bmax = NEG;
+        #pragma omp simd reduction(max:bmax)
+        for (int64_t p = 0; p < 64; p++) {
+            const float x = p < nt ? w[t][p] : NEG;
+            bmax = x > bmax ? x : bmax;
+        }
+        const float nm = bmax > m[t] ? bmax : m[t];
+        float sum = 0.0f;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t p = 0; p < 64; p++) {
+            w[t][p] = p < nt ? expf(w[t][p] - nm) : 0.0f;
+            sum += w[t][p];
+        }
+        corr[t] = expf(m[t] - nm);
+        l[t] = l[t] * corr[t] + sum;
+        m[t] = nm;
+        if (nt > keys) keys = nt;
+    }
+    for (int64_t c = 0; c < d; c += 64) {
+        v16 o[4][4];
+        for (int t = 0; t < 4; t++)
+            for (int v = 0; v < 4; v++) o[t][v] = *(const v16 *)(acc[t] + c + 16 * v) * corr[t];
+        for (int64_t p = 0; p < keys; p++) {  /* keys < n[t] of another vector are written rows */
+            const v16 *vr = (const v16 *)(vb + p * vs + c);
+            const v16 v0 = vr[0], v1 = vr[1], v2 = vr[2], v3 = vr[3];
+            for (int t = 0; t < 4; t++) {
+                const float b = w[t][p];
+                o[t][0] += b * v0; o[t][1] += b * v1; o[t][2] += b * v2; o[t][3] += b * v3;
+            }
+        }
+        for (int t = 0; t < count; t++)
+            for (int v = 0; v < 4; v++) *(v16 *)(acc[t] + c + 16 * v) = o[t][v];
+    }
+}
+
+/* One block for the listed query vectors (rows x group heads that selected it), page % 64 == 0,
+   d % 64 == 0: 4 vectors at a time, 64 keys at a time. list[x] = row * gs + g; nk[x]: its keys. */
+static void attend_block_tiled(const float *q, const int64_t *list, const int64_t *nk, int64_t count,
+                               int64_t r0, int64_t hq, int64_t h, int64_t gs, const float *kt,
+                               int64_t page, const float *vb, int64_t vs, int64_t d, float scale,
+                               float *acc, float *m, float *l) {
+    for (int64_t x = 0; x < count; x += 4) {
+        const int cnt = count - x < 4 ? (int)(count - x) : 4;
+        const float *qv[4];
+        float *av[4], mt[4], lt[4];
+        int64_t n[4];
+        for (int t = 0; t < 4; t++) {
+            const int64_t e = list[x + (t < cnt ? t : cnt - 1)], r = e / gs, g = e % gs;
+            qv[t] = q + ((r0 + r) * hq + h * gs + g) * d;
+            av[t] = acc + e * d;
+            n[t] = nk[x + (t < cnt ? t : cnt - 1)];
+            mt[t] = m[e]; lt[t] = l[e];
+        }
+        for (int64_t p0 = 0; p0 < page; p0 += 64) {
+            int64_t rest[4], any = 0;
+            for (int t = 0; t < 4; t++) {
+                rest[t] = n[t] - p0 > 64 ? 64 : (n[t] - p0 > 0 ? n[t] - p0 : 0);
+                any |= t < cnt && rest[t] > 0;
+            }
+            if (!any) break;
+            attend_tile(qv, cnt, rest, kt + p0, page, vb + p0 * vs, vs, d, scale, av, mt, lt);
+        }
+        for (int t = 0; t < cnt; t++) { m[list[x + t]] = mt[t]; l[list[x + t]] = lt[t]; }
+    }
+}
+
 /* A group is a run of rows of one sequence in one MSA block (group_start [groups + 1]). For each
    (group, KV head) every block any of its rows selected is read once, transposed, and applied to
    the rows that selected it with an online softmax (fp32).
@@ -31,12 +122,14 @@ void msa_sparse_attention(const float *q, const float *k, const float *v, const 
                           float *out, int64_t max_rows, int64_t hq, int64_t hkv, int64_t d,
                           int64_t page, int64_t top_k, float scale, int threads) {
     const int64_t gs = hq / hkv, key_stride = hkv * d;
+    const int tiled = page % 64 == 0 && d % 64 == 0;
     #pragma omp parallel num_threads(threads)
     {
         float *kt = malloc(sizeof(float) * d * page), *s = malloc(sizeof(float) * gs * page);
         float *acc = malloc(sizeof(float) * max_rows * gs * d);
         float *m = malloc(sizeof(float) * max_rows * gs), *l = malloc(sizeof(float) * max_rows * gs);
         int64_t *next = malloc(sizeof(int64_t) * max_rows);
+        int64_t *list = malloc(sizeof(int64_t) * max_rows * gs), *nk = malloc(sizeof(int64_t) * max_rows * gs);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < groups * hkv; task++) {
             const int64_t grp = task / hkv, h = task % hkv;
@@ -59,6 +152,23 @@ void msa_sparse_attention(const float *q, const float *k, const float *v, const 
                 const float *vb = v + pg * page * key_stride + h * d;
                 for (int64_t p = 0; p < page; p++)
                     for (int64_t i = 0; i < d; i++) kt[i * page + p] = kb[p * key_stride + i];
+                if (tiled) {  /* the query vectors that selected blk, then 4 x 64 tiles */
+                    int64_t count = 0;
+                    for (int64_t r = 0; r < nr; r++) {
+                        const int32_t *sel = selected + ((r0 + r) * hkv + h) * top_k;
+                        if (next[r] >= top_k || sel[next[r]] != blk) continue;
+                        next[r]++;
+                        int64_t n = row_pos[r0 + r] - blk * page + 1;
+                        if (n <= 0) continue;
+                        for (int64_t g = 0; g < gs; g++) {
+                            list[count] = r * gs + g;
+                            nk[count++] = n > page ? page : n;
+                        }
+                    }
+                    attend_block_tiled(q, list, nk, count, r0, hq, h, gs, kt, page, vb, key_stride, d, scale,
+                                       acc, m, l);
+                    continue;
+                }
                 for (int64_t r = 0; r < nr; r++) {
                     const int32_t *sel = selected + ((r0 + r) * hkv + h) * top_k;
                     if (next[r] >= top_k || sel[next[r]] != blk) continue;
@@ -109,7 +219,7 @@ void msa_sparse_attention(const float *q, const float *k, const float *v, const 
                 }
             }
         }
-        free(kt); free(s); free(acc); free(m); free(l); free(next);
+        free(kt); free(s); free(acc); free(m); free(l); free(next); free(list); free(nk);
     }
 }
 """
