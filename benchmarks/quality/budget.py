@@ -2,7 +2,8 @@
 blocks any index may pick). SmolLM2-135M dense vs MSA variants on held-out real text, one L-token
 window, one prefill each, all positions scored.
 
-Variants (`KIND:K:N_INIT:N_LOCAL`, P stays the checkpoint's):
+Variants (`KIND:K:N_INIT:N_LOCAL[:LO-HI]`, P stays the checkpoint's; LO-HI: those layers attend
+densely, as MiniMax's full-attention layers do):
 - `dense`: dense causal attention (SDPA), the reference;
 - `calibrated`: the checkpoint's calibrated index (`msaserve convert`) at top_k=K, n_init, n_local;
 - `keys`: the training-free index (`index_source: keys`, the GGUF converted on load);
@@ -47,18 +48,26 @@ class Variant:
     top_k: int = 16
     n_init: int = 1
     n_local: int = 1
+    dense_layers: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, text: str) -> "Variant":
         kind, *nums = text.split(":")
+        dense: tuple[int, ...] = ()
+        if len(nums) == 4:  # LO-HI: layers LO..HI attend densely
+            lo, hi = map(int, nums.pop().split("-"))
+            dense = tuple(range(lo, hi + 1))
         if kind not in ("dense", "calibrated", "keys", "oracle") or len(nums) not in (0, 3):
             raise SystemExit(f"--variants {text!r} is invalid: allowed dense or "
-                             "calibrated|keys|oracle:K:N_INIT:N_LOCAL")
-        return cls(kind, *map(int, nums)) if nums else cls(kind)
+                             "calibrated|keys|oracle:K:N_INIT:N_LOCAL[:DENSE_LO-DENSE_HI]")
+        return cls(kind, *map(int, nums), dense_layers=dense) if nums else cls(kind)
 
     @property
     def name(self) -> str:
-        return "dense" if self.kind == "dense" else f"{self.kind}_k{self.top_k}_i{self.n_init}_l{self.n_local}"
+        if self.kind == "dense":
+            return "dense"
+        dense = f"_dense{self.dense_layers[0]}-{self.dense_layers[-1]}" if self.dense_layers else ""
+        return f"{self.kind}_k{self.top_k}_i{self.n_init}_l{self.n_local}{dense}"
 
 
 def block_mass(q: torch.Tensor, keys: torch.Tensor, page_size: int, scale: float) -> torch.Tensor:
@@ -100,6 +109,20 @@ def oracle_ops(base: AttentionOps, variant: Variant) -> AttentionOps:
     return dataclasses.replace(base, name="oracle", sparse_prefill=sparse_prefill)
 
 
+def with_dense_layers(base: AttentionOps, layers: tuple[int, ...], num_layers: int) -> AttentionOps:
+    """`base` whose sparse attention is dense causal attention in `layers` (the ops are called once
+    per layer, in order, so a counter knows the layer)."""
+    calls = {"n": 0}
+
+    def sparse_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, selected, *args):
+        layer = calls["n"] % num_layers
+        calls["n"] += 1
+        chosen = None if layer in layers else selected
+        return base.sparse_prefill(q, k_cache, v_cache, block_tables, seq_lens, cu_seqlens_q, chosen, *args)
+
+    return dataclasses.replace(base, sparse_prefill=sparse_prefill)
+
+
 def with_budget(model: MSATransformer, variant: Variant) -> None:
     """Set every layer's selection budget (the attention reads its own config copy)."""
     update = {"top_k": variant.top_k, "n_init": variant.n_init, "n_local": variant.n_local}
@@ -121,7 +144,10 @@ def run_variant(models: dict[str, MSATransformer], variant: Variant, ids: list[i
     model = models["keys" if variant.kind == "keys" else "calibrated"]
     with_budget(model, variant)
     ops = get_ops("msa")
-    return perplexity(model, oracle_ops(ops, variant) if variant.kind == "oracle" else ops, ids)
+    ops = oracle_ops(ops, variant) if variant.kind == "oracle" else ops
+    if variant.dense_layers:
+        ops = with_dense_layers(ops, variant.dense_layers, len(model.layers))
+    return perplexity(model, ops, ids)
 
 
 def main() -> int:
@@ -174,6 +200,7 @@ def print_table(length: int, ppl: dict[str, float], page_size: int) -> None:
     print("-" * len(head))
     for name, value in ppl.items():
         budget = "all" if name == "dense" else str(int(name.split("_k")[1].split("_")[0]) * page_size)
+        budget += "+dense" if "_dense" in name else ""
         ratio = f"{value / ppl['dense']:.4f}" if "dense" in ppl else "-"
         print(f"{name:<28} {budget:>10} {value:>9.4f} {ratio:>8}")
 
