@@ -37,6 +37,8 @@ class MSAAttention(nn.Module):
         self.config = config
         hidden, d = config.hidden_size, config.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, d
+        self.dense = False
+        """Attend densely under every backend (MSATransformer sets it for config.dense_layers)."""
         self.q_proj = nn.Linear(hidden, config.num_heads * d, bias=False)
         self.k_proj = nn.Linear(hidden, config.num_kv_heads * d, bias=False)
         self.v_proj = nn.Linear(hidden, config.num_kv_heads * d, bias=False)
@@ -91,7 +93,7 @@ class MSAAttention(nn.Module):
             layer_ops.rotary_and_write(index_k, rotary.index_cos, rotary.index_sin, True, slots, index_caches)
         if cache.index_scale is not None:
             cache.write_index(slots, k if index_k is None else index_k)
-        if ops.sparse:
+        if ops.sparse and not self.dense:
             index_q = self._index_queries(x, q, index_q, rotary, layer_ops)
             out = attend_sparse(c, q, index_q, meta, cache, ops)
         else:

@@ -61,6 +61,11 @@ class MSAConfig(BaseModel):
         default=1, ge=1,
         description="Blocks ending at the query's own block always selected (≥ 1; n_init + n_local ≤ top_k).",
     )
+    dense_layers: tuple[int, ...] = Field(
+        default=(),
+        description="Layers that attend densely (full causal attention, no block selection) under "
+        "every backend, as MiniMax's full-attention layers; each in 0..num_layers-1.",
+    )
     bos_token_id: int | None = Field(default=None, ge=0, description="Beginning-of-sequence token id.")
     eos_token_id: int | None = Field(default=None, ge=0, description="End-of-sequence token id.")
     pad_token_id: int | None = Field(default=None, ge=0, description="Padding token id.")
@@ -101,6 +106,10 @@ class MSAConfig(BaseModel):
                 f"n_local={self.n_local} is invalid: allowed 1 ≤ n_local ≤ top_k - n_init = "
                 f"{self.top_k - self.n_init}"
             )
+        bad = [i for i in self.dense_layers if not 0 <= i < self.num_layers]
+        if bad:
+            raise ValueError(f"dense_layers={list(self.dense_layers)} is invalid: {bad} outside the allowed "
+                             f"0..num_layers-1 = 0..{self.num_layers - 1}")
         for name in ("bos_token_id", "eos_token_id", "pad_token_id", "image_token_id", "video_token_id"):
             value = getattr(self, name)
             if value is not None and value >= self.vocab_size:
@@ -158,7 +167,8 @@ class MSAConfig(BaseModel):
         """HF-style dict (inverse of `from_hf_dict`), MSA fields under `msa`."""
         data = self.model_dump()
         msa_keys = (
-            "index_source", "num_index_heads", "index_head_dim", "page_size", "top_k", "n_init", "n_local"
+            "index_source", "num_index_heads", "index_head_dim", "page_size", "top_k", "n_init", "n_local",
+            "dense_layers",
         )
         out: dict[str, Any] = {"architectures": ["MSAForCausalLM"], "model_type": "msa"}
         inverse = {ours: hf for hf, ours in _HF_NAMES.items()}
@@ -166,4 +176,5 @@ class MSAConfig(BaseModel):
             if key not in msa_keys:
                 out[inverse.get(key, key)] = value
         out["msa"] = {key: data[key] for key in msa_keys}
+        out["msa"]["dense_layers"] = list(self.dense_layers)
         return out

@@ -47,6 +47,8 @@ class MSATransformer(nn.Module):
         the engine's ModelRunner resolves it once and passes the ops to every forward."""
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        for index in config.dense_layers:
+            self.layers[index].self_attn.dense = True
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (
             None if config.tie_word_embeddings
@@ -82,6 +84,11 @@ class MSATransformer(nn.Module):
             x, residual = layer(x, residual, meta, cache, rotary, ops, layer_ops)
         return self.norm.add_forward(x, residual, layer_ops)[0]
 
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        """Layers that attend densely whatever the backend (config.dense_layers): they read every page."""
+        return tuple(sorted(set(self.config.dense_layers)))
+
     def fuse_projections(self) -> None:
         """Merge each layer's input projections into one GEMM (q/k/v/index, and gate/up). The
         weights become views of the fused tensors, so no memory is added and names still load.
@@ -89,7 +96,8 @@ class MSATransformer(nn.Module):
         if self.layers and self.layers[0].mlp.gate_up_weight is not None:
             return
         for layer in self.layers:
-            layer.self_attn.fuse_projections(index_queries=self.attention_backend != "dense")
+            sparse = self.attention_backend != "dense" and not layer.self_attn.dense
+            layer.self_attn.fuse_projections(index_queries=sparse)
             layer.mlp.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
