@@ -29,18 +29,20 @@ def convert_checkpoint(
 ) -> list[LayerReport]:
     """Write the calibrated MSA checkpoint of dense `source` into `out_dir`; the index is fitted on
     the first `window_tokens` tokens of `calibration_text`. overrides: MSA fields of the conversion
-    (page_size, top_k, n_init, n_local) where the source's loader takes them."""
+    (page_size, top_k, n_init, n_local, where the source's loader takes them; top_k, n_init,
+    n_local and dense_layers for any source)."""
     settings = settings or CalibrationSettings()
     loaded = load_model(source, attention_backend="msa", progress=progress, **overrides)
     c = loaded.config
     if c.index_source == "learned":
         raise ValueError(f"model {source!r} already has a learned MSA index (index_source='learned'): "
                          "convert takes a dense checkpoint")
+    model = initial_index(loaded.model, overrides)  # also where the source's loader took no overrides
+    c = model.config
     ids = loaded.tokenizer.encode(calibration_text)[:window_tokens]
     minimum = c.top_k * c.page_size + 1
     if len(ids) < minimum:
         raise ValueError(f"calibration text gives {len(ids)} tokens: allowed ≥ top_k·P + 1 = {minimum}")
-    model = initial_index(loaded.model)
     if progress:
         print(f"calibrating the index of {c.num_layers} layers on {len(ids)} tokens", file=sys.stderr)
     reports = calibrate(model, [ids], settings, progress=progress)

@@ -237,12 +237,14 @@ class IndexCalibrator:
         return LayerReport(index, before, after, rec, kept)
 
 
-def initial_index(dense: MSATransformer) -> MSATransformer:
+def initial_index(dense: MSATransformer, changes: dict | None = None) -> MSATransformer:
     """The learned-index model equal to the training-free conversion of `dense` (index_source
-    'keys'): index_k_proj = k_proj, index_q_proj = the mean of each group's q_proj rows."""
+    'keys'): index_k_proj = k_proj, index_q_proj = the mean of each group's q_proj rows.
+    changes: other config fields of the converted model (top_k, dense_layers, ...), validated."""
     c = dense.config
-    config = c.model_copy(update={"index_source": "learned", "num_index_heads": c.num_kv_heads,
-                                  "index_head_dim": c.head_dim})
+    update = {"index_source": "learned", "num_index_heads": c.num_kv_heads, "index_head_dim": c.head_dim,
+              **(changes or {})}
+    config = type(c)(**{**c.model_dump(), **update})
     param = next(dense.parameters())
     with torch.device("meta"):
         model = MSATransformer(config, dense.attention_backend)

@@ -83,13 +83,14 @@ def test_convert_writes_a_checkpoint_that_loads_and_serves(tmp_path, capsys) -> 
     text = tmp_path / "calibration.txt"
     text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
     argv = ["convert", "--model", str(source), "--out", str(out), "--calibration-text", str(text),
-            "--tokens", "400", "--steps", "5"]
+            "--tokens", "400", "--steps", "5", "--dense-layers", "1", "--top-k", "3"]
     assert cli_main(argv) == 0
     assert "distillation loss" in capsys.readouterr().out
     report = json.loads((out / REPORT_FILE).read_text())
     assert len(report["layers"]) == 2 and report["calibration_tokens"] == 400
     loaded = load_model(str(out), progress=False)
     assert loaded.config.index_source == "learned" and loaded.config.num_index_heads == 2
+    assert loaded.config.dense_layers == (1,) and loaded.config.top_k == 3
     # The dense weights came through unchanged, beside the fitted index projections.
     torch.testing.assert_close(loaded.model.layers[1].mlp.up_proj.weight, dense.layers[1].mlp.up_proj.weight)
     assert cli_main(["generate", "--model", str(out), "--prompt", "hello", "--max-tokens", "4"]) == 0

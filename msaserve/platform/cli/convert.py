@@ -24,7 +24,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="calibration tokens, from the text's start (> top_k·page_size; default 4096)")
     parser.add_argument("--steps", type=_positive_int, default=CalibrationSettings.steps,
                         help=f"optimiser steps per layer (default {CalibrationSettings.steps})")
+    parser.add_argument("--top-k", type=_positive_int, default=None,
+                        help="blocks each query attends to (default: the source's conversion, 16 for GGUF)")
+    parser.add_argument("--dense-layers", type=_layer_list, default=None,
+                        help="layers that attend densely, e.g. '0-3' or '0,1,5' (default none)")
     parser.set_defaults(func=run)
+
+
+def _layer_list(text: str) -> tuple[int, ...]:
+    """'0-3' → (0, 1, 2, 3); '0,2,5' → (0, 2, 5); '' → ()."""
+    layers: list[int] = []
+    try:
+        for part in filter(None, text.split(",")):
+            lo, _, hi = part.partition("-")
+            layers += range(int(lo), int(hi or lo) + 1)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed layer ids like '0-3' or '0,2,5'") from None
+    return tuple(layers)
 
 
 def _positive_int(text: str) -> int:
@@ -42,7 +58,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     settings = CalibrationSettings(steps=args.steps)
     try:
-        reports = convert_checkpoint(args.model, args.out, text, args.tokens, settings)
+        overrides = {k: v for k, v in (("top_k", args.top_k), ("dense_layers", args.dense_layers))
+                     if v is not None}
+        reports = convert_checkpoint(args.model, args.out, text, args.tokens, settings, **overrides)
     except (ModelFileMissing, CheckpointMismatch, UnsupportedModelType, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
