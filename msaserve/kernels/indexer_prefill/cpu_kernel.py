@@ -68,6 +68,28 @@ static void block_scores_tiled(const float *q, const float *kt, float *out, int6
     }
 }
 
+/* msa_block_scores for page % 64 == 0 with the keys already transposed per block:
+   keys_t [HkI, num_blocks, DI, page] (zero past the last key), so no task transposes a block. */
+void msa_block_scores_tiled(const float *q, const float *keys_t, float *out, int64_t rows, int64_t first,
+                            int64_t hkv, int64_t hki, int64_t di, int64_t page, int64_t num_blocks,
+                            int threads) {
+    const int64_t lead = first % page, groups = (lead + rows + page - 1) / page;
+    #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int64_t task = 0; task < groups * hkv; task++) {
+        const int64_t grp = task / hkv, h = task % hkv, hk = hki == 1 ? 0 : h;
+        int64_t r0 = grp * page - lead, r1 = r0 + page;
+        if (r0 < 0) r0 = 0;
+        if (r1 > rows) r1 = rows;
+        const int64_t last_block = (first + r1 - 1) / page;
+        for (int64_t r = r0; r < r1; r++)
+            for (int64_t j = last_block + 1; j < num_blocks; j++)
+                out[(r * hkv + h) * num_blocks + j] = NEG;
+        for (int64_t j = 0; j <= last_block; j++)
+            block_scores_tiled(q, keys_t + (hk * num_blocks + j) * di * page, out, r0, r1, first, j, hkv, h,
+                               di, page, num_blocks);
+    }
+}
+
 /* q [rows, Hkv, DI] at positions first.. (ascending, consecutive); keys [T, HkI, DI];
    out [rows, Hkv, NB]: out[t, h, j] = max over p in block j, p <= t of <q[t, h], keys[p, h']>. */
 void msa_block_scores(const float *q, const float *keys, float *out, int64_t rows, int64_t first,
@@ -75,7 +97,7 @@ void msa_block_scores(const float *q, const float *keys, float *out, int64_t row
     const int64_t lead = first % page, groups = (lead + rows + page - 1) / page;
     #pragma omp parallel num_threads(threads)
     {
-        float *kt = aligned_alloc(64, (sizeof(float) * di * page + 127) / 64 * 64), *s = malloc(sizeof(float) * page);
+        float *kt = malloc(sizeof(float) * di * page), *s = malloc(sizeof(float) * page);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < groups * hkv; task++) {
             const int64_t grp = task / hkv, h = task % hkv, hk = hki == 1 ? 0 : h;
@@ -92,12 +114,6 @@ void msa_block_scores(const float *q, const float *keys, float *out, int64_t row
                 if (avail > page) avail = page;
                 for (int64_t p = 0; p < avail; p++)
                     for (int64_t i = 0; i < di; i++) kt[i * page + p] = kb[p * hki * di + i];
-                if (page % 64 == 0) {
-                    for (int64_t p = avail; p < page; p++)
-                        for (int64_t i = 0; i < di; i++) kt[i * page + p] = 0.0f;
-                    block_scores_tiled(q, kt, out, r0, r1, first, j, hkv, h, di, page, num_blocks);
-                    continue;
-                }
                 for (int64_t r = r0; r < r1; r++) {
                     int64_t n = first + r - j * page + 1;
                     if (n > page) n = page;
@@ -126,8 +142,9 @@ void msa_block_scores(const float *q, const float *keys, float *out, int64_t row
 def library() -> ctypes.CDLL | None:
     lib = cpu_native.load("msa_block_scores", SOURCE)
     if lib is not None and lib.msa_block_scores.argtypes is None:
-        lib.msa_block_scores.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7 + [ctypes.c_int]
-        lib.msa_block_scores.restype = None
+        for fn in (lib.msa_block_scores, lib.msa_block_scores_tiled):
+            fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7 + [ctypes.c_int]
+            fn.restype = None
     return lib
 
 
@@ -145,8 +162,15 @@ def block_scores(q_index: torch.Tensor, keys: torch.Tensor, first: int, page_siz
     visible = first + rows
     num_blocks = (visible + page_size - 1) // page_size
     q = q_index.float().contiguous()
-    keys = keys[:visible].float().contiguous()
+    keys = keys[:visible].float()
     out = torch.empty(rows, num_heads, num_blocks, dtype=torch.float32)
+    if page_size % 64 == 0:  # the register-tiled kernel, on keys transposed once per block here
+        pad = torch.nn.functional.pad(keys, (0, 0, 0, 0, 0, num_blocks * page_size - visible))
+        keys_t = pad.view(num_blocks, page_size, keys.shape[1], index_dim).permute(2, 0, 3, 1).contiguous()
+        lib.msa_block_scores_tiled(q.data_ptr(), keys_t.data_ptr(), out.data_ptr(), rows, first, num_heads,
+                                   keys.shape[1], index_dim, page_size, num_blocks, torch.get_num_threads())
+        return out.masked_fill_(out <= -1e30, float("-inf"))
+    keys = keys.contiguous()
     lib.msa_block_scores(q.data_ptr(), keys.data_ptr(), out.data_ptr(), rows, first, num_heads,
                          keys.shape[1], index_dim, page_size, num_blocks, torch.get_num_threads())
     return out.masked_fill_(out <= -1e30, float("-inf"))
