@@ -49,13 +49,20 @@ def make_case(tokenizer: Tokenizer, haystack: list[int], length: int, depth: flo
 
 
 def greedy(model: MSATransformer, prompt: list[int], count: int) -> list[int]:
+    """Greedy tokens after one prefill of `prompt`; decode steps on one thread (a step is too small
+    to split, and on the shared machine a second thread waiting for a busy core slows it)."""
     state = SequenceState(model, len(prompt) + count)
     hidden = state.forward(prompt, 0)[-1:]
     out: list[int] = []
-    for i in range(count):
-        out.append(int(model.compute_logits(hidden)[0].argmax()))
-        if i + 1 < count:
-            hidden = state.forward([out[-1]], len(prompt) + i, decode=True)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for i in range(count):
+            out.append(int(model.compute_logits(hidden)[0].argmax()))
+            if i + 1 < count:
+                hidden = state.forward([out[-1]], len(prompt) + i, decode=True)
+    finally:
+        torch.set_num_threads(threads)
     return out
 
 
@@ -84,8 +91,8 @@ def main() -> int:
                     loaded.model.attention_backend = backend
                     ok = greedy(loaded.model, prompt, len(answer)) == answer
                     rows[length][backend].append(ok)
-                print(f"L={length} depth {d}: dense {rows[length]['dense'][-1]} msa {rows[length]['msa'][-1]}",
-                      file=sys.stderr, flush=True)
+                got = {b: rows[length][b][-1] for b in ("dense", "msa")}
+                print(f"L={length} depth {d}: {got}", file=sys.stderr, flush=True)
             write(Path(args.out), rows, meta, loaded.config)
     print_table(rows, loaded.config)
     print(f"\nwrote {args.out}")
@@ -113,7 +120,8 @@ def write(out: Path, rows: dict, meta: dict, config) -> None:
 
 
 def print_table(rows: dict, config) -> None:
-    print(f"\nNeedle retrieval, SmolLM2-135M converted (P={config.page_size} K={config.top_k}), held-out text")
+    print(f"\nNeedle retrieval, SmolLM2-135M converted (P={config.page_size} K={config.top_k}, dense layers "
+          f"{list(config.dense_layers)}), held-out text")
     head = f"{'L':>6} {'dense %':>8} {'MSA %':>8}  per depth (dense/MSA)"
     print(head)
     print("-" * len(head))

@@ -129,7 +129,8 @@ void msa_sparse_attention(const float *q, const float *k, const float *v, const 
         float *acc = malloc(sizeof(float) * max_rows * gs * d);
         float *m = malloc(sizeof(float) * max_rows * gs), *l = malloc(sizeof(float) * max_rows * gs);
         int64_t *next = malloc(sizeof(int64_t) * max_rows);
-        int64_t *list = malloc(sizeof(int64_t) * max_rows * gs), *nk = malloc(sizeof(int64_t) * max_rows * gs);
+        int64_t *list = malloc(sizeof(int64_t) * max_rows * gs);
+        int64_t *nk = malloc(sizeof(int64_t) * max_rows * gs);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < groups * hkv; task++) {
             const int64_t grp = task / hkv, h = task % hkv;

@@ -39,7 +39,8 @@ def _layer_list(text: str) -> tuple[int, ...]:
             lo, _, hi = part.partition("-")
             layers += range(int(lo), int(hi or lo) + 1)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is invalid: allowed layer ids like '0-3' or '0,2,5'") from None
+        message = f"{text!r} is invalid: allowed layer ids like '0-3' or '0,2,5'"
+        raise argparse.ArgumentTypeError(message) from None
     return tuple(layers)
 
 
