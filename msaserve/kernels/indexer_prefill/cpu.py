@@ -1,9 +1,9 @@
 """CPU MSA indexer: the same contract and selections as `naive.py` (the spec), fast.
 
-Block scores come from the C kernel (`cpu_kernel.py`) where it builds; otherwise, per sequence
-and chunk of queries, one batched GEMM [Hkv, Tq, DI] × [Hkv, DI, T] scores every
-visible key; only the keys from the chunk's first block on can lie after a query, so only that
-tail is masked before the block max. Selection is the spec's `select_blocks` (already vectorised).
+Block scores and the selection come from the C kernels (`cpu_kernel.py`) where they build;
+otherwise, per sequence and chunk of queries, one batched GEMM [Hkv, Tq, DI] × [Hkv, DI, T] scores
+every visible key; only the keys from the chunk's first block on can lie after a query, so only that
+tail is masked before the block max, and the selection is the spec's `select_blocks` (vectorised).
 """
 
 import torch
@@ -58,8 +58,7 @@ def indexer_prefill(
         first = length - (end - start)
         if cpu_kernel.supported(q_index):
             scores = cpu_kernel.block_scores(q_index[start:end], keys, first, page_size)
-            positions = torch.arange(first, length, device=q_index.device)
-            out[start:end] = select_blocks(scores, positions, page_size, top_k, n_init, n_local)
+            out[start:end] = cpu_kernel.select_blocks(scores, first, page_size, top_k, n_init, n_local)
             continue
         for q0 in range(start, end, _QUERY_CHUNK):
             q1 = min(q0 + _QUERY_CHUNK, end)

@@ -90,6 +90,53 @@ void msa_block_scores_tiled(const float *q, const float *keys_t, float *out, int
     }
 }
 
+/* The spec's select_blocks (naive.py) for rows at positions first.. : scores [rows, Hkv, NB] →
+   out [rows, Hkv, top_k] int32 ascending, -1 pad. Block c = pos / page; c < top_k: all of 0..c;
+   else the forced blocks (n_local ending at c, n_init leading) and the best free candidates
+   (blocks < c not forced), ranked by score then lower id, kept in a small sorted array. */
+void msa_select_blocks(const float *scores, int32_t *out, int64_t rows, int64_t first, int64_t hkv,
+                       int64_t num_blocks, int64_t page, int64_t top_k, int64_t n_init, int64_t n_local,
+                       int threads) {
+    #pragma omp parallel for schedule(static) num_threads(threads)
+    for (int64_t task = 0; task < rows * hkv; task++) {
+        const int64_t c = (first + task / hkv) / page;
+        const float *s = scores + task * num_blocks;
+        int32_t *o = out + task * top_k;
+        int64_t n = 0;
+        if (c < top_k) {
+            for (int64_t j = 0; j <= c; j++) o[n++] = (int32_t)j;
+        } else {
+            const int64_t local_lo = c - n_local + 1 > 0 ? c - n_local + 1 : 0;
+            for (int64_t j = 0; j < n_init && j < local_lo; j++) o[n++] = (int32_t)j;
+            for (int64_t j = local_lo; j <= c; j++) o[n++] = (int32_t)j;
+            const int64_t free = top_k - n;
+            int32_t best[4096];
+            float best_s[4096];
+            int64_t kept = 0;
+            for (int64_t j = n_init; j < local_lo; j++) {  /* ascending ids: ties keep the earlier */
+                const float v = s[j];
+                if (kept == free && !(v > best_s[kept - 1])) continue;
+                int64_t at = kept < free ? kept++ : free - 1;
+                while (at > 0 && v > best_s[at - 1]) {
+                    best_s[at] = best_s[at - 1];
+                    best[at] = best[at - 1];
+                    at--;
+                }
+                best_s[at] = v;
+                best[at] = (int32_t)j;
+            }
+            for (int64_t x = 0; x < kept; x++) o[n++] = best[x];
+            for (int64_t a = 1; a < n; a++) {  /* ascending ids (n <= top_k, small) */
+                const int32_t v = o[a];
+                int64_t b = a;
+                while (b > 0 && o[b - 1] > v) { o[b] = o[b - 1]; b--; }
+                o[b] = v;
+            }
+        }
+        for (int64_t x = n; x < top_k; x++) o[x] = -1;
+    }
+}
+
 /* q [rows, Hkv, DI] at positions first.. (ascending, consecutive); keys [T, HkI, DI];
    out [rows, Hkv, NB]: out[t, h, j] = max over p in block j, p <= t of <q[t, h], keys[p, h']>. */
 void msa_block_scores(const float *q, const float *keys, float *out, int64_t rows, int64_t first,
@@ -145,6 +192,8 @@ def library() -> ctypes.CDLL | None:
         for fn in (lib.msa_block_scores, lib.msa_block_scores_tiled):
             fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 7 + [ctypes.c_int]
             fn.restype = None
+        lib.msa_select_blocks.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8 + [ctypes.c_int]
+        lib.msa_select_blocks.restype = None
     return lib
 
 
@@ -174,3 +223,17 @@ def block_scores(q_index: torch.Tensor, keys: torch.Tensor, first: int, page_siz
     lib.msa_block_scores(q.data_ptr(), keys.data_ptr(), out.data_ptr(), rows, first, num_heads,
                          keys.shape[1], index_dim, page_size, num_blocks, torch.get_num_threads())
     return out.masked_fill_(out <= -1e30, float("-inf"))
+
+
+def select_blocks(scores: torch.Tensor, first: int, page_size: int, top_k: int, n_init: int,
+                  n_local: int) -> torch.Tensor:
+    """As `naive.select_blocks` for rows at positions first.. (consecutive): scores [Tq, Hkv, NB]
+    fp32 → [Tq, Hkv, top_k] int32, ascending, -1 pad."""
+    lib = library()
+    assert lib is not None, "select_blocks called where supported() is False"
+    rows, num_heads, num_blocks = scores.shape
+    scores = scores.float().contiguous()
+    out = torch.empty(rows, num_heads, top_k, dtype=torch.int32)
+    lib.msa_select_blocks(scores.data_ptr(), out.data_ptr(), rows, first, num_heads, num_blocks, page_size,
+                          top_k, n_init, n_local, torch.get_num_threads())
+    return out
