@@ -101,6 +101,8 @@ def main() -> int:
     parser.add_argument("--text", default=str(ROOT / "benchmarks/data/quality_eval_text.txt"))
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192])
     parser.add_argument("--recall-queries", type=int, default=256)
+    parser.add_argument("--columns", nargs="+", default=list(COLUMNS), choices=list(COLUMNS),
+                        help="which perplexities to measure (default all; dense is the reference)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/quality.json"))
     args = parser.parse_args()
     torch.set_grad_enabled(False)
@@ -109,6 +111,12 @@ def main() -> int:
             "text": "benchmarks/data/quality_eval_text.txt (pydoc_data topics assert..compound, PSF licence)"}
     models = {"source": load_model("smollm2", attention_backend="dense", progress=False),
               "checkpoint": load_model(args.checkpoint, attention_backend="msa", progress=False)}
+    c = models["checkpoint"].config
+    dense = f", dense layers {list(c.dense_layers)}" if c.dense_layers else ""
+    meta["msa_model"] = (f"{args.checkpoint}: calibrated index, P={c.page_size} K={c.top_k} "
+                         f"n_init={c.n_init} n_local={c.n_local}{dense}; rope as the source "
+                         f"(theta {c.rope_theta:g}, "
+                         f"no scaling; native context {c.max_position_embeddings})")
     ids = models["source"].tokenizer.encode(Path(args.text).read_text())
     ppl: dict[int, dict[str, float]] = {}
     recalls: list[dict[str, float]] = []
@@ -116,6 +124,8 @@ def main() -> int:
         for length in args.lengths:
             ppl[length] = {}
             for column, (which, backend) in COLUMNS.items():
+                if column not in args.columns:
+                    continue
                 ppl[length][column] = perplexity(models[which].model, backend, ids[:length])
                 print(f"L={length} {column}: ppl {ppl[length][column]:.4f}", file=sys.stderr)
             write(Path(args.out), ppl, recalls, meta)
@@ -136,13 +146,16 @@ def write(out: Path, ppl: dict, recalls: list, meta: dict) -> None:
     for length, row in ppl.items():
         tag = f"{length // 1024}k"
         put(f"smollm2_ppl_dense_{tag}", row["dense"], "perplexity")
-        put(f"smollm2_ppl_msa_keys_{tag}", row["keys"], "perplexity",
-            "training-free index (index_source keys)")
-        put(f"smollm2_ppl_msa_{tag}", row["calibrated"], "perplexity", "calibrated index (msaserve convert)")
-        put(f"smollm2_ppl_ratio_msa_keys_over_dense_{tag}", row["keys"] / row["dense"], "ratio",
-            "training-free index (index_source keys)")
-        put(f"smollm2_ppl_ratio_msa_over_dense_{tag}", row["calibrated"] / row["dense"], "ratio",
-            "calibrated index (msaserve convert)")
+        if "keys" in row:
+            put(f"smollm2_ppl_msa_keys_{tag}", row["keys"], "perplexity",
+                "training-free index (index_source keys)")
+            put(f"smollm2_ppl_ratio_msa_keys_over_dense_{tag}", row["keys"] / row["dense"], "ratio",
+                "training-free index (index_source keys)")
+        if "calibrated" in row:
+            put(f"smollm2_ppl_msa_{tag}", row["calibrated"], "perplexity",
+                "calibrated index (msaserve convert)")
+            put(f"smollm2_ppl_ratio_msa_over_dense_{tag}", row["calibrated"] / row["dense"], "ratio",
+                "calibrated index (msaserve convert)")
     if recalls:
         for name in recalls[0]:
             mean = sum(r[name] for r in recalls) / len(recalls)
@@ -152,14 +165,16 @@ def write(out: Path, ppl: dict, recalls: list, meta: dict) -> None:
 
 
 def print_table(ppl: dict, recalls: list, recall_length: int) -> None:
-    print("\nSmolLM2-135M, held-out pydoc text; MSA P=64 K=16")
+    print("\nSmolLM2-135M, held-out pydoc text (MSA settings: the entries' msa_model)")
     head = f"{'L':>6} {'ppl dense':>10} {'ppl keys':>10} {'ppl calib':>10} {'keys/dense':>11} " \
         f"{'calib/dense':>12}"
     print(head)
     print("-" * len(head))
+    nan = float("nan")
     for length, row in ppl.items():
-        print(f"{length:>6} {row['dense']:>10.4f} {row['keys']:>10.4f} {row['calibrated']:>10.4f} "
-              f"{row['keys'] / row['dense']:>11.4f} {row['calibrated'] / row['dense']:>12.4f}")
+        keys, calibrated = row.get("keys", nan), row.get("calibrated", nan)
+        print(f"{length:>6} {row['dense']:>10.4f} {keys:>10.4f} {calibrated:>10.4f} "
+              f"{keys / row['dense']:>11.4f} {calibrated / row['dense']:>12.4f}")
     if recalls:
         print(f"\nattention-mass recall of the selected blocks at L={recall_length} (per layer)")
         print(f"{'layer':>5} {'keys':>7} {'calib':>7} {'quest':>7}")
