@@ -192,3 +192,17 @@ def test_the_engine_selector_never_offers_a_per_shape_compiled_candidate(monkeyp
     assert "flex" not in offered
     assert set(offered) == {n for n, c in candidates.CANDIDATES.items() if not c.exact_shape}
     assert "sdpa_default" in offered
+
+
+def test_batch_sizes_of_one_bucket_share_a_measurement() -> None:
+    """A continuous batch decodes 5 sequences in one step and 7 in the next: one measurement serves
+    both (exact batch sizes made the dense engine measure in most mixed steps at concurrency 32)."""
+    timer = Timings({"a": 1.0, "b": 2.0})
+    sel = DenseSelector({"a": fake("a"), "b": fake("b")}, timer=timer)
+    for batch in (5, 7, 8):
+        q, k, v = inputs(1, 40, batch=batch, seed=batch)
+        torch.testing.assert_close(sel.attention(q, k, v, 0.25).double(), reference(q, k, v, 0.25),
+                                   atol=1e-5, rtol=1e-4)
+    assert sel.measurements == 1 and key_for(*inputs(1, 40, batch=5)[:2]).batch == 8
+    sel.attention(*inputs(1, 40, batch=9), 0.25)  # the next bucket: measured
+    assert sel.measurements == 2
