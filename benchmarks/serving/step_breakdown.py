@@ -3,13 +3,14 @@ MLP, and the rest (embedding, norms, residuals, LM head, sampling, step inputs).
 
 The engine's steps run eagerly (its decode CUDA graphs set aside: a replayed graph's kernels
 cannot be told apart by module) under torch.profiler. Each module of interest runs inside a
-`record_function` range, and every GPU kernel counts for the innermost range it was launched in
-(on the CPU, each op's own CPU time does). The MSA / dense attention ops (sparse and dense
-prefill / decode, indexer prefill / decode) are timed instead by CUDA events around each call:
-their Triton kernels are launched by Triton's own launcher, which the profiler does not link to
-the calling range (an H200 run credited the dense decode kernel to no part at all: dense and MSA
-decode steps then showed the same attention time). Kernel time only: launch gaps, which the
-graphs remove, are left out, so the parts add up to the GPU work of a step, not to its wall time.
+`record_function` range, and so does each MSA / dense attention op; every GPU kernel counts
+for the innermost range it was launched in (on the CPU, each op's own CPU time does). Kernels
+the profiler links to no range — Triton's launcher calls the driver directly, and an H200 run
+credited the dense paged-decode kernel and MSA's Triton kernels to no part at all, so dense and
+MSA decode steps showed the same attention time — count by their name for the part whose
+package defines them (msaserve/kernels/<op>: indexer_* → indexer, moe → moe, sparse_*, dense,
+rotary and the shared LSE merge → attention; layer_ops → rest). Kernel time only: launch gaps, which the graphs remove, are
+left out, so the parts add up to the GPU work of a step, not to its wall time.
 
   attention  q/k/v/o projections, QK norms, rotary, K/V cache writes, and the attention kernels
              (sparse over the selected blocks, or dense)
@@ -31,37 +32,14 @@ from torch.autograd.profiler import record_function
 
 PARTS = ("attention", "indexer", "moe", "dense_mlp", "rest")
 _PREFIX = "part:"
-_OP_PREFIX = "op:"  # an attention op's range: its kernels are counted by its CUDA events, not here
 _OP_PARTS = {"indexer_prefill": "indexer", "indexer_decode": "indexer", "sparse_prefill": "attention",
              "sparse_decode": "attention", "dense_prefill": "attention", "dense_decode": "attention"}
 
 
-class OpTimes:
-    """CUDA event pairs around the attention ops' calls, per part (empty on the CPU)."""
-
-    def __init__(self) -> None:
-        self.pairs: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
-
-    def ms(self) -> dict[str, float]:
-        totals: dict[str, float] = defaultdict(float)
-        for part, start, end in self.pairs:
-            end.synchronize()
-            totals[part] += start.elapsed_time(end)
-        return totals
-
-
-def _labelled(fn: Callable, part: str, times: OpTimes) -> Callable:
+def _labelled(fn: Callable, part: str) -> Callable:
     def run(*args, **kwargs):
-        cuda = any(isinstance(a, torch.Tensor) and a.is_cuda for a in (*args, *kwargs.values()))
-        with record_function((_OP_PREFIX if cuda else _PREFIX) + part):
-            if not cuda:
-                return fn(*args, **kwargs)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            out = fn(*args, **kwargs)
-            end.record()
-            times.pairs.append((part, start, end))
-            return out
+        with record_function(_PREFIX + part):
+            return fn(*args, **kwargs)
 
     return run
 
@@ -75,10 +53,8 @@ def _module_parts(model: nn.Module) -> Iterator[tuple[nn.Module, str]]:
 
 
 @contextmanager
-def labelled_engine(engine, times: OpTimes | None = None) -> Iterator[None]:
-    """Inside: the engine's model modules and attention ops run in labelled ranges, eagerly; on
-    CUDA the attention ops' times go to `times`."""
-    times = times if times is not None else OpTimes()
+def labelled_engine(engine) -> Iterator[None]:
+    """Inside: the engine's model modules and attention ops run in labelled ranges, eagerly."""
     runner = engine.runner
     handles = []
     for module, part in _module_parts(engine.model):
@@ -92,7 +68,7 @@ def labelled_engine(engine, times: OpTimes | None = None) -> Iterator[None]:
 
         handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
     ops, graphs = runner.ops, runner.graphs
-    runner.ops = dataclasses.replace(ops, **{name: _labelled(getattr(ops, name), part, times)
+    runner.ops = dataclasses.replace(ops, **{name: _labelled(getattr(ops, name), part)
                                              for name, part in _OP_PARTS.items()})
     runner.graphs = None
     try:
@@ -103,31 +79,60 @@ def labelled_engine(engine, times: OpTimes | None = None) -> Iterator[None]:
             handle.remove()
 
 
-def _part_of(event) -> str | None:
-    """The innermost labelled range's part; None inside a CUDA-event-timed op."""
+def _part_of(event) -> str:
     while event is not None:
-        if event.name.startswith(_OP_PREFIX):
-            return None
         if event.name.startswith(_PREFIX):
             return event.name[len(_PREFIX):]
         event = event.cpu_parent
     return "rest"
 
 
+def kernel_parts() -> dict[str, str]:
+    """Triton kernel name → part, from the msaserve.kernels package that defines it."""
+    import sys
+
+    parts: dict[str, str] = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("msaserve.kernels."):
+            continue
+        package = module_name.split(".")[2]
+        part = ("indexer" if package.startswith("indexer") else "moe" if package == "moe" else
+                "attention" if package.startswith(("sparse", "dense", "rotary", "triton_common")) else "rest")
+        for value in vars(module).values():
+            fn = value
+            while hasattr(fn, "fn") and not callable(getattr(fn, "__wrapped__", None)) and fn is not fn.fn:
+                fn = fn.fn  # Autotuner / Heuristics → JITFunction → the Python function
+            if fn is not value and callable(fn) and hasattr(fn, "__name__"):
+                parts[fn.__name__] = part
+    return parts
+
+
 def attribute(events, device: str) -> dict[str, float]:
     """Milliseconds per part over the profiled events: GPU kernel time on CUDA, self CPU time on
     the CPU."""
     totals: dict[str, float] = defaultdict(float)
+    linked: dict[str, float] = defaultdict(float)
     for event in events:
         if event.device_type.name != "CPU" or event.is_async:
             continue
         if device == "cuda":
             micros = sum(kernel.duration for kernel in event.kernels)
+            for kernel in event.kernels:
+                linked[kernel.name] += kernel.duration
         else:
             micros = 0.0 if event.name.startswith(_PREFIX) else event.self_cpu_time_total
-        part = _part_of(event)
-        if micros and part is not None:
-            totals[part] += micros / 1000
+        if micros:
+            totals[_part_of(event)] += micros / 1000
+    if device == "cuda":  # kernels linked to no CPU range: by name
+        on_device: dict[str, float] = defaultdict(float)
+        for event in events:
+            if event.device_type.name == "CUDA":
+                on_device[event.name] += event.time_range.end - event.time_range.start
+        parts = kernel_parts()
+        for name, micros in on_device.items():
+            orphan = micros - linked.get(name, 0.0)
+            if orphan > 1e-6 * micros:
+                totals[parts.get(name, "rest")] += orphan / 1000
     return {part: totals.get(part, 0.0) for part in PARTS}
 
 
@@ -142,16 +147,14 @@ def profile_steps(engine, num_steps: int, device: str, warmup_steps: int = 1) ->
         for _ in range(warmup_steps):
             if engine.has_unfinished():
                 engine.step()
-    steps, times = 0, OpTimes()
-    with labelled_engine(engine, times), profile(activities=activities) as prof:
+    steps = 0
+    with labelled_engine(engine), profile(activities=activities) as prof:
         while steps < num_steps and engine.has_unfinished():
             engine.step()
             steps += 1
         if device == "cuda":
             torch.cuda.synchronize()
     totals = attribute(prof.events(), device)
-    for part, ms in times.ms().items():
-        totals[part] += ms
     per_step = {part: value / max(1, steps) for part, value in totals.items()}
     per_step["total"] = sum(per_step[p] for p in PARTS)
     per_step["steps"] = steps
