@@ -9,8 +9,9 @@ the profiler links to no range — Triton's launcher calls the driver directly, 
 credited the dense paged-decode kernel and MSA's Triton kernels to no part at all, so dense and
 MSA decode steps showed the same attention time — count by their name for the part whose
 package defines them (msaserve/kernels/<op>: indexer_* → indexer, moe → moe, sparse_*, dense,
-rotary and the shared LSE merge → attention; layer_ops → rest). Kernel time only: launch gaps, which the graphs remove, are
-left out, so the parts add up to the GPU work of a step, not to its wall time.
+rotary and the shared LSE merge → attention; layer_ops → rest). Kernel time only: launch gaps,
+which the graphs remove, are left out, so the parts add up to the GPU work of a step, not to its
+wall time.
 
   attention  q/k/v/o projections, QK norms, rotary, K/V cache writes, and the attention kernels
              (sparse over the selected blocks, or dense)
