@@ -126,6 +126,27 @@ class DenseSelector:
         self._save()
         return choice
 
+    def pretune(self, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device | str, q_lens: list[int], max_kv_len: int) -> int:
+        """Measure now, on random inputs, every key that prefill chunks of `q_lens` tokens over up to
+        `max_kv_len` keys will meet (batch 1: the prefill op runs per sequence; KV buckets from the
+        chunk's own length up to bucket(max_kv_len)), so that no measurement runs inside a serving
+        step or a timed benchmark. Returns how many keys were measured (0 on the CPU without a timer:
+        nothing is timed there)."""
+        device = torch.device(device)
+        if device.type == "cpu" and self.timer is None:
+            return 0
+        before, scale = self.measurements, 1.0 / head_dim ** 0.5
+        for q_len in sorted({bucket(n) for n in q_lens}):
+            kv_len = q_len
+            while kv_len <= max(q_len, bucket(max_kv_len)):
+                q = torch.randn(1, q_heads, q_len, head_dim, dtype=dtype, device=device)
+                k, v = (torch.randn(1, kv_heads, kv_len, head_dim, dtype=dtype, device=device) for _ in "kv")
+                self.attention(q, k, v, scale)
+                del q, k, v
+                kv_len *= 2
+        return self.measurements - before
+
     def record(self, key: ShapeKey, choice: Choice) -> None:
         """Store a choice measured elsewhere (bench_dense.py --selector-cache writes a cache file the
         engine then reads, so a serving process measures nothing)."""
