@@ -15,6 +15,7 @@ from msaserve.engine.kv.residency import WorkingSet
 from msaserve.engine.kv.resident_session import ResidentSession
 from msaserve.kernels import get_ops
 from msaserve.kernels.page_gather import gather_pages_naive, host_view
+from msaserve.kernels.residency import admit_naive
 from msaserve.models.minimax_m3.model import M3ForCausalLM
 from msaserve.models.minimax_m3.random_weights import init_m3_random_weights
 from msaserve.models.presets import M3_MINI_SMALL, get_preset
@@ -97,3 +98,28 @@ def test_m3_sparse_resident_session_decodes_the_resident_tokens(m3):
             got.append(int(torch.argmax(m3.compute_logits(hidden)[0])))
     assert got == want
     assert session.stats.pages_fetched > steps and session.stats.evictions > 0
+
+
+def test_admit_triton_matches_the_reference_tables_and_slots():
+    """The one-program admission (interpreted) against the tensor-op reference, step by step, on
+    selections with repeats and -1, through evictions."""
+    (module,) = import_interpreted("msaserve.kernels.residency.triton")
+    num_slots, ring, max_pages = 20, 3, 70
+    tables = []
+    for _ in range(2):
+        page_in = torch.full((num_slots + 1,), -1, dtype=torch.int64)
+        page_in[1] = 50  # the write page in its ring slot
+        slot_of = torch.full((max_pages + 1,), -1, dtype=torch.int32)
+        slot_of[50] = 1
+        tables.append((slot_of, page_in, torch.full((num_slots + 1,), -1, dtype=torch.int64),
+                       torch.zeros(3, dtype=torch.int64)))
+    gen = torch.Generator().manual_seed(2)
+    for step in range(1, 30):
+        selected = torch.randint(-1, 51, (1, 1, 4, 4), generator=gen)
+        want = admit_naive(selected, *tables[0], step, ring)
+        got = module.admit_triton(selected, *tables[1], step, ring)
+        hit = want[0] >= 0
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1][hit], want[1][hit]), step
+        for a, b in zip(tables[0], tables[1], strict=True):
+            assert torch.equal(a[:-1], b[:-1]), step  # the spare entries take any value
+    assert tables[1][3][1] > 0  # evictions happened

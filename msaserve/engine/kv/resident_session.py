@@ -22,8 +22,8 @@ from collections.abc import Sequence
 import torch
 
 from msaserve.engine.kv.adoption import LazyPageFetcher
-from msaserve.engine.kv.host_tier import HostKV, ServiceSource
 from msaserve.engine.kv.device_working_set import DeviceWorkingSet
+from msaserve.engine.kv.host_tier import HostKV, ServiceSource
 from msaserve.kernels import AttentionOps
 from msaserve.kernels.page_gather import gather_pages, host_view
 from msaserve.kvcache.client import KVCacheClient
@@ -43,6 +43,8 @@ class ResidencyStats:
     bytes_fetched: int = 0
     pages_written_back: int = 0
     evictions: int = 0
+    host_steps: int = 0
+    """(layer, step) pairs whose misses went through the host (a sync): see `synced_steps`."""
     fetch_log: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)
     """(step, layer, pages) of every fetch that went through the host (steps of an adopted
     session while pages are still in the service), in order (the first 10,000)."""
@@ -217,6 +219,7 @@ class ResidentSession:
         if not self.synced_steps:
             gather_pages(self.pools[layer], dst, self._host_src[layer], src)
             return
+        self._stats.host_steps += 1
         flat = torch.cat([selected.reshape(-1).long(), dst]).tolist()
         chosen, slots = flat[: dst.numel()], flat[dst.numel():]
         self.last_selected[layer] = list(dict.fromkeys(p for p in chosen if p >= 0))

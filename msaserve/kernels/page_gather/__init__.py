@@ -14,7 +14,8 @@ from msaserve.kernels.page_gather.naive import gather_pages_naive
 from msaserve.kernels.page_gather.uva import host_view
 
 
-def gather_pages(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor, src_pages: torch.Tensor) -> None:
+def gather_pages(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
+                 src_pages: torch.Tensor) -> None:
     """dst [S, ...] and src [N, ...] pages of one shape; dst_slots, src_pages [M] int (-1 in
     dst_slots: skip). Triton on CUDA (no host sync), the naive reference elsewhere."""
     if dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
