@@ -57,7 +57,8 @@ def _admit_kernel(selected, slot_of, page_in, last_used, counters, dst_out, src_
 
 
 def admit_triton(selected: torch.Tensor, slot_of: torch.Tensor, page_in: torch.Tensor,
-                 last_used: torch.Tensor, counters: torch.Tensor, step: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+                 last_used: torch.Tensor, counters: torch.Tensor, step: int,
+                 ring: int) -> tuple[torch.Tensor, torch.Tensor]:
     for name, t, dtype in (("slot_of", slot_of, torch.int32), ("page_in", page_in, torch.int64),
                            ("last_used", last_used, torch.int64), ("counters", counters, torch.int64)):
         if t.dtype != dtype or not t.is_contiguous():
