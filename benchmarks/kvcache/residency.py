@@ -393,7 +393,8 @@ def main() -> None:
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.05, 0.10, 0.25])
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument(
-        "--prefetch-items", type=int, default=64, help="(page, layer) service reads in flight"
+        "--prefetch-items", type=int, default=1 << 16,
+        help="(page, layer) background service reads queued (default: every page)"
     )
     parser.add_argument("--output", default=None)
     args = parser.parse_args()

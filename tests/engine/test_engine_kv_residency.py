@@ -132,3 +132,22 @@ def test_working_set_keeps_the_write_ring_and_recently_selected_pages():
     assert working.place_write_page(12) == (0, 10)  # page 10 leaves the ring (written back before)
     with pytest.raises(ResidencyBudgetError, match="selected 5 pages"):
         working.admit([20, 21, 22, 23, 24], step=4)
+
+
+def test_adopted_session_filled_in_the_background_stops_syncing_and_keeps_the_tokens(model, resident):
+    """With a prefetch window over every stored page, the worker thread fills the host tier; from
+    the step it holds every page on, the misses are admitted and copied with no host round trip."""
+    prompt, state, want = resident
+    identity = identity_for(model.config, "tiny@seed0", torch.float32)
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity)
+    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
+                                       tail=True)
+    session, _ = ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=12,
+                                       max_pages=state.max_pages, device=torch.device("cpu"),
+                                       dtype=torch.float32)
+    session.prefetch(10_000)
+    session.host.wait_all()
+    assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=10_000) == want
+    assert not session.synced_steps
+    assert session.stats.host_steps == 0 and session.stats.pages_fetched > STEPS
+    assert all(kind == "prefetch" for kind, _ in session.host.service_log)

@@ -268,8 +268,10 @@ class ResidentSession:
                 for p in dict.fromkeys(forced + pages)]
 
     def prefetch(self, max_items: int) -> int:
-        """Service reads into the host tier, predicted pages first (an adopted session)."""
-        self.host.poll()
+        """Background service reads into the host tier, predicted pages first (an adopted
+        session), until it holds every page: steps need no host sync from then on."""
+        if self._host_complete:
+            return 0
         return self.host.prefetch(self.predicted(), max_items)
 
     @property
