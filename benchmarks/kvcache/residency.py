@@ -63,11 +63,11 @@ def sparse_decode(
         for step in range(steps):
             sync(device)
             t0 = time.perf_counter()
+            if prefetch_items:  # background reads queued after the previous token went out
+                session.prefetch(prefetch_items)
             meta = session.decode_metadata(start + step)
             hidden = model(torch.tensor([tokens[-1]], device=device), meta, session.caches, ops=wrapped)
             tokens.append(int(torch.argmax(model.compute_logits(hidden)[0])))
-            if prefetch_items:
-                session.prefetch(prefetch_items)
             sync(device)
             times.append(time.perf_counter() - t0)
     return tokens[1:], times
@@ -257,7 +257,7 @@ def adopt_and_decode(
     index_s = time.perf_counter() - t0
     assert covered == args.context, (covered, args.context)
     last = int(token_ids.result()[-1])
-    got, times = sparse_decode(model, ops, session, last, args.context, 1, prefetch)
+    got, times = sparse_decode(model, ops, session, last, args.context, 1)  # prefetch starts after it
     ttft = time.perf_counter() - t0
     rest, rest_times = sparse_decode(
         model, ops, session, got[0], args.context + 1, args.adopt_steps - 1, prefetch

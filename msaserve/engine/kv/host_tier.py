@@ -69,6 +69,8 @@ class HostKV:
         """page_shape: (P, Hkv, D). source: where pages not offloaded or written back come from."""
         self.data = torch.empty(num_layers, max_pages, 2, *page_shape, dtype=dtype, pin_memory=pin)
         self.present = torch.zeros(num_layers, max_pages, dtype=torch.bool)
+        self._requested = torch.zeros(num_layers, max_pages, dtype=torch.bool)
+        """[L, max_pages] queued for a background read once (a failed one is left to demand)."""
         self.source = source
         self._pending: list[tuple[Future, list[tuple[int, int]]]] = []
         self._worker: ThreadPoolExecutor | None = None
@@ -83,6 +85,7 @@ class HostKV:
         """Reuse this (pinned) memory for another session: nothing present, pages from `source`."""
         self.wait_all()
         self.present.zero_()
+        self._requested.zero_()
         self.source, self.service_log, self.service_reads, self.service_bytes = source, [], 0, 0
         return self
 
@@ -134,33 +137,35 @@ class HostKV:
         """Keep up to max_items (page, layer) service reads queued on the worker thread, in reads
         of `chunk` items: the `predicted` items first (in the order given), then the newest pages
         of every layer. Returns the items started. The worker runs one read at a time, so a
-        demand read waits behind at most one chunk in the shards' queues."""
+        demand read waits behind at most one chunk in the shards' queues; the queue is topped up
+        only once half of it has run (building it costs the decode thread)."""
         if self.source is None:
             return 0
         self.poll()
-        budget = max_items - sum(len(items) for _, items in self._pending)
-        if budget < min(chunk, max_items):
+        queued = sum(len(items) for _, items in self._pending)
+        if queued > max_items // 2:
             return 0
-        requested = {item for _, items in self._pending for item in items}
-        present = self.present.numpy()
+        budget = max_items - queued
+        stored = len(self.source.hashes)
+        # Absent and not asked for yet, [L, stored pages]; set the wanted ones as we go.
+        open_ = ~(self.present[:, :stored] | self._requested[:, :stored]).numpy()
         wanted: list[tuple[int, int]] = []
-
-        def want(item: tuple[int, int]) -> bool:
-            page, layer = item
-            stored = 0 <= page < len(self.source.hashes)
-            if stored and not present[layer, page] and item not in requested:
-                requested.add(item)
-                wanted.append(item)
-            return len(wanted) >= budget
-
-        done = any(want(item) for item in predicted)
-        if not done:  # then the newest pages (numpy: this runs between decode steps)
-            absent = ~present[:, : len(self.source.hashes)]  # [L, pages]
-            for page in np.flatnonzero(absent.any(axis=0))[::-1].tolist():
-                if any(want((page, layer)) for layer in np.flatnonzero(absent[:, page]).tolist()):
-                    break
-        if wanted and self._worker is None:
+        for page, layer in predicted:
+            if len(wanted) >= budget:
+                break
+            if 0 <= page < stored and open_[layer, page]:
+                open_[layer, page] = False
+                wanted.append((page, layer))
+        if len(wanted) < budget:  # then the newest pages, every absent layer of each
+            pages_rev, layers = np.nonzero(open_[:, ::-1].T)  # page-major, newest first
+            take = budget - len(wanted)
+            wanted += list(zip((stored - 1 - pages_rev[:take]).tolist(), layers[:take].tolist(), strict=True))
+        if not wanted:
+            return 0
+        if self._worker is None:
             self._worker = ThreadPoolExecutor(1, thread_name_prefix="host-tier-fill")
+        index = torch.tensor(wanted, dtype=torch.long)
+        self._requested[index[:, 1], index[:, 0]] = True
         for start in range(0, len(wanted), chunk):
             items = wanted[start : start + chunk]
             self._pending.append((self._worker.submit(self._fill, self.source, items), items))
