@@ -1,17 +1,22 @@
 """A session that decodes with every index page on the GPU and only a working set of its K/V.
 
 Per MSA layer the session owns an index cache of `max_pages` pages (logical page = physical page)
-and a K/V pool of `budget_pages` slots (`residency.WorkingSet`). A decode step:
+and a K/V pool of `budget_pages` slots, whose policy (`residency.WorkingSet`'s) runs on the device
+(`device_working_set.DeviceWorkingSet`). A decode step:
 1. `decode_metadata(position)` — on a page boundary the page just filled is written back to the
    host tier (write-behind) and the new page takes its ring slot; the new token's K/V go to that
    slot (`AttentionMetadata.kv_slot_mapping`), its index key to its logical page;
-2. the wrapped `indexer_decode` (`wrap_ops`) selects blocks over the resident index, then the
-   selected pages that are not resident are copied in from the host tier (which reads an adopted
-   session's pages from the KV cache service on first use) — before attention reads them;
+2. the wrapped `indexer_decode` (`wrap_ops`) selects blocks over the resident index; the device
+   admits the selection (`kernels/residency`) and one launch copies the misses from the pinned
+   host tier (`kernels/page_gather`, through a UVA view on CUDA) — in stream order, before
+   attention reads them, with no host sync. Only while the host tier lacks pages (an adopted
+   session whose pages are still in the KV cache service) does the host read each layer's misses
+   (one sync) and make them present first;
 3. the wrapped `sparse_decode` attends through the layer's logical page → slot table.
 The K/V read are bit for bit the fully resident session's, so greedy tokens are identical.
-After a step, `prefetch` keeps service reads in flight in predicted order (each layer's previous
-selection and the local window first, then the newest pages), never in page order.
+Between steps, `prefetch` queues background service reads on the host tier's worker thread in
+predicted order (each layer's previous selection and the local window first, then the newest
+pages), never in page order, until the host tier holds every page.
 
 Layers that attend densely (no index branch) would read every page: not supported here.
 """
