@@ -151,3 +151,16 @@ def test_adopted_session_filled_in_the_background_stops_syncing_and_keeps_the_to
     assert not session.synced_steps
     assert session.stats.host_steps == 0 and session.stats.pages_fetched > STEPS
     assert all(kind == "prefetch" for kind, _ in session.host.service_log)
+
+
+def test_without_a_host_view_the_host_reads_the_misses_and_the_tokens_stay(model, resident):
+    """The fallback where no UVA view of the pinned tier can be made (on CUDA): each layer's
+    misses are read on the host (one sync) and copied page by page."""
+    _, state, want = resident
+    session = ResidentSession.offload(model.config, state.caches, PROMPT_LEN, budget_pages=10,
+                                      max_pages=state.max_pages)
+    session._host_src = None
+    assert session.synced_steps
+    assert decode(model, session, want[0], PROMPT_LEN, STEPS) == want
+    assert session.stats.host_steps == STEPS * model.config.num_layers
+    assert len(session.stats.fetch_log) > 0 and session.stats.pages_fetched > STEPS

@@ -84,6 +84,8 @@ class HostKV:
     def reset(self, source: ServiceSource | None) -> "HostKV":
         """Reuse this (pinned) memory for another session: nothing present, pages from `source`."""
         self.wait_all()
+        if self.data.is_pinned():  # kernels of the last session may still read it (UVA): let them end
+            torch.cuda.synchronize()
         self.present.zero_()
         self._requested.zero_()
         self.source, self.service_log, self.service_reads, self.service_bytes = source, [], 0, 0
