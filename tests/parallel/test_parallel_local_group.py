@@ -85,7 +85,10 @@ def test_step_message_round_trip_keeps_every_tensor():
         plain.add_request(GenerateRequest(f"r{i}", prompt(length, seed=i), SamplingParams(max_tokens=4)))
     batch = plain.scheduler.schedule()  # r0 mid-prefill (48-token budget): a partial sample row set
     inputs = build_step_inputs(batch, plain.page_size, torch.device("cpu"))
-    ids, meta = StepMessage.pack(inputs).unpack(torch.device("cpu"))
+    message = StepMessage.pack(inputs)
+    for array in (message.longs, message.ints):  # as Ray hands them over (zero copy, read-only)
+        array.flags.writeable = False
+    ids, meta = message.unpack(torch.device("cpu"))
     assert torch.equal(ids, inputs.input_ids)
     for name in ("positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "logits_indices"):
         assert torch.equal(getattr(meta, name), getattr(inputs.meta, name)), name
