@@ -12,11 +12,14 @@ arguments and result as Ray's transport would (the actor call's own latency is n
 see docs/scaling.md).
 
 Timing: both engines hold the same batch (every sequence at ~--context tokens) at once, prefilled
-first; then --rounds rounds, each running --warmup then --steps engine.step() calls on the plain
-engine, then on the group engine (the order alternating between rounds), wall time per step with a
-device sync. Per path: the median of all its timed steps; overhead = group median / plain median − 1,
-and per round the paired ratio (its spread shows the noise). Whether each path replays CUDA graphs
-is recorded (a failed capture's warning too). `--tiny` runs a small config on the CPU (gloo).
+first; then the two engines step in turns, one engine.step() each per pair (plain first in even
+pairs, group first in odd ones), --warmup pairs untimed, then --steps timed pairs, wall time per step
+with a device sync. Interleaving step by step puts any slow phase of the machine on both paths alike
+(a first H200 run of whole 25-step runs per path saw runs alternate 5× in speed). Per path: the
+median of its timed steps; overhead = group median / plain median − 1; beside it the median and
+quartiles of the per-pair ratios (the noise). --raw writes every step's time. Whether each path
+replays CUDA graphs is recorded (a failed capture's warning too). `--tiny` runs a small config on
+the CPU (gloo).
 
   python benchmarks/multigpu/bench_group_overhead.py --git-revision $(git rev-parse --short HEAD)
 """
@@ -73,7 +76,7 @@ def build_model(layers: int, tiny: bool, device: str) -> M3ForCausalLM:
 def engine_config(args) -> EngineConfig:
     """One config (pool sized for the largest batch) for every engine, plain and group."""
     page, batch = (16 if args.tiny else 128), max(args.batches)
-    per_seq = -(-(args.context + args.rounds * (args.warmup + args.steps) + 200) // page)
+    per_seq = -(-(args.context + args.warmup + args.steps + 200) // page)
     return EngineConfig(
         model="m3-bench", device=args.device, dtype="float32" if args.tiny else "bfloat16",
         attention_backend="msa", num_pages=batch * per_seq + 8, max_num_seqs=batch,
@@ -96,7 +99,7 @@ def fill(engine: LLMEngine, args, batch: int) -> None:
     """Add `batch` requests of --context random tokens and prefill (chunked) until every sequence
     samples each step."""
     # Early sequences decode while later ones prefill: room for those tokens too.
-    max_tokens = args.rounds * (args.warmup + args.steps) + 150
+    max_tokens = args.warmup + args.steps + 150
     sampling = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     generator = torch.Generator().manual_seed(batch)
     vocab = engine.model.config.vocab_size
@@ -107,39 +110,40 @@ def fill(engine: LLMEngine, args, batch: int) -> None:
         pass
 
 
-def timed_steps(engine: LLMEngine, args, batch: int) -> list[float]:
-    """--warmup then --steps engine.step() calls → the timed ones' wall times, ms."""
+def step_ms(engine: LLMEngine, args, batch: int) -> float:
+    """One engine.step() (every sequence decodes) → its wall time, ms."""
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    times = []
-    for _ in range(args.warmup + args.steps):
-        sync()
-        start = time.perf_counter()
-        outputs = engine.step()
-        sync()
-        times.append((time.perf_counter() - start) * 1e3)
-        assert len(outputs) == batch
-    return times[args.warmup:]
+    sync()
+    start = time.perf_counter()
+    outputs = engine.step()
+    sync()
+    elapsed = (time.perf_counter() - start) * 1e3
+    assert len(outputs) == batch
+    return elapsed
+
+
+def quartiles(values: list[float]) -> tuple[float, float, float]:
+    q1, q2, q3 = statistics.quantiles(values, n=4)
+    return q1, q2, q3
 
 
 def measure_batch(engines: dict[str, LLMEngine], args, batch: int) -> dict:
     for engine in engines.values():
         fill(engine, args, batch)
     steps: dict[str, list[float]] = {name: [] for name in engines}
-    ratios = []
-    for r in range(args.rounds):
-        order = ["plain", "group"] if r % 2 == 0 else ["group", "plain"]
-        medians = {}
+    for pair in range(args.warmup + args.steps):
+        order = ("plain", "group") if pair % 2 == 0 else ("group", "plain")
         for name in order:
-            times = timed_steps(engines[name], args, batch)
-            steps[name].extend(times)
-            medians[name] = statistics.median(times)
-        ratios.append(medians["group"] / medians["plain"] - 1.0)
+            elapsed = step_ms(engines[name], args, batch)
+            if pair >= args.warmup:
+                steps[name].append(elapsed)
     for engine in engines.values():
         for request_id in list(engine.trackers):
             engine.abort(request_id)
     plain, group = statistics.median(steps["plain"]), statistics.median(steps["group"])
+    ratios = [g / p - 1.0 for g, p in zip(steps["group"], steps["plain"], strict=True)]
     return {"plain_ms": plain, "group_ms": group, "overhead": group / plain - 1.0,
-            "round_overheads": ratios}
+            "pair_quartiles": quartiles(ratios), "steps_ms": steps}
 
 
 def measure(args) -> tuple[dict, dict]:
@@ -166,9 +170,9 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    parser.add_argument("--rounds", type=int, default=6)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=120, help="timed step pairs (plain, group) per batch")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed step pairs first")
+    parser.add_argument("--raw", type=Path, default=None, help="where to write every step's time (JSON)")
     parser.add_argument("--tiny", action="store_true", help="a small config on the CPU (gloo), a dry run")
     parser.add_argument("--git-revision", default="unknown")
     parser.add_argument("--out", type=Path, default=RESULTS)
@@ -177,10 +181,12 @@ def main() -> int:
     results, graphs = measure(args)
     write_results(args, results, graphs)
     print(f"CUDA graphs: plain {graphs['plain']}, group {graphs['group']}; {graphs['capture_warnings']}")
-    print(f"{'batch':>6} {'plain ms':>10} {'group ms':>10} {'overhead':>9}  per round")
+    if args.raw is not None:
+        args.raw.write_text(json.dumps({b: r["steps_ms"] for b, r in results.items()}) + "\n")
+    print(f"{'batch':>6} {'plain ms':>10} {'group ms':>10} {'overhead':>9}  per-pair ratio q1 / median / q3")
     for b, r in results.items():
-        rounds = " ".join(f"{100 * x:+.1f}%" for x in r["round_overheads"])
-        print(f"{b:>6} {r['plain_ms']:>10.3f} {r['group_ms']:>10.3f} {100 * r['overhead']:>+8.2f}%  {rounds}")
+        q = " / ".join(f"{100 * x:+.1f}%" for x in r["pair_quartiles"])
+        print(f"{b:>6} {r['plain_ms']:>10.3f} {r['group_ms']:>10.3f} {100 * r['overhead']:>+8.2f}%  {q}")
     return 0
 
 
@@ -193,7 +199,8 @@ def write_results(args, results: dict, graphs: dict) -> None:
     shape = "tiny (CPU)" if args.tiny else f"M3 widths, {args.layers} layers, bf16, context {args.context}"
     per_batch = "; ".join(
         f"batch {b}: plain {r['plain_ms']:.3f} ms, group {r['group_ms']:.3f} ms, {100 * r['overhead']:+.2f}% "
-        f"(rounds {', '.join(f'{100 * x:+.1f}%' for x in r['round_overheads'])})" for b, r in results.items()
+        f"(per-pair ratio quartiles {' / '.join(f'{100 * x:+.1f}%' for x in r['pair_quartiles'])})"
+        for b, r in results.items()
     )
     worst = max(results, key=lambda b: results[b]["overhead"])
     warned = "; ".join(graphs["capture_warnings"])
@@ -201,15 +208,15 @@ def write_results(args, results: dict, graphs: dict) -> None:
                + (f" (capture: {warned})" if warned else ""))
     note = (f"decode step (engine.step) through the group path at TP 1 / EP 1 (NCCL group of one, "
             f"in-process rank, pickled calls, greedy tokens sampled on the rank) vs the plain engine, "
-            f"medians of {args.rounds} alternating rounds of {args.steps} steps (after {args.warmup} "
-            f"warm-up steps each), worst batch ({worst}); {shape}; {per_batch}. {capture}. Target <= 3%. "
+            f"medians of {args.steps} interleaved step pairs (after {args.warmup} warm-up pairs), "
+            f"worst batch ({worst}); {shape}; {per_batch}. {capture}. Target <= 3%. "
             "Excludes Ray's actor-call latency (Ray is not on the H200 image; docs/scaling.md).")
     out = {"multigpu.group_overhead_tp1": {
         **stamp, "value": round(100 * results[worst]["overhead"], 2), "unit": "%", "note": note}}
     for b, r in results.items():
         out[f"multigpu.decode_step_ms_group_tp1_b{b}"] = {
             **stamp, "value": round(r["group_ms"], 3), "unit": "ms",
-            "note": f"{shape}; plain engine {r['plain_ms']:.3f} ms (same rounds)"}
+            "note": f"{shape}; plain engine {r['plain_ms']:.3f} ms (interleaved with these steps)"}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
 
