@@ -41,7 +41,7 @@ def dense_decode(
     selector = default_selector()
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
     batch, num_q, num_q_heads, head_dim = q.shape
-    key = ShapeKey("paged_decode", batch, num_q_heads, k_cache.shape[2], bucket(num_q),
+    key = ShapeKey("paged_decode", bucket(batch), num_q_heads, k_cache.shape[2], bucket(num_q),
                    bucket(block_tables.shape[1] * k_cache.shape[1]), head_dim,
                    str(q.dtype).removeprefix("torch."), device_name(q.device))
     runs = {
