@@ -6,7 +6,10 @@ logits for requests sampled on the host) against the plain single-GPU engine (Mo
 
 Model: MiniMax-M3's widths (hidden 6144, 64 query / 4 KV heads of 128, index head 128, 128 experts
 top-4 of width 3072, shared expert 3072, dense MLP 12288, vocab 200064), bf16, random weights,
---layers layers (first: full attention + dense MLP; the rest: MSA + MoE). Ray is not on the H200
+--layers layers (the first with the dense MLP, the rest MoE; every layer MSA as m3-mini, or with
+--full-attention-first the first attending densely). Dense layers decode through the `msa` backend's
+SDPA dense_decode, which reads sequence offsets on the host: no CUDA graph captures on either path
+then (the first H200 run); all-MSA layers capture (m3-mini's runs). Ray is not on the H200
 image, so the rank runs in-process behind LocalGroup, which pickles and unpickles every call's
 arguments and result as Ray's transport would (the actor call's own latency is not in this number:
 see docs/scaling.md).
@@ -53,9 +56,10 @@ TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=32, num_attention_
             index_topk_blocks=4, bos_token_id=1, eos_token_id=2)
 
 
-def build_model(layers: int, tiny: bool, device: str) -> M3ForCausalLM:
+def build_model(layers: int, tiny: bool, device: str, full_first: bool = False) -> M3ForCausalLM:
+    first = "full_attention" if full_first else "minimax_m3_sparse"
     raw = dict(model_type=TEXT_MODEL_TYPE, num_hidden_layers=layers, **(TINY if tiny else {}),
-               layer_types=["full_attention"] + ["minimax_m3_sparse"] * (layers - 1),
+               layer_types=[first] + ["minimax_m3_sparse"] * (layers - 1),
                mlp_layer_types=["dense"] + ["sparse"] * (layers - 1))
     config = m3_config_from_hf(raw)
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -154,7 +158,8 @@ def measure(args) -> tuple[dict, dict]:
     worker.join(free_address())
     # TP 1 / EP 1: the rank keeps the whole model (its MoE behind ParallelMoE); the plain engine
     # runs the same (rank's) weights.
-    info = worker.take_model(build_model(args.layers, args.tiny, args.device), None)
+    model = build_model(args.layers, args.tiny, args.device, args.full_attention_first)
+    info = worker.take_model(model, None)
     runner = GroupRunner(LocalGroup(worker, info, serialize=True), config)
     engines = {"group": LLMEngine(config, model=runner.model, runner=runner),
                "plain": LLMEngine(config, model=worker.runner.model)}
@@ -168,6 +173,8 @@ def measure(args) -> tuple[dict, dict]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--full-attention-first", action="store_true",
+                        help="the first layer full attention (M3's pattern) instead of MSA (m3-mini's)")
     parser.add_argument("--context", type=int, default=2048)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--steps", type=int, default=120, help="timed step pairs (plain, group) per batch")
@@ -196,7 +203,9 @@ def write_results(args, results: dict, graphs: dict) -> None:
     command = "python benchmarks/multigpu/bench_group_overhead.py " + " ".join(sys.argv[1:])
     stamp = dict(command=command, hardware=hardware, git_revision=args.git_revision,
                  date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
-    shape = "tiny (CPU)" if args.tiny else f"M3 widths, {args.layers} layers, bf16, context {args.context}"
+    first = "first layer full attention" if args.full_attention_first else "every layer MSA"
+    shape = ("tiny (CPU)" if args.tiny
+             else f"M3 widths, {args.layers} layers ({first}), bf16, context {args.context}")
     per_batch = "; ".join(
         f"batch {b}: plain {r['plain_ms']:.3f} ms, group {r['group_ms']:.3f} ms, {100 * r['overhead']:+.2f}% "
         f"(per-pair ratio quartiles {' / '.join(f'{100 * x:+.1f}%' for x in r['pair_quartiles'])})"
