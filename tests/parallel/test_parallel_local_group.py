@@ -4,6 +4,8 @@ chunks, partial sample rows, decode) intact, greedy steps are sampled on the ran
 come back) and sampled / logprob requests still get the rank's logits — tokens and logprobs equal
 the plain engine's."""
 
+import pickle
+
 import pytest
 import torch
 from m3_tiny import prompt, random_m3
@@ -81,18 +83,22 @@ def test_group_of_one_rank_gives_the_plain_engines_tokens(group_engine):
 def test_step_message_round_trip_keeps_every_tensor():
     config = engine_config()
     plain = LLMEngine(config, model=random_m3(0))
-    for i, length in enumerate((70, 9)):
+    for i, length in enumerate((9, 70)):
         plain.add_request(GenerateRequest(f"r{i}", prompt(length, seed=i), SamplingParams(max_tokens=4)))
-    batch = plain.scheduler.schedule()  # r0 mid-prefill (48-token budget): a partial sample row set
+    batch = plain.scheduler.schedule()  # r0 whole, r1 mid-prefill (48-token budget): r0 alone samples
     inputs = build_step_inputs(batch, plain.page_size, torch.device("cpu"))
-    message = StepMessage.pack(inputs)
-    for array in (message.longs, message.ints):  # as Ray hands them over (zero copy, read-only)
+    sent = StepMessage.pack(inputs)
+    read_only = StepMessage.pack(inputs)
+    for array in (read_only.longs, read_only.ints):  # as a zero-copy transport hands arrays over
         array.flags.writeable = False
-    ids, meta = message.unpack(torch.device("cpu"))
-    assert torch.equal(ids, inputs.input_ids)
-    for name in ("positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q", "logits_indices"):
-        assert torch.equal(getattr(meta, name), getattr(inputs.meta, name)), name
-    assert (meta.max_query_len, meta.decode_query_len) == (inputs.meta.max_query_len, None)
+    for message in (pickle.loads(pickle.dumps(sent)), read_only):
+        assert message.sample_rows == inputs.sample_rows == [0]
+        ids, meta = message.unpack(torch.device("cpu"))
+        assert torch.equal(ids, inputs.input_ids)
+        for name in ("positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q",
+                     "logits_indices"):
+            assert torch.equal(getattr(meta, name), getattr(inputs.meta, name)), name
+        assert (meta.max_query_len, meta.decode_query_len) == (inputs.meta.max_query_len, None)
 
 
 def test_local_group_takes_one_rank_only():

@@ -5,9 +5,9 @@ object store once (`group.py`).
 Fixed layout: the step's integer tensors travel as two flat numpy buffers (int64: token ids,
 positions, slots, logits rows; int32: block tables, sequence lengths, offsets) plus their sizes,
 so a rank makes two pinned, asynchronous copies to its device (as the plain runner's
-`build_step_inputs` does) instead of one pageable, synchronous copy per tensor. numpy, not torch
-tensors, because pickling a tensor (Ray's transport) cost ~400 µs per step's message on the dev
-CPU, an array ~20 µs.
+`build_step_inputs` does) instead of one pageable, synchronous copy per tensor. It pickles (Ray's
+transport) as the two buffers' raw bytes and plain fields: on the dev CPU ~7 µs there and back,
+against ~40 µs for numpy arrays and ~400 µs for the torch tensors the message held before.
 """
 
 from dataclasses import dataclass
@@ -35,6 +35,18 @@ class StepMessage:
     """Above 1: a greedy decode round of that many steps on the ranks (tokens come back)."""
     greedy: bool = False
     """Rank 0 returns the argmax token of each sampled row (list[int]) instead of its logits."""
+
+    def __getstate__(self) -> tuple:
+        """Pickled as raw bytes and plain fields: a third of the numpy arrays' pickling cost."""
+        return (self.longs.tobytes(), self.ints.tobytes(), self.num_tokens, self.num_seqs, self.max_query_len,
+                self.decode_query_len, self.sample_rows, self.decode_steps, self.greedy)
+
+    def __setstate__(self, state: tuple) -> None:
+        longs, ints, *rest = state
+        self.longs = np.frombuffer(bytearray(longs), dtype=np.int64)
+        self.ints = np.frombuffer(bytearray(ints), dtype=np.int32)
+        (self.num_tokens, self.num_seqs, self.max_query_len, self.decode_query_len, self.sample_rows,
+         self.decode_steps, self.greedy) = rest
 
     @property
     def nbytes(self) -> int:
