@@ -5,13 +5,14 @@ The engine's steps run eagerly (its decode CUDA graphs set aside: a replayed gra
 cannot be told apart by module) under torch.profiler. Each module of interest runs inside a
 `record_function` range, and so does each MSA / dense attention op; every GPU kernel counts
 for the innermost range it was launched in (on the CPU, each op's own CPU time does). Kernels
-the profiler links to no range — Triton's launcher calls the driver directly, and an H200 run
-credited the dense paged-decode kernel and MSA's Triton kernels to no part at all, so dense and
-MSA decode steps showed the same attention time — count by their name for the part whose
-package defines them (msaserve/kernels/<op>: indexer_* → indexer, moe → moe, sparse_*, dense,
-rotary and the shared LSE merge → attention; layer_ops → rest). Kernel time only: launch gaps,
-which the graphs remove, are left out, so the parts add up to the GPU work of a step, not to its
-wall time.
+the profiler links to no range (Triton's launcher calls the driver directly: an H200 run credited
+the dense paged-decode kernel and MSA's Triton kernels to no part, so dense and MSA decode steps
+showed the same attention time) count by name for the part whose msaserve/kernels package defines
+them: indexer_* → indexer, moe → moe, sparse_*, dense, rotary and the shared LSE merge →
+attention, layer_ops → rest. Only those names: the device timeline also holds the ranges
+themselves as annotation events (counted once, they put 20 ms per step in `rest`). Kernel time
+only: launch gaps, which the graphs remove, are left out, so the parts add up to the GPU work of
+a step, not to its wall time.
 
   attention  q/k/v/o projections, QK norms, rotary, K/V cache writes, and the attention kernels
              (sparse over the selected blocks, or dense)
@@ -129,11 +130,11 @@ def attribute(events, device: str) -> dict[str, float]:
         for event in events:
             if event.device_type.name == "CUDA":
                 on_device[event.name] += event.time_range.end - event.time_range.start
-        parts = kernel_parts()
-        for name, micros in on_device.items():
+        parts = kernel_parts()  # only our Triton kernels: the device timeline also holds the
+        for name, micros in on_device.items():  # ranges themselves (gpu_user_annotation events)
             orphan = micros - linked.get(name, 0.0)
-            if orphan > 1e-6 * micros:
-                totals[parts.get(name, "rest")] += orphan / 1000
+            if name in parts and orphan > 1e-6 * micros:
+                totals[parts[name]] += orphan / 1000
     return {part: totals.get(part, 0.0) for part in PARTS}
 
 
