@@ -1,10 +1,15 @@
-"""Long-context retrieval, dense vs MSA: a needle ("The pass code of <name> is <5 digits>.") hidden at
-10 depths in held-out real text of 3 lengths; the prompt ends with the question and the answer's
-lead-in, and the model must greedily continue with the digits. Same prompts, same weights, both
-sides; a case is correct iff the greedy tokens equal the answer's tokens exactly.
+"""Long-context retrieval, dense vs MSA: 10 needles ("The pass code of <name> is <5 digits>.", 10
+different names) hidden at 10 depths (0 %, 11 %, ..., 100 %) of held-out real text, at 3 lengths.
+After the haystack, each needle is asked for in turn ("Question: what is the pass code of <name>?
+Answer: The pass code of <name> is") and the model must greedily continue with its digits; a case
+is correct iff the greedy tokens equal the answer's tokens exactly. Same prompts, same weights,
+both sides. All needles are present at once (a multi-key needle test, as RULER's): the model must
+pick the asked one among ten look-alikes.
 
-Small enough for a shared 2-core CPU: one prefill per case plus a few decode steps (SmolLM2-135M
-at 2K/4K/8K, 10 depths each = 30 cases per side).
+Small enough for a shared 2-core CPU: the haystack with its needles is prefilled once per length
+and side; each question is then prefilled as a chunk after it (positions L.., rewritten by the
+next question, and a position only reads positions ≤ itself, so every question sees exactly the
+haystack) and a few tokens decoded — SmolLM2-135M at 2K/4K/8K, 10 depths each = 30 cases per side.
 
 Run: .venv/bin/python benchmarks/quality/needle.py --checkpoint OUT [--lengths 2048 4096 8192]
 Writes benchmarks/results/quality_needle.json (`quality.needle_*` entries) and prints a table last.
@@ -14,6 +19,7 @@ import argparse
 import json
 import random
 import sys
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
 
@@ -34,25 +40,44 @@ NAMES = ("Alder", "Birch", "Cedar", "Dahlia", "Elm", "Fern", "Gorse", "Hazel", "
 QUESTION = "\n\nQuestion: what is the pass code of {name}?\nAnswer: The pass code of {name} is"
 
 
-def make_case(tokenizer: Tokenizer, haystack: list[int], length: int, depth: float,
-              rng: random.Random) -> tuple[list[int], list[int]]:
-    """(prompt ids of exactly `length` tokens, answer ids): the needle sentence inserted at a
-    sentence boundary near `depth` of the haystack, the question at the end."""
-    name, code = rng.choice(NAMES), f"{rng.randrange(10000, 100000)}"
-    needle = tokenizer.encode(f" The pass code of {name} is {code}. ")
-    question = tokenizer.encode(QUESTION.format(name=name))
-    answer = tokenizer.encode(f" {code}.")[:-1]  # the digits (the full stop only closes them)
-    body = length - len(needle) - len(question)
-    at = int(depth * body)
-    text = haystack[:body]
-    return text[:at] + needle + text[at:] + question, answer
+@dataclass(frozen=True)
+class Needle:
+    name: str
+    question: list[int]  # the question and the answer's lead-in, after the haystack
+    answer: list[int]  # the digits' tokens
 
 
-def greedy(model: MSATransformer, prompt: list[int], count: int) -> list[int]:
-    """Greedy tokens after one prefill of `prompt`; decode steps on one thread (a step is too small
-    to split, and on the shared machine a second thread waiting for a busy core slows it)."""
-    state = SequenceState(model, len(prompt) + count)
-    hidden = state.forward(prompt, 0)[-1:]
+def make_haystack(tokenizer: Tokenizer, text: list[int], length: int, depths: int,
+                  rng: random.Random) -> tuple[list[int], list[Needle]]:
+    """(prompt ids, needles in depth order): `depths` needle sentences, each with its own name and
+    code, inserted at depths 0..1 of `length` − (longest question) tokens of `text`."""
+    names = rng.sample(NAMES, depths)
+    codes = [f"{rng.randrange(10000, 100000)}" for _ in names]
+    pairs = list(zip(names, codes, strict=True))
+    sentences = [tokenizer.encode(f" The pass code of {n} is {c}. ") for n, c in pairs]
+    needles = [Needle(n, tokenizer.encode(QUESTION.format(name=n)), tokenizer.encode(f" {c}.")[:-1])
+               for n, c in pairs]
+    room = length - max(len(n.question) for n in needles) - sum(map(len, sentences))
+    cuts = [round(d / (depths - 1) * room) for d in range(depths)]
+    prompt: list[int] = []
+    for i, sentence in enumerate(sentences):
+        prompt += text[cuts[i - 1] if i else 0 : cuts[i]] + sentence
+    return prompt + text[cuts[-1] : room], needles
+
+
+def answers(model: MSATransformer, haystack: list[int], needles: list[Needle]) -> list[bool]:
+    """Prefill the haystack once, then per needle its question as a chunk after it and greedy digits."""
+    longest = max(len(n.question) + len(n.answer) for n in needles)
+    state = SequenceState(model, len(haystack) + longest)
+    state.forward(haystack, 0)
+    return [greedy(model, state, n.question, len(haystack), len(n.answer)) == n.answer for n in needles]
+
+
+def greedy(model: MSATransformer, state: SequenceState, question: list[int], start: int,
+           count: int) -> list[int]:
+    """Greedy tokens after prefilling `question` at `start`; decode steps on one thread (a step is
+    too small to split, and on the shared machine a second thread waiting for a busy core slows it)."""
+    hidden = state.forward(question, start)[-1:]
     out: list[int] = []
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -60,7 +85,7 @@ def greedy(model: MSATransformer, prompt: list[int], count: int) -> list[int]:
         for i in range(count):
             out.append(int(model.compute_logits(hidden)[0].argmax()))
             if i + 1 < count:
-                hidden = state.forward([out[-1]], len(prompt) + i, decode=True)
+                hidden = state.forward([out[-1]], start + len(question) + i, decode=True)
     finally:
         torch.set_num_threads(threads)
     return out
@@ -84,15 +109,12 @@ def main() -> int:
     rows: dict[int, dict[str, list[bool]]] = {}
     with torch.inference_mode():
         for length in args.lengths:
-            rows[length] = {"dense": [], "msa": []}
-            for d in range(args.depths):
-                prompt, answer = make_case(loaded.tokenizer, haystack, length, d / (args.depths - 1), rng)
-                for backend in ("dense", "msa"):
-                    loaded.model.attention_backend = backend
-                    ok = greedy(loaded.model, prompt, len(answer)) == answer
-                    rows[length][backend].append(ok)
-                got = {b: rows[length][b][-1] for b in ("dense", "msa")}
-                print(f"L={length} depth {d}: {got}", file=sys.stderr, flush=True)
+            prompt, needles = make_haystack(loaded.tokenizer, haystack, length, args.depths, rng)
+            rows[length] = {}
+            for backend in ("dense", "msa"):
+                loaded.model.attention_backend = backend
+                rows[length][backend] = answers(loaded.model, prompt, needles)
+                print(f"L={length} {backend}: {rows[length][backend]}", file=sys.stderr, flush=True)
             write(Path(args.out), rows, meta, loaded.config)
     print_table(rows, loaded.config)
     print(f"\nwrote {args.out}")
@@ -110,7 +132,8 @@ def write(out: Path, rows: dict, meta: dict, config) -> None:
         hits = [h for row in rows.values() for h in row[backend]]
         entries[f"quality.needle_accuracy_{backend}"] = {
             "value": round(accuracy(hits), 2), "unit": "percent",
-            "note": f"{len(hits)} cases: lengths {sorted(rows)} x {len(hits) // len(rows)} depths; {note}",
+            "note": f"{len(hits)} cases: lengths {sorted(rows)} x {len(hits) // len(rows)} depths, all "
+                    f"needles in one haystack per length (multi-key); {note}",
             **meta}
         for length, row in rows.items():
             entries[f"quality.needle_accuracy_{backend}_{length // 1024}k"] = {
