@@ -99,7 +99,8 @@ def main() -> int:
     tag = f"{args.length // 1024}k"
     entries = {f"quality.cpu_op_{op}_{impl}_{tag}_s": {
         "value": round(seconds, 4), "unit": "s", "note": f"process CPU seconds, {args.threads} thread(s), "
-        f"layer {args.layer}, median of {args.repeats}", **meta} for op, row in rows.items() for impl, seconds in row.items()}
+        f"layer {args.layer}, median of {args.repeats}", **meta}
+        for op, row in rows.items() for impl, seconds in row.items()}
     out = Path(args.out)
     old = json.loads(out.read_text()) if out.is_file() else {}
     out.write_text(json.dumps({**old, **entries}, indent=2) + "\n")
