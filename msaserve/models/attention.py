@@ -56,7 +56,7 @@ class MSAAttention(nn.Module):
         """One GEMM for the projections every step needs: q, k, v and (learned index) index-K,
         plus index-Q when `index_queries` (the dense backend never reads it)."""
         linears = [self.q_proj, self.k_proj, self.v_proj]
-        if self.config.index_source == "learned":
+        if self.config.index_source == "learned" and not self.dense:
             linears.append(self.index_k_proj)
             if index_queries:
                 linears.append(self.index_q_proj)
@@ -78,8 +78,9 @@ class MSAAttention(nn.Module):
         slots = meta.slot_mapping
         # The index keys are written under every backend so that a cache (and the pages the KV
         # cache service keeps) holds the same content whichever backend produced it; fp8 index
-        # caches quantize per key (LayerKVCache.write_index) instead of a plain store.
-        index_caches = (cache.index_cache,) if cache.index_scale is None else ()
+        # caches quantize per key (LayerKVCache.write_index) instead of a plain store. A dense layer
+        # (config.dense_layers) has no index branch: it projects and writes no index keys.
+        index_caches = (cache.index_cache,) if cache.index_scale is None and not self.dense else ()
         kv_slots = slots if meta.kv_slot_mapping is None else meta.kv_slot_mapping
         layer_ops.rotary_and_write(q, rotary.cos, rotary.sin, True)
         if index_k is None and index_caches and kv_slots is not slots:  # one write per slot mapping
@@ -91,7 +92,7 @@ class MSAAttention(nn.Module):
         layer_ops.rotary_and_write(v, rotary.cos, rotary.sin, False, kv_slots, (cache.v_cache,))
         if index_k is not None:
             layer_ops.rotary_and_write(index_k, rotary.index_cos, rotary.index_sin, True, slots, index_caches)
-        if cache.index_scale is not None:
+        if cache.index_scale is not None and not self.dense:
             cache.write_index(slots, k if index_k is None else index_k)
         if ops.sparse and not self.dense:
             index_q = self._index_queries(x, q, index_q, rotary, layer_ops)
@@ -104,7 +105,7 @@ class MSAAttention(nn.Module):
         """x [T, H] → q [T, Hq, D], k, v [T, Hkv, D], index_k [T, HkI, DI] or None (index source
         "keys"), index_q [T, Hkv, DI] or None (not projected here). Fused: views of one output."""
         c, num_tokens = self.config, x.shape[0]
-        learned = c.index_source == "learned"
+        learned = c.index_source == "learned" and not self.dense  # a dense layer has no index branch
         if self.fused_weight is not None:
             fused, parts, start = F.linear(x, self.fused_weight), [], 0
             for size in self._fused_sizes:  # slices, not torch.split: rotary writes them in place

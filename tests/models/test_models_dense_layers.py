@@ -12,8 +12,10 @@ from msaserve.models.loader import load_model
 PROMPT = list(range(3, 163))
 
 
-def _hidden(backend: str, dense_layers: tuple[int, ...]) -> torch.Tensor:
+def _hidden(backend: str, dense_layers: tuple[int, ...], fused: bool = False) -> torch.Tensor:
     model = load_model("tiny", attention_backend=backend, progress=False, dense_layers=dense_layers).model
+    if fused:
+        model.fuse_projections()
     with torch.inference_mode():
         return SequenceState(model, len(PROMPT)).forward(PROMPT, 0)
 
@@ -48,3 +50,12 @@ def test_dense_layer_outside_the_model_is_rejected() -> None:
     config = load_model("tiny", progress=False).config.model_dump()
     with pytest.raises(ValueError, match=r"dense_layers=\[0, 2\] is invalid: \[2\] outside .*0\.\.1"):
         MSAConfig(**{**config, "dense_layers": (0, 2)})
+
+
+def test_dense_layers_with_fused_projections_project_no_index() -> None:
+    """A dense layer's fused GEMM leaves out the index projections (it writes no index keys)."""
+    model = load_model("tiny", progress=False, dense_layers=(0,)).model
+    model.fuse_projections()
+    sizes = [layer.self_attn._fused_sizes for layer in model.layers]
+    assert len(sizes[0]) == 3 and len(sizes[1]) == 5
+    torch.testing.assert_close(_hidden("msa", (0,), fused=True), _hidden("msa", (0,)), rtol=1e-5, atol=1e-5)
