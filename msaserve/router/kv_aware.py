@@ -18,8 +18,9 @@ replica is known to hold it: past capacity, KV pressure evicts prefixes before t
 them reused, and without a tie-break each miss of a family lands on a different replica, which
 then all hold (and evict) copies; with it the family's next miss lands where the last one did and
 finds the pages fresh. The home is rendezvous hashing (highest hash of replica id and page hash),
-stable across router processes and balanced over families in expectation. Off by default: a
-family can be a large share of the traffic (a popular system prompt), and its home then overloads.
+stable across router processes and balanced over families in expectation. It is a credit of a few
+pages, not a rule: a family that is a large share of the traffic (a popular system prompt) is held
+by several replicas, and then it does not apply.
 `active_pages(r)` is pages held by r's live sequences (decode cost per step grows
 with it, and it is KV pressure that evicts cached prefixes).
 
@@ -59,11 +60,13 @@ class KVAwareConfig:
     """Weight of the prefill pages already queued on the replica, relative to this request's own
     (below 1: a miss adds work for everyone, queued work only delays; 0.5 chosen on the Mooncake
     trace in benchmarks/router/simulate.py)."""
-    queue_horizon_pages: float = 256.0
+    queue_horizon_pages: float = 32.0
     """Load adaptation: queued prefill is priced up to this many pages. Below it a queue is time
     this request waits; past it every candidate has work enough not to idle, and a miss only adds
-    work that delays everyone behind it, so the prefix decides (256 pages of 512 tokens: chosen on
-    the Mooncake trace, docs/performance-router.md)."""
+    work that delays everyone behind it, so the prefix decides (32 pages of 512 tokens, with
+    family_credit 8: chosen on the Mooncake trace at 4 replicas from 0 / 16 / 32 / 64 / 128 / 256
+    once the simulated replicas admitted like the engine, checked on the agent-sessions trace and at
+    8 replicas; docs/performance-router.md)."""
     spill_on_full_kv: bool = False
     """Whether a replica without free pages for the request counts as overloaded (skipped while
     another can take it; a session leaves it). Off: near capacity every replica's pages are full
@@ -72,11 +75,13 @@ class KVAwareConfig:
     """Pages of prefill a session's home replica is credited with."""
     index_credit: float = 16.0
     """Pages credited where the session's MSA index is resident (KV cache service)."""
-    family_credit: float = 0.0
+    family_credit: float = 8.0
     """Pages credited to the rendezvous home of the request's first page (see the module docstring).
-    Off by default: 8 (picked on Mooncake, 4 replicas, past capacity, from 0 / 8 / 16 / 32) beat
-    prefix_affinity there, but on the agent-sessions trace a family is one of four system prompts,
-    and crediting its home overloaded it (docs/performance-router.md)."""
+    8 (picked on Mooncake, 4 replicas, near capacity, from 0 / 8 / 16): families stay on one replica
+    instead of being copied onto several, which is what lets four caches hold more distinct
+    prefixes. (It was off while the simulated replicas reserved every waiting request's pages: a
+    backlog then evicted the agent trace's system prompts, and crediting their homes overloaded
+    them; with engine-like admission it is neutral to better there, docs/performance-router.md.)"""
     imbalance_abs: float = 16.0
     """Sequences: the guard needs max − min load above this…"""
     imbalance_rel: float = 3.0

@@ -84,8 +84,11 @@ def test_kv_aware_goes_where_the_prefix_is():
 
 def test_kv_aware_spills_when_the_holder_has_more_queued_prefill_than_the_prefix_saves():
     state = make_state({}, {"cached": PREFIX, "queued": 500, "waiting": 3}, {"queued": 10, "waiting": 1})
-    d = choose(KVAwarePolicy(state), state, req(PREFIX))
+    unbounded = KVAwareConfig(queue_horizon_pages=1024)  # 500 queued pages all priced
+    d = choose(KVAwarePolicy(state, config=unbounded), state, req(PREFIX))
     assert d.replica_id == "r0" and d.reason == "least_cost"
+    # The default horizon (32 pages) prices at most 16 pages of queue: the 40-page prefix decides.
+    assert choose(KVAwarePolicy(state), state, req(PREFIX)).replica_id == "r1"
 
 
 def test_kv_aware_decode_weight_breaks_ties_toward_fewer_active_pages():
