@@ -79,8 +79,9 @@ def _publish(replica: SimReplica, recorder: RoutingStatsRecorder, state: RouterS
 
 
 REPORT_PREFILL = True
-"""Whether simulated replicas report `waiting_prefill_pages` (the live ModelDeployment does not:
-`--no-prefill-report` runs the router on what it gets live, waiting × mean miss size)."""
+"""Whether simulated replicas report `waiting_prefill_pages`, as the live ModelDeployment does
+(`EngineStats.waiting_prefill_pages`, since issue 29's third pass); `--no-prefill-report` runs the
+router on waiting × mean miss size, what it had before."""
 POLICY_NAMES = (*POLICIES, "ray_pow2", "ray_prefix_affinity")
 """Our policies (production code) and the simulated Ray Serve routers (ray_baselines.py)."""
 
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="first N trace rows only (smoke runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-prefill-report", action="store_true",
-                        help="replicas do not report waiting_prefill_pages (as the live deployment)")
+                        help="replicas do not report waiting_prefill_pages (live before issue 29)")
     parser.add_argument("--prefix", default="router.", help="figure name prefix in the results JSON")
     parser.add_argument("--out", default="benchmarks/results/router.json")
     parser.add_argument("--plot", default="docs/router_p90_ttft.png")
