@@ -23,7 +23,7 @@ from msaserve.platform.preprocess_deployment import PreprocessDeployment
 ROUTER_CLASS = "msaserve.router.serve_router.MSARequestRouter"
 """The Ray Serve RequestRouter that implements the non-default policies (msaserve.router)."""
 
-TEXT_ONLY_PRESETS = ("smollm2", "m3-proxy")
+TEXT_ONLY_PRESETS = ("smollm2", "m3-proxy", "m3-mini")
 """Models without a vision tower (`tiny` has one): no Preprocess deployment, media parts get 400."""
 
 APP_NAME = "msaserve"

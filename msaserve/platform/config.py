@@ -27,6 +27,10 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
+NAMED_SPECS = ("smollm2", "tiny", "m3-proxy", "m3-mini")
+"""model.spec values that name a bundled model or a preset rather than a path."""
+
+
 class StrictModel(BaseModel):
     """Unknown keys are errors: a typo in a YAML file must not be silently ignored."""
 
@@ -38,8 +42,9 @@ class ModelConfig(StrictModel):
         "smollm2",
         min_length=1,
         description="Which model to serve: 'smollm2' (bundled SmolLM2-135M-Instruct GGUF), 'tiny' "
-        "(random test preset), 'm3-proxy' (random preset with the M3 attention shape) or a path "
-        "to a checkpoint directory / .gguf file.",
+        "(random test preset), 'm3-proxy' (random preset with the M3 attention shape), 'm3-mini' "
+        "(MiniMax-M3's text model at real widths, 4 layers, random weights: ≈ 50 GB in bf16, for a GPU) "
+        "or a path to a checkpoint directory / .gguf file.",
     )
     served_model_name: str | None = Field(
         None,
@@ -62,7 +67,7 @@ class ModelConfig(StrictModel):
     def resolved_name(self) -> str:
         if self.served_model_name:
             return self.served_model_name
-        if self.spec in ("smollm2", "tiny", "m3-proxy"):
+        if self.spec in NAMED_SPECS:
             return f"msaserve/{self.spec}"
         return Path(self.spec).name.removesuffix(".gguf") or self.spec
 

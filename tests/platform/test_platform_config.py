@@ -146,3 +146,16 @@ def test_each_default_has_one_value() -> None:
     assert engine == defaults
     assert ServiceConfig.from_settings(config.kvcache) == ServiceConfig()
     assert PreprocessConfig(**config.preprocess.model_dump()) == PreprocessConfig()
+
+
+def test_every_named_spec_is_one_the_loader_knows() -> None:
+    """The platform's list of named models is the loader's: a preset added to one but not the
+    other would be served under a path-derived name or never found."""
+    from msaserve.models.presets import preset_names
+    from msaserve.platform.app import TEXT_ONLY_PRESETS, preprocess_app
+    from msaserve.platform.config import NAMED_SPECS
+
+    assert set(NAMED_SPECS) == {"smollm2", *preset_names()}
+    config = ServeConfig.from_dict({"model": {"spec": "m3-mini", "device": "cuda"}})
+    assert config.model.resolved_name() == "msaserve/m3-mini"
+    assert "m3-mini" in TEXT_ONLY_PRESETS and preprocess_app(config) is None

@@ -17,8 +17,9 @@ DASHBOARD_PORT = 8265
 def register(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("serve", help="Serve the OpenAI-compatible API on a local Ray cluster.")
     p.add_argument("--config", type=Path, help="ServeConfig YAML (default: SmolLM2 on CPU, 127.0.0.1:8000).")
-    p.add_argument("--model", help="Override model.spec: smollm2, tiny, m3-proxy or a checkpoint path "
-                   "(a directory whose config.json model_type is registered, e.g. minimax_m3_vl).")
+    p.add_argument("--model", help="Override model.spec: smollm2, tiny, m3-proxy, m3-mini (GPU) or a "
+                   "checkpoint path (a directory whose config.json model_type is registered, e.g. "
+                   "minimax_m3_vl).")
     p.add_argument("--host", help="Override http.host (default 127.0.0.1).")
     p.add_argument("--port", type=int, help="Override http.port (default 8000).")
     p.add_argument("--dashboard-port", type=int, default=DASHBOARD_PORT, help="Ray dashboard port.")
