@@ -10,6 +10,7 @@ the same preset runs at `M3_MINI_SMALL`'s widths, to check the scripts end to en
 import argparse
 import gc
 import sys
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -95,6 +96,24 @@ def shared_model(args: argparse.Namespace) -> LoadedModel:
     return _MODELS[key]
 
 
+def pretune_dense(config, device: str, chunk: int, max_model_len: int, whole_chunks: bool) -> None:
+    """Measure the dense selector's prefill keys (chunks of 1K tokens up to `chunk`, over every
+    KV bucket up to max_model_len) before any timed part: measured inside a timed prefill they
+    had cost the dense side several seconds (each new KV bucket times every candidate), which
+    inflated MSA's prefill ratios. Once per process (the selector caches its choices). whole_chunks:
+    one long prompt in chunks of `chunk` (the session and prefill parts) — only that chunk size."""
+    from msaserve.kernels.dense.select import default_selector
+
+    q_lens = [chunk] if whole_chunks else [n for n in (1024, 2048, 4096, 8192, 16384) if n < chunk] + [chunk]
+    start = time.perf_counter()
+    measured = default_selector().pretune(config.num_heads, config.num_kv_heads, config.head_dim,
+                                          torch.bfloat16 if device == "cuda" else torch.float32,
+                                          device, q_lens, max_model_len)
+    if measured:
+        print(f"dense selector: {measured} prefill keys measured in {time.perf_counter() - start:.1f} s "
+              "(before any timed part)", file=sys.stderr, flush=True)
+
+
 def build_engine(args: argparse.Namespace, sizes: Sizes, backend: str, max_model_len: int,
                  max_num_seqs: int, chunk: int, exact_pages: bool = False, decode_steps: int = 1
                  ) -> LLMEngine:
@@ -112,6 +131,8 @@ def build_engine(args: argparse.Namespace, sizes: Sizes, backend: str, max_model
         num_pages=None if args.device == "cuda" and not exact_pages else needed,
     )
     loaded.model.attention_backend = backend  # the runner resolves its ops from the model's backend
+    if backend == "dense":
+        pretune_dense(loaded.config, args.device, chunk, max_model_len, whole_chunks=exact_pages)
     engine = LLMEngine(config, model=loaded.model, tokenizer=loaded.tokenizer)
     graphs = "on" if engine.runner.graphs is not None else "off"
     print(f"{backend} engine: {engine.runner.num_pages} pages of {page_size}, decode CUDA graphs {graphs}",

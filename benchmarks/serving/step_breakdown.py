@@ -4,9 +4,15 @@ MLP, and the rest (embedding, norms, residuals, LM head, sampling, step inputs).
 The engine's steps run eagerly (its decode CUDA graphs set aside: a replayed graph's kernels
 cannot be told apart by module) under torch.profiler. Each module of interest runs inside a
 `record_function` range, and so does each MSA / dense attention op; every GPU kernel counts
-for the innermost range it was launched in (on the CPU, each op's own CPU time does). Kernel
-time only: launch gaps, which the graphs remove, are left out, so the parts add up to the GPU
-work of a step, not to its wall time.
+for the innermost range it was launched in (on the CPU, each op's own CPU time does). Kernels
+the profiler links to no range (Triton's launcher calls the driver directly: an H200 run credited
+the dense paged-decode kernel and MSA's Triton kernels to no part, so dense and MSA decode steps
+showed the same attention time) count by name for the part whose msaserve/kernels package defines
+them: indexer_* → indexer, moe → moe, sparse_*, dense, rotary and the shared LSE merge →
+attention, layer_ops → rest. Only those names: the device timeline also holds the ranges
+themselves as annotation events (counted once, they put 20 ms per step in `rest`). Kernel time
+only: launch gaps, which the graphs remove, are left out, so the parts add up to the GPU work of
+a step, not to its wall time.
 
   attention  q/k/v/o projections, QK norms, rotary, K/V cache writes, and the attention kernels
              (sparse over the selected blocks, or dense)
@@ -83,19 +89,52 @@ def _part_of(event) -> str:
     return "rest"
 
 
+def kernel_parts() -> dict[str, str]:
+    """Triton kernel name → part, from the msaserve.kernels package that defines it."""
+    import sys
+
+    parts: dict[str, str] = {}
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("msaserve.kernels."):
+            continue
+        package = module_name.split(".")[2]
+        part = ("indexer" if package.startswith("indexer") else "moe" if package == "moe" else
+                "attention" if package.startswith(("sparse", "dense", "rotary", "triton_common")) else "rest")
+        for value in vars(module).values():
+            fn = value
+            while hasattr(fn, "fn") and not callable(getattr(fn, "__wrapped__", None)) and fn is not fn.fn:
+                fn = fn.fn  # Autotuner / Heuristics → JITFunction → the Python function
+            if fn is not value and callable(fn) and hasattr(fn, "__name__"):
+                parts[fn.__name__] = part
+    return parts
+
+
 def attribute(events, device: str) -> dict[str, float]:
     """Milliseconds per part over the profiled events: GPU kernel time on CUDA, self CPU time on
     the CPU."""
     totals: dict[str, float] = defaultdict(float)
+    linked: dict[str, float] = defaultdict(float)
     for event in events:
         if event.device_type.name != "CPU" or event.is_async:
             continue
         if device == "cuda":
             micros = sum(kernel.duration for kernel in event.kernels)
+            for kernel in event.kernels:
+                linked[kernel.name] += kernel.duration
         else:
             micros = 0.0 if event.name.startswith(_PREFIX) else event.self_cpu_time_total
         if micros:
             totals[_part_of(event)] += micros / 1000
+    if device == "cuda":  # kernels linked to no CPU range: by name
+        on_device: dict[str, float] = defaultdict(float)
+        for event in events:
+            if event.device_type.name == "CUDA":
+                on_device[event.name] += event.time_range.end - event.time_range.start
+        parts = kernel_parts()  # only our Triton kernels: the device timeline also holds the
+        for name, micros in on_device.items():  # ranges themselves (gpu_user_annotation events)
+            orphan = micros - linked.get(name, 0.0)
+            if name in parts and orphan > 1e-6 * micros:
+                totals[parts[name]] += orphan / 1000
     return {part: totals.get(part, 0.0) for part in PARTS}
 
 

@@ -97,8 +97,10 @@ def part_traffic(args: argparse.Namespace, sizes: Sizes, report: Report, names: 
     for backend in BACKENDS:
         engine = _engine(args, sizes, backend, levels)
         vocab = prompt_vocab(engine)
-        warm = traffic_sessions(args, sizes, names[0], vocab, 2, warmup=True)
-        run_closed_loop(engine, warm, 2, sizes.warmup_s)  # compile, autotune
+        for name in names:  # compile, autotune, and measure the dense selector's keys (batch buckets
+            top = max(level_sets[name])  # up to the top level) before any timed window
+            run_closed_loop(engine, traffic_sessions(args, sizes, name, vocab, top, warmup=True), top,
+                            sizes.warmup_s)
         for name in names:
             for level in level_sets[name]:
                 result = _run_level(args, sizes, engine, name, level)

@@ -218,6 +218,8 @@ class LLMEngine:
         steps = self._round_steps(batch, wrap is not None)
         if steps > 1:
             return self._decode_round(batch, steps)
+        if wrap is None and self._greedy_on_runner(batch):
+            return self._greedy_step(batch)
         pending = self._grammar_runtime.begin(batch.seqs) if self._grammar_runtime else None
         try:
             # Adopted sequences fetch the pages they select: the step runs wrapped ops.
@@ -239,6 +241,21 @@ class LLMEngine:
         timestamp = now()
         return [self._emit(seq, token, logprob, timestamp)
                 for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True)]
+
+    def _greedy_on_runner(self, batch: ScheduledBatch) -> bool:
+        """Whether the runner samples this step itself (a multi-rank replica's rank 0: only token
+        ids leave it): every request greedy, without logprobs, penalties, bias or grammar."""
+        if not getattr(self.runner, "samples_greedy_on_ranks", False) or self.record_selections:
+            return False
+        return all(s.sampling.greedy and not s.sampling.logprobs and not s.sampling.processes_logits
+                   for s in batch.seqs)
+
+    def _greedy_step(self, batch: ScheduledBatch) -> list[GenerateOutput]:
+        inputs, token_ids = self.runner.execute_greedy(batch)
+        self.scheduler.postprocess(batch)
+        timestamp = now()
+        return [self._emit(batch.seqs[row], token, None, timestamp)
+                for row, token in zip(inputs.sample_rows, token_ids, strict=True)]
 
     def _emit(self, seq: Sequence, token: int, logprob: TokenLogprob | None, timestamp: float
               ) -> GenerateOutput:

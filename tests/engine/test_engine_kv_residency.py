@@ -77,11 +77,12 @@ def test_offloaded_session_decodes_identical_tokens_with_a_small_working_set(mod
     assert session.caches[0].k_cache.shape[0] == 10 and session.caches[0].index_cache.shape[0] == max_pages
     assert decode(model, session, want[0], PROMPT_LEN, STEPS) == want
     stats = session.stats
+    assert not session.synced_steps  # the host tier holds every page: no step went through the host
     assert stats.pages_fetched > STEPS  # pages really came in from the host tier...
-    assert sum(w.evictions for w in session.sets) > 0  # ...and went out again
+    assert stats.evictions > 0  # ...and went out again
     assert stats.pages_written_back == model.config.num_layers  # page 37 filled at position 608
-    for working in session.sets:
-        assert len(working.resident_pages()) <= 10
+    for layer in range(model.config.num_layers):
+        assert len(session.working.resident_pages(layer)) <= 10
 
 
 def test_budget_below_one_selection_is_refused(model, resident):
@@ -131,3 +132,35 @@ def test_working_set_keeps_the_write_ring_and_recently_selected_pages():
     assert working.place_write_page(12) == (0, 10)  # page 10 leaves the ring (written back before)
     with pytest.raises(ResidencyBudgetError, match="selected 5 pages"):
         working.admit([20, 21, 22, 23, 24], step=4)
+
+
+def test_adopted_session_filled_in_the_background_stops_syncing_and_keeps_the_tokens(model, resident):
+    """With a prefetch window over every stored page, the worker thread fills the host tier; from
+    the step it holds every page on, the misses are admitted and copied with no host round trip."""
+    prompt, state, want = resident
+    identity = identity_for(model.config, "tiny@seed0", torch.float32)
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity)
+    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
+                                       tail=True)
+    session, _ = ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=12,
+                                       max_pages=state.max_pages, device=torch.device("cpu"),
+                                       dtype=torch.float32)
+    session.prefetch(10_000)
+    session.host.wait_all()
+    assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=10_000) == want
+    assert not session.synced_steps
+    assert session.stats.host_steps == 0 and session.stats.pages_fetched > STEPS
+    assert all(kind == "prefetch" for kind, _ in session.host.service_log)
+
+
+def test_without_a_host_view_the_host_reads_the_misses_and_the_tokens_stay(model, resident):
+    """The fallback where no UVA view of the pinned tier can be made (on CUDA): each layer's
+    misses are read on the host (one sync) and copied page by page."""
+    _, state, want = resident
+    session = ResidentSession.offload(model.config, state.caches, PROMPT_LEN, budget_pages=10,
+                                      max_pages=state.max_pages)
+    session._host_src = None
+    assert session.synced_steps
+    assert decode(model, session, want[0], PROMPT_LEN, STEPS) == want
+    assert session.stats.host_steps == STEPS * model.config.num_layers
+    assert len(session.stats.fetch_log) > 0 and session.stats.pages_fetched > STEPS

@@ -192,3 +192,33 @@ def test_the_engine_selector_never_offers_a_per_shape_compiled_candidate(monkeyp
     assert "flex" not in offered
     assert set(offered) == {n for n, c in candidates.CANDIDATES.items() if not c.exact_shape}
     assert "sdpa_default" in offered
+
+
+def test_batch_sizes_of_one_bucket_share_a_measurement() -> None:
+    """A continuous batch decodes 5 sequences in one step and 7 in the next: one measurement serves
+    both (exact batch sizes made the dense engine measure in most mixed steps at concurrency 32)."""
+    timer = Timings({"a": 1.0, "b": 2.0})
+    sel = DenseSelector({"a": fake("a"), "b": fake("b")}, timer=timer)
+    for batch in (5, 7, 8):
+        q, k, v = inputs(1, 40, batch=batch, seed=batch)
+        torch.testing.assert_close(sel.attention(q, k, v, 0.25).double(), reference(q, k, v, 0.25),
+                                   atol=1e-5, rtol=1e-4)
+    assert sel.measurements == 1 and key_for(*inputs(1, 40, batch=5)[:2]).batch == 8
+    sel.attention(*inputs(1, 40, batch=9), 0.25)  # the next bucket: measured
+    assert sel.measurements == 2
+
+
+def test_pretune_measures_every_chunk_key_before_serving() -> None:
+    """After pretune, prefill chunks of the tuned sizes over any KV length up to the maximum
+    measure nothing more: the measurements ran before the first step, not inside it."""
+    timer = Timings({"a": 1.0, "b": 2.0})
+    sel = DenseSelector({"a": fake("a"), "b": fake("b")}, timer=timer)
+    measured = sel.pretune(8, 2, 16, torch.float32, "cpu", q_lens=[3, 8], max_kv_len=40)
+    # q bucket 4: kv 4 (causal), 8, 16, 32, 64; q bucket 8: kv 8 (causal), 16, 32, 64
+    assert measured == 9 == sel.measurements
+    for q_len, kv_len in [(3, 3), (3, 37), (8, 40), (5, 21), (4, 9)]:
+        q, k, v = inputs(q_len, kv_len, batch=1, seed=q_len + kv_len)
+        torch.testing.assert_close(sel.attention(q, k, v, 0.25).double(), reference(q, k, v, 0.25),
+                                   atol=1e-5, rtol=1e-4)
+    assert sel.measurements == 9
+    assert DenseSelector(timer=None).pretune(8, 2, 16, torch.float32, "cpu", [8], 40) == 0

@@ -14,7 +14,9 @@ the indexer selects is one host-to-device copy away. Pages arrive three ways:
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -56,25 +58,36 @@ class ServiceSource:
 
 class HostKV:
     """K/V of one session's pages in host memory: `[L, max_pages, 2, P, Hkv, D]`, pinned when the
-    session decodes on CUDA. `present[l, p]`: whether (page p, layer l) is here."""
+    session decodes on CUDA. `present[l, p]`: whether (page p, layer l) is here.
+
+    Background reads (`prefetch`) run on a worker thread of their own: it reads from the service,
+    decodes and stores, and marks a page present only once its bytes are in place, so the decode
+    thread does none of that work (a GPU kernel may read a present page straight from here)."""
 
     def __init__(self, num_layers: int, max_pages: int, page_shape: tuple[int, int, int], dtype: torch.dtype,
                  pin: bool, source: ServiceSource | None = None) -> None:
         """page_shape: (P, Hkv, D). source: where pages not offloaded or written back come from."""
         self.data = torch.empty(num_layers, max_pages, 2, *page_shape, dtype=dtype, pin_memory=pin)
         self.present = torch.zeros(num_layers, max_pages, dtype=torch.bool)
+        self._requested = torch.zeros(num_layers, max_pages, dtype=torch.bool)
+        """[L, max_pages] queued for a background read once (a failed one is left to demand)."""
         self.source = source
-        self._pending: list[tuple[PendingFetch, list[tuple[int, int]]]] = []
+        self._pending: list[tuple[Future, list[tuple[int, int]]]] = []
+        self._worker: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()
         self.service_log: list[tuple[str, list[tuple[int, int]]]] = []
         """("demand" | "prefetch", (page, layer) items) of each service read, in the order they
-        started (the latest 10,000)."""
+        started (the first 10,000)."""
         self.service_reads = 0
         self.service_bytes = 0
 
     def reset(self, source: ServiceSource | None) -> "HostKV":
         """Reuse this (pinned) memory for another session: nothing present, pages from `source`."""
         self.wait_all()
+        if self.data.is_pinned():  # kernels of the last session may still read it (UVA): let them end
+            torch.cuda.synchronize()
         self.present.zero_()
+        self._requested.zero_()
         self.source, self.service_log, self.service_reads, self.service_bytes = source, [], 0, 0
         return self
 
@@ -114,70 +127,78 @@ class HostKV:
             self.service_reads += 1
 
     def _store(self, items: Sequence[tuple[int, int]], kv: torch.Tensor) -> None:
-        for (page, layer), block in zip(items, kv, strict=True):
-            self.data[layer, page] = block
-            self.present[layer, page] = True
-        self.service_bytes += kv.numel() * kv.element_size()
+        pages = torch.tensor([p for p, _ in items], dtype=torch.long)
+        layers = torch.tensor([layer for _, layer in items], dtype=torch.long)
+        self.data[layers, pages] = kv  # the bytes first...
+        self.present[layers, pages] = True  # ...then the flag
+        with self._lock:
+            self.service_bytes += kv.numel() * kv.element_size()
 
     # ---- background reads from the service ---------------------------------------------------
-    def prefetch(self, predicted: Sequence[tuple[int, int]], max_items: int) -> int:
-        """Keep up to max_items (page, layer) service reads in flight: the `predicted` items first
-        (in the order given), then the newest pages of every layer. Returns the items started."""
+    def prefetch(self, predicted: Sequence[tuple[int, int]], max_items: int, chunk: int = 128) -> int:
+        """Keep up to max_items (page, layer) service reads queued on the worker thread, in reads
+        of `chunk` items: the `predicted` items first (in the order given), then the newest pages
+        of every layer. Returns the items started. The worker runs one read at a time, so a
+        demand read waits behind at most one chunk in the shards' queues; the queue is topped up
+        only once half of it has run (building it costs the decode thread)."""
         if self.source is None:
             return 0
-        budget = max_items - sum(len(items) for _, items in self._pending)
-        if budget <= 0:
+        self.poll()
+        queued = sum(len(items) for _, items in self._pending)
+        if queued > max_items // 2:
             return 0
-        requested = {item for _, items in self._pending for item in items}
+        budget = max_items - queued
+        stored = len(self.source.hashes)
+        # Absent and not asked for yet, [L, stored pages]; set the wanted ones as we go.
+        open_ = ~(self.present[:, :stored] | self._requested[:, :stored]).numpy()
         wanted: list[tuple[int, int]] = []
-
-        def want(item: tuple[int, int]) -> bool:
-            page, layer = item
-            stored = 0 <= page < len(self.source.hashes)
-            if stored and not self.present[layer, page] and item not in requested:
-                requested.add(item)
-                wanted.append(item)
-            return len(wanted) >= budget
-
-        done = any(want(item) for item in predicted)
-        if not done:  # then the newest pages (numpy: this runs between decode steps)
-            absent = ~self.present[:, : len(self.source.hashes)].numpy()  # [L, pages]
-            for page in np.flatnonzero(absent.any(axis=0))[::-1].tolist():
-                if any(want((page, layer)) for layer in np.flatnonzero(absent[:, page]).tolist()):
-                    break
-        if wanted:
-            self._pending.append((self.source.read_async(wanted), wanted))
-            self._log("prefetch", wanted)
+        for page, layer in predicted:
+            if len(wanted) >= budget:
+                break
+            if 0 <= page < stored and open_[layer, page]:
+                open_[layer, page] = False
+                wanted.append((page, layer))
+        if len(wanted) < budget:  # then the newest pages, every absent layer of each
+            pages_rev, layers = np.nonzero(open_[:, ::-1].T)  # page-major, newest first
+            take = budget - len(wanted)
+            wanted += list(zip((stored - 1 - pages_rev[:take]).tolist(), layers[:take].tolist(), strict=True))
+        if not wanted:
+            return 0
+        if self._worker is None:
+            self._worker = ThreadPoolExecutor(1, thread_name_prefix="host-tier-fill")
+        index = torch.tensor(wanted, dtype=torch.long)
+        self._requested[index[:, 1], index[:, 0]] = True
+        for start in range(0, len(wanted), chunk):
+            items = wanted[start : start + chunk]
+            self._pending.append((self._worker.submit(self._fill, self.source, items), items))
+            self._log("prefetch", items)
         return len(wanted)
+
+    def _fill(self, source: ServiceSource, items: list[tuple[int, int]]) -> None:
+        """(worker thread) One background read, stored; a read that fails leaves its pages to demand."""
+        with contextlib.suppress(PageLostInService):
+            self._store(items, source.read(items))
 
     def _log(self, kind: str, items: list[tuple[int, int]]) -> None:
         if len(self.service_log) < 10_000:
             self.service_log.append((kind, items))
 
     def poll(self, wait_for: set[tuple[int, int]] | None = None) -> int:
-        """Store the background reads that have arrived, and wait for those holding an item of
-        `wait_for`. Returns the items stored."""
-        stored, still = 0, []
-        for fetch, items in self._pending:
-            must = wait_for is not None and not wait_for.isdisjoint(items)
-            if not (must or fetch.done()):
-                still.append((fetch, items))
-                continue
-            try:
-                payloads = fetch.result()
-            except ServiceUnavailable:
-                continue  # a background read: those pages are read on demand instead
-            arrived = [(item, p) for item, p in zip(items, payloads, strict=True) if p is not None]
-            if arrived:
-                kv = self.source.codec.decode_kv([p for _, p in arrived])
-                self._store([item for item, _ in arrived], kv)
-                stored += len(arrived)
+        """Drop the background reads that ended, waiting first for those holding an item of
+        `wait_for`. Returns the items they brought."""
+        ended, still = 0, []
+        for future, items in self._pending:
+            if wait_for is not None and not wait_for.isdisjoint(items):
+                future.result()
+            if future.done():
+                ended += len(items)
+            else:
+                still.append((future, items))
         self._pending = still
-        return stored
+        return ended
 
     def wait_all(self) -> None:
         """Wait for every background read (before the session's memory is reused)."""
-        for fetch, _ in self._pending:
-            with contextlib.suppress(ServiceUnavailable):
-                fetch.result()
+        for future, _ in self._pending:
+            future.result()
         self._pending = []

@@ -1,17 +1,22 @@
 """A session that decodes with every index page on the GPU and only a working set of its K/V.
 
 Per MSA layer the session owns an index cache of `max_pages` pages (logical page = physical page)
-and a K/V pool of `budget_pages` slots (`residency.WorkingSet`). A decode step:
+and a K/V pool of `budget_pages` slots, whose policy (`residency.WorkingSet`'s) runs on the device
+(`device_working_set.DeviceWorkingSet`). A decode step:
 1. `decode_metadata(position)` — on a page boundary the page just filled is written back to the
    host tier (write-behind) and the new page takes its ring slot; the new token's K/V go to that
    slot (`AttentionMetadata.kv_slot_mapping`), its index key to its logical page;
-2. the wrapped `indexer_decode` (`wrap_ops`) selects blocks over the resident index, then the
-   selected pages that are not resident are copied in from the host tier (which reads an adopted
-   session's pages from the KV cache service on first use) — before attention reads them;
+2. the wrapped `indexer_decode` (`wrap_ops`) selects blocks over the resident index; the device
+   admits the selection (`kernels/residency`) and one launch copies the misses from the pinned
+   host tier (`kernels/page_gather`, through a UVA view on CUDA) — in stream order, before
+   attention reads them, with no host sync. Only while the host tier lacks pages (an adopted
+   session whose pages are still in the KV cache service) does the host read each layer's misses
+   (one sync) and make them present first;
 3. the wrapped `sparse_decode` attends through the layer's logical page → slot table.
 The K/V read are bit for bit the fully resident session's, so greedy tokens are identical.
-After a step, `prefetch` keeps service reads in flight in predicted order (each layer's previous
-selection and the local window first, then the newest pages), never in page order.
+Between steps, `prefetch` queues background service reads on the host tier's worker thread in
+predicted order (each layer's previous selection and the local window first, then the newest
+pages), never in page order, until the host tier holds every page.
 
 Layers that attend densely (no index branch) would read every page: not supported here.
 """
@@ -22,9 +27,10 @@ from collections.abc import Sequence
 import torch
 
 from msaserve.engine.kv.adoption import LazyPageFetcher
+from msaserve.engine.kv.device_working_set import DeviceWorkingSet
 from msaserve.engine.kv.host_tier import HostKV, ServiceSource
-from msaserve.engine.kv.residency import WorkingSet
 from msaserve.kernels import AttentionOps
+from msaserve.kernels.page_gather import gather_pages, host_view
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.session_records import SessionRecord
 from msaserve.models.cache import LayerKVCache
@@ -41,8 +47,12 @@ class ResidencyStats:
     """(page, layer) K/V pages copied host → GPU."""
     bytes_fetched: int = 0
     pages_written_back: int = 0
+    evictions: int = 0
+    host_steps: int = 0
+    """(layer, step) pairs whose misses went through the host (a sync): see `synced_steps`."""
     fetch_log: list[tuple[int, int, tuple[int, ...]]] = dataclasses.field(default_factory=list)
-    """(step, layer, pages) of every fetch, in order (the latest 10,000)."""
+    """(step, layer, pages) of every fetch that went through the host (steps of an adopted
+    session while pages are still in the service), in order (the first 10,000)."""
 
 
 def allocate_resident_caches(
@@ -83,16 +93,17 @@ class ResidentSession:
         self.page_size, self.budget_pages = config.page_size, budget_pages
         self.caches, self.pools = allocate_resident_caches(config, max_pages, budget_pages, self.device,
                                                            dtype, index_dtype)
-        self.sets = [WorkingSet(budget_pages, self.ring) for _ in self.caches]
-        # [L, 1, max_pages] per layer logical page → K/V slot. Entries of non-resident pages are
-        # stale or 0: attention only reads the selected pages, which are resident.
-        self.kv_tables = torch.zeros(len(self.caches), 1, max_pages, dtype=torch.int32, device=self.device)
+        self.working = DeviceWorkingSet(len(self.caches), budget_pages, self.ring, max_pages, self.device)
         self.index_table = torch.arange(max_pages, dtype=torch.int32, device=self.device)[None]
         self._layer_of_index = {c.index_cache.data_ptr(): layer for layer, c in enumerate(self.caches)}
         self._layer_of_kv = {c.k_cache.data_ptr(): layer for layer, c in enumerate(self.caches)}
         self.write_page = -1
         self.last_selected: list[list[int]] = [[] for _ in self.caches]
-        self.stats = ResidencyStats()
+        self._stats = ResidencyStats()
+        self._host_complete = False
+        # Where the miss fill reads the host tier: the pinned memory itself on CPU, a UVA view of it
+        # on CUDA (no host sync); None: the host learns the misses (a sync per layer) and copies.
+        self._host_src = host.data if self.device.type == "cpu" else host_view(host.data, self.device)
 
     # ---- building one -------------------------------------------------------------------------
     @classmethod
@@ -149,6 +160,16 @@ class ResidentSession:
         return session, covered
 
     # ---- one decode step ----------------------------------------------------------------------
+    @property
+    def stats(self) -> ResidencyStats:
+        """The counters (those kept on the device are read here: a host sync, off the step path)."""
+        w = self.working
+        self._stats.pages_fetched = int(w.fetched.sum())
+        self._stats.fetches = int(w.fetch_events.sum())
+        self._stats.bytes_fetched = self._stats.pages_fetched * self.host.page_bytes
+        self._stats.evictions = int(w.evictions.sum())
+        return self._stats
+
     def _enter_page(self, page: int, load: bool) -> None:
         """Page `page` starts receiving tokens: write the page filled before it back to the host
         tier, and give it its ring slot in every layer (load: copy its K/V in from the host tier)."""
@@ -156,12 +177,12 @@ class ResidentSession:
             slot = self.write_page % self.ring
             for layer in range(len(self.caches)):
                 self.host.write(layer, [self.write_page], self.pools[layer][slot : slot + 1])
-            self.stats.pages_written_back += len(self.caches)
-        for layer, working in enumerate(self.sets):
-            slot, _ = working.place_write_page(page)
-            if load and self.host.present[layer, page]:
-                self._copy_in([page], [slot], layer)
-        self.kv_tables[:, 0, page] = page % self.ring
+            self._stats.pages_written_back += len(self.caches)
+        slot = self.working.place_write_page(page)
+        if load:
+            for layer in range(len(self.caches)):
+                if self.host.present[layer, page]:
+                    self.pools[layer][slot].copy_(self.host.data[layer, page], non_blocking=True)
         self.write_page = page
 
     def decode_metadata(self, position: int) -> AttentionMetadata:
@@ -172,10 +193,12 @@ class ResidentSession:
                 raise ValueError(f"position={position} is invalid: allowed the next token of page "
                                  f"{self.write_page} or the first of page {self.write_page + 1}")
             self._enter_page(page, load=False)
+        if not self._host_complete:  # every page before the write page in the host tier: no sync
+            self._host_complete = bool(self.host.present[:, : self.write_page].all())
         device = self.device
         positions = torch.tensor([position], device=device)
         kv_slot = (page % self.ring) * self.page_size + position % self.page_size
-        self.stats.steps += 1
+        self._stats.steps += 1
         return AttentionMetadata(
             positions=positions, slot_mapping=positions.clone(),
             kv_slot_mapping=torch.tensor([kv_slot], device=device),
@@ -186,33 +209,37 @@ class ResidentSession:
             logits_indices=torch.zeros(1, dtype=torch.long, device=device),
         )
 
-    def make_resident(self, layer: int, selected: torch.Tensor) -> None:
-        """selected [.., Hkv, K] block ids of `layer` (-1 unused) → those pages are in the working set."""
-        pages = torch.unique(selected[selected >= 0]).tolist()
-        self.last_selected[layer] = pages
-        filled = self.sets[layer].admit(pages, self.stats.steps)
-        if not filled:
-            return
-        new_pages, slots = [p for p, _ in filled], [s for _, s in filled]
-        self._copy_in(new_pages, slots, layer)
-        self.kv_tables[layer, 0, torch.as_tensor(new_pages, device=self.device)] = torch.as_tensor(
-            slots, dtype=torch.int32, device=self.device)
-        self.stats.fetches += 1
-        if len(self.stats.fetch_log) < 10_000:
-            self.stats.fetch_log.append((self.stats.steps, layer, tuple(new_pages)))
+    @property
+    def synced_steps(self) -> bool:
+        """Whether a step's misses go through the host (a sync per layer): while the host tier
+        lacks pages (an adopted session's pages still in the service), or without a UVA view."""
+        return not self._host_complete or self._host_src is None
 
-    def _copy_in(self, pages: list[int], slots: list[int], layer: int) -> None:
-        """Host tier → the layer's slots. On CUDA one asynchronous copy per page straight from
-        the pinned tier (no gather on the host); stream order puts them before attention."""
+    def make_resident(self, layer: int, selected: torch.Tensor) -> None:
+        """selected [.., Hkv, K] block ids of `layer` (-1 unused) → those pages are in the working
+        set before anything reads them (stream order). Host tier complete: the device admits and
+        fills the misses with no host sync. Else the host reads the misses (one sync) and makes
+        them present first (service reads)."""
+        dst, src = self.working.admit(layer, selected, self._stats.steps)
+        if not self.synced_steps:
+            gather_pages(self.pools[layer], dst, self._host_src[layer], src)
+            return
+        self._stats.host_steps += 1
+        flat = torch.cat([selected.reshape(-1).long(), dst]).tolist()
+        chosen, slots = flat[: dst.numel()], flat[dst.numel():]
+        self.last_selected[layer] = list(dict.fromkeys(p for p in chosen if p >= 0))
+        missed = [(p, s) for p, s in zip(chosen, slots, strict=True) if s >= 0]
+        if not missed:
+            return
+        pages = [p for p, _ in missed]
         self.host.ensure(layer, pages)
-        pool = self.pools[layer]  # [budget_pages, 2, P, Hkv, D]
-        if self.device.type == "cuda":
-            for page, slot in zip(pages, slots, strict=True):
-                pool[slot].copy_(self.host.data[layer, page], non_blocking=True)
-        else:
-            pool[torch.as_tensor(slots)] = self.host.data[layer, torch.as_tensor(pages)]
-        self.stats.pages_fetched += len(pages)
-        self.stats.bytes_fetched += len(pages) * self.host.page_bytes
+        if self._host_src is not None:
+            gather_pages(self.pools[layer], dst, self._host_src[layer], src)
+        else:  # CUDA without a UVA view: one asynchronous copy per page from the pinned tier
+            for page, slot in missed:
+                self.pools[layer][slot].copy_(self.host.data[layer, page], non_blocking=True)
+        if len(self._stats.fetch_log) < 10_000:
+            self._stats.fetch_log.append((self._stats.steps, layer, tuple(pages)))
 
     def wrap_ops(self, ops: AttentionOps) -> AttentionOps:
         """The model's ops for this session's decode steps: the indexer makes its selection
@@ -224,7 +251,7 @@ class ResidentSession:
             return selected
 
         def sparse_decode(q, k_cache, v_cache, block_tables, *args, **kwargs):
-            table = self.kv_tables[self._layer_of_kv[k_cache.data_ptr()]]
+            table = self.working.table(self._layer_of_kv[k_cache.data_ptr()])
             return ops.sparse_decode(q, k_cache, v_cache, table, *args, **kwargs)
 
         def refuse(*args, **kwargs):
@@ -246,8 +273,10 @@ class ResidentSession:
                 for p in dict.fromkeys(forced + pages)]
 
     def prefetch(self, max_items: int) -> int:
-        """Service reads into the host tier, predicted pages first (an adopted session)."""
-        self.host.poll()
+        """Background service reads into the host tier, predicted pages first (an adopted
+        session), until it holds every page: steps need no host sync from then on."""
+        if self._host_complete:
+            return 0
         return self.host.prefetch(self.predicted(), max_items)
 
     @property

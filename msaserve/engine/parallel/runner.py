@@ -1,7 +1,8 @@
 """The driver's side of a multi-rank replica: what `LLMEngine` holds instead of a `ModelRunner`.
 
 The driver schedules as for one rank and builds each step's inputs on the host; `execute` sends
-them to every rank as one `StepMessage` and gets rank 0's logits. Pages are reached through
+them to every rank as one `StepMessage` and gets rank 0's logits (or, for a step whose sampled
+rows are all greedy, rank 0's argmax tokens: the logits stay on the device). Pages are reached through
 `caches`, one `RemoteLayerCache` per layer whose tensors gather whole pages (every KV head, the
 index once) from the ranks and scatter them back, so swapping, persisting sessions to the KV
 cache service and the service prefix cache see the layout-free page of one rank.
@@ -95,20 +96,28 @@ class GroupRunner:
                 self._readers.append(info["rank"])
                 covered = stop
 
+    samples_greedy_on_ranks = True
+    """`LLMEngine` may call `execute_greedy`: rank 0 samples greedy steps, only token ids travel."""
+
     def execute(self, batch: ScheduledBatch, record_selections: bool = False,
                 ops_wrapper: Callable[[AttentionOps], AttentionOps] | None = None,
                 ) -> tuple[StepInputs, torch.Tensor]:
+        """One step → (its inputs, the sampled rows' logits [N, vocab] on the host)."""
         if ops_wrapper is not None or record_selections:
             raise ReplicaGroupFailed("a multi-rank replica cannot adopt sessions lazily or record MSA "
                                      "selections yet (its attention runs on the ranks)")
         inputs = build_step_inputs(batch, self.page_size, self.device)
-        message = StepMessage(inputs.input_ids, inputs.meta, inputs.sample_rows)
-        return inputs, self.group.call_all("execute", message)[0]
+        return inputs, self.group.call_all("execute", StepMessage.pack(inputs))[0]
+
+    def execute_greedy(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
+        """One step whose sampled rows are all greedy without logprobs → (its inputs, their tokens
+        [N]): rank 0 takes the argmax on its device, so the logits never leave it."""
+        inputs = build_step_inputs(batch, self.page_size, self.device)
+        return inputs, self.group.call_all("execute", StepMessage.pack(inputs, greedy=True))[0]
 
     def execute_decode_round(self, batch: ScheduledBatch, steps: int) -> list[list[int]]:
         inputs = build_step_inputs(batch, self.page_size, self.device)
-        message = StepMessage(inputs.input_ids, inputs.meta, inputs.sample_rows, decode_steps=steps)
-        return self.group.call_all("execute", message)[0]
+        return self.group.call_all("execute", StepMessage.pack(inputs, decode_steps=steps))[0]
 
     def gather(self, layer: int, name: str, pages: torch.Tensor) -> torch.Tensor:
         if name.startswith("index"):  # the index-K head is on every rank: read it once

@@ -15,7 +15,7 @@ from msaserve.engine.config import EngineConfig
 from msaserve.engine.model_runner import ModelRunner
 from msaserve.engine.parallel.comm import build_groups
 from msaserve.engine.parallel.layout import ParallelLayout
-from msaserve.engine.parallel.messages import StepMessage, meta_to
+from msaserve.engine.parallel.messages import StepMessage
 from msaserve.engine.parallel.shard import shard_m3_model
 from msaserve.engine.parallel.tp import head_shard
 
@@ -94,22 +94,27 @@ class RankWorker:
         return self.full_config, self.tokenizer
 
     @torch.inference_mode()
-    def execute(self, message: StepMessage) -> torch.Tensor | list[list[int]] | None:
-        """Run one step (or a decode round) → logits [N, vocab] (or tokens [steps][B]) on rank 0,
-        None on the others."""
+    def execute(self, message: StepMessage) -> torch.Tensor | list[int] | list[list[int]] | None:
+        """Run one step (or a decode round) → on rank 0: the sampled rows' logits [N, vocab] on the
+        host, or their greedy tokens [N] (`message.greedy`: sampled here, only ids travel), or a
+        round's tokens [steps][B]; None on the others."""
         runner = self.runner
-        ids = message.input_ids.to(runner.device)
-        meta = meta_to(message.meta, runner.device)
+        ids, meta = message.unpack(runner.device)
         if message.decode_steps > 1:
             tokens = runner.decode_round(ids, meta, message.decode_steps)
             return tokens if self.rank == 0 else None
         hidden = runner.forward(ids, meta)
         if self.rank != 0:
             return None
-        rows = meta.logits_indices
-        if len(message.sample_rows) < meta.num_seqs:
-            rows = rows[torch.tensor(message.sample_rows, dtype=torch.long, device=runner.device)]
-        return runner.model.compute_logits(hidden[rows]).cpu()
+        if len(message.sample_rows) == meta.num_seqs and meta.is_decode:
+            rows = hidden  # one row per sequence, every one samples (as ModelRunner.execute)
+        else:
+            rows = hidden[meta.logits_indices[torch.tensor(message.sample_rows, dtype=torch.long,
+                                                            device=runner.device)]]
+        logits = runner.model.compute_logits(rows)
+        if message.greedy:
+            return torch.argmax(logits, dim=-1).tolist()
+        return logits.cpu()
 
     def read_pages(self, layer: int, name: str, pages: torch.Tensor) -> torch.Tensor:
         """This rank's [n, P, heads, D] of cache `name` (k_cache, v_cache, index_cache,

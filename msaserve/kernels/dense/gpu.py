@@ -1,30 +1,29 @@
 """The dense backend's attention ops on CUDA (the baseline every serving benchmark compares with).
 
-Each op runs the fastest dense kernel measured for its shape (`select.py`, once per shape key):
+Prefill runs the fastest dense kernel measured for its shape (`select.py`, once per shape key);
+decode runs one kernel:
 - prefill: per sequence, the pages are gathered into a contiguous K/V and the fastest of SDPA's
   cuDNN / flash / efficient backends, FlexAttention and flash-attn-4 (when installed) runs on it,
   for its mask kind (whole-prompt causal, or a chunk at the end of a longer KV);
-- decode: the paged flash-decoding kernel (`paged_decode.py`, straight from the paged cache)
-  against gathering the pages and running the fastest contiguous kernel. Inside CUDA-graph capture
-  only the paged kernel runs (the gather path synchronises with the host), so a captured decode
-  step is the paged kernel whatever was measured eagerly.
+- decode: the paged flash-decoding kernel (`paged_decode.py`, straight from the paged cache), in
+  CUDA-graph capture and eagerly alike. Gathering the pages for a contiguous kernel reads the KV
+  twice and writes it once; timed in benchmarks/kernels/bench_decode_suite.py the paged kernel
+  beat even the contiguous kernels given their K/V for free at long contexts (e.g. 0.513 vs
+  0.591 ms at batch 8 × 128K), and measuring the two in the engine ran inside serving steps:
+  decode keys (batch bucket × KV bucket) keep appearing in mixed steps, and an H200 agentic run
+  at c = 32 measured them in its timed window (dense TPOT 57 ms in one run, 305 ms in the next).
 The sequences of a prefill step that decode one token alongside the prefill chunks (continuous
 batching mixes them) go to the decode op, instead of gathering their whole history per sequence.
 """
 
 import itertools
-import math
 
 import torch
 
 from msaserve.kernels.dense import paged_decode, sdpa
-from msaserve.kernels.dense.select import ShapeKey, bucket, default_selector, device_name
+from msaserve.kernels.dense.select import default_selector
 
 __all__ = ["dense_decode", "dense_prefill"]
-
-PAGED = "paged_triton"
-GATHER = "gather_contiguous"
-
 
 def dense_decode(
     q: torch.Tensor,
@@ -36,20 +35,7 @@ def dense_decode(
 ) -> torch.Tensor:
     """q: [B, Q, Hq, D]; caches [num_pages, P, Hkv, D] → o [B, Q, Hq, D] (query i of a sequence
     sees the keys up to its own position)."""
-    if q.is_cuda and torch.cuda.is_current_stream_capturing():
-        return paged_decode.dense_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale)
-    selector = default_selector()
-    scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    batch, num_q, num_q_heads, head_dim = q.shape
-    key = ShapeKey("paged_decode", batch, num_q_heads, k_cache.shape[2], bucket(num_q),
-                   bucket(block_tables.shape[1] * k_cache.shape[1]), head_dim,
-                   str(q.dtype).removeprefix("torch."), device_name(q.device))
-    runs = {
-        PAGED: lambda: paged_decode.dense_decode(q, k_cache, v_cache, block_tables, seq_lens, scale),
-        GATHER: lambda: sdpa.dense_decode(q, k_cache, v_cache, block_tables, seq_lens, scale,
-                                          attend=selector.attention),
-    }
-    return runs[selector.choose_among(key, runs, fallback=PAGED).winner]()
+    return paged_decode.dense_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale)
 
 
 def dense_prefill(

@@ -8,8 +8,10 @@ is the median of a few event-timed calls. The choice lives in memory and, when a
 given, in a JSON file that later processes read instead of measuring again.
 
 On CPU nothing is timed unless a timer is injected: SDPA's own choice (`sdpa_default`) runs.
-Lengths are bucketed to powers of two, so one measurement serves the lengths of a bucket (a
-serving engine sees a new exact length every step).
+Lengths and the batch are bucketed to powers of two, so one measurement serves a bucket (a serving
+engine sees a new exact length every step, and a new count of decoding sequences in many steps of a
+continuous batch: with exact batch sizes, an H200 run at concurrency 32 measured a new key in most
+mixed steps, which took the dense engine's TPOT to 1.4 s).
 """
 
 import json
@@ -38,7 +40,7 @@ def bucket(n: int) -> int:
 @dataclass(frozen=True)
 class ShapeKey:
     kind: str
-    batch: int
+    batch: int  # bucketed
     q_heads: int
     kv_heads: int
     q_len: int  # bucketed
@@ -68,7 +70,7 @@ def key_for(q: torch.Tensor, k: torch.Tensor, kind: str | None = None) -> ShapeK
     """q [B, Hq, Tq, D], k [B, Hkv, T, D] → its key (kind from the lengths unless given)."""
     batch, q_heads, q_len, head_dim = q.shape
     kind = kind or mask_kind(q_len, k.shape[2])
-    return ShapeKey(kind, batch, q_heads, k.shape[1], bucket(q_len), bucket(k.shape[2]), head_dim,
+    return ShapeKey(kind, bucket(batch), q_heads, k.shape[1], bucket(q_len), bucket(k.shape[2]), head_dim,
                     str(q.dtype).removeprefix("torch."), device_name(q.device))
 
 
@@ -123,6 +125,27 @@ class DenseSelector:
         self.measurements += 1
         self._save()
         return choice
+
+    def pretune(self, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype,
+                device: torch.device | str, q_lens: list[int], max_kv_len: int) -> int:
+        """Measure now, on random inputs, every key that prefill chunks of `q_lens` tokens over up to
+        `max_kv_len` keys will meet (batch 1: the prefill op runs per sequence; KV buckets from the
+        chunk's own length up to bucket(max_kv_len)), so that no measurement runs inside a serving
+        step or a timed benchmark. Returns how many keys were measured (0 on the CPU without a timer:
+        nothing is timed there)."""
+        device = torch.device(device)
+        if device.type == "cpu" and self.timer is None:
+            return 0
+        before, scale = self.measurements, 1.0 / head_dim ** 0.5
+        for q_len in sorted({bucket(n) for n in q_lens}):
+            kv_len = q_len
+            while kv_len <= max(q_len, bucket(max_kv_len)):
+                q = torch.randn(1, q_heads, q_len, head_dim, dtype=dtype, device=device)
+                k, v = (torch.randn(1, kv_heads, kv_len, head_dim, dtype=dtype, device=device) for _ in "kv")
+                self.attention(q, k, v, scale)
+                del q, k, v
+                kv_len *= 2
+        return self.measurements - before
 
     def record(self, key: ShapeKey, choice: Choice) -> None:
         """Store a choice measured elsewhere (bench_dense.py --selector-cache writes a cache file the

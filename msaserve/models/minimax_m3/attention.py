@@ -91,8 +91,9 @@ class M3Attention(nn.Module):
         k = self.k_norm(self.k_proj(x).view(num_tokens, c.num_kv_heads, c.head_dim))
         v = self.v_proj(x).view(num_tokens, c.num_kv_heads, c.head_dim)
         q, k = rotate_partial(q, rotary.cos, rotary.sin), rotate_partial(k, rotary.cos, rotary.sin)
-        write_slots(cache.k_cache, meta.slot_mapping, k)
-        write_slots(cache.v_cache, meta.slot_mapping, v)
+        kv_slots = meta.slot_mapping if meta.kv_slot_mapping is None else meta.kv_slot_mapping
+        write_slots(cache.k_cache, kv_slots, k)  # K/V may live in a pool of their own (sparse residency)
+        write_slots(cache.v_cache, kv_slots, v)
         if self.indexer is not None:  # index keys are written whichever backend attends
             index_q, index_k = self.indexer(x, rotary)
             cache.write_index(meta.slot_mapping, index_k)

@@ -1,0 +1,32 @@
+"""Copy a bounded list of pages into a page pool, skipping the entries marked -1, with no host sync:
+the miss fill of sparse-KV residency (`msaserve/engine/kv/device_working_set.py`).
+
+`gather_pages(dst, dst_slots, src, src_pages)`: for every i with dst_slots[i] ≥ 0,
+`dst[dst_slots[i]] = src[src_pages[i]]`. The list has a fixed length (one step's selection, Hkv·K),
+so the caller never learns on the host how many pages missed. On CUDA the source may be pinned host
+memory seen through `host_view` (UVA): the kernel reads the missed pages straight over PCIe, on the
+compute stream, after the indexer that chose them and before the attention that reads them.
+"""
+
+import torch
+
+from msaserve.kernels.page_gather.naive import gather_pages_naive
+from msaserve.kernels.page_gather.uva import host_view
+
+
+def gather_pages(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
+                 src_pages: torch.Tensor) -> None:
+    """dst [S, ...] and src [N, ...] pages of one shape; dst_slots, src_pages [M] int (-1 in
+    dst_slots: skip). Triton on CUDA (no host sync), the naive reference elsewhere."""
+    if dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
+        raise ValueError(f"dst pages {tuple(dst.shape[1:])} {dst.dtype} and src pages {tuple(src.shape[1:])} "
+                         f"{src.dtype} differ: allowed the same page shape and dtype")
+    if dst.device.type == "cuda":
+        from msaserve.kernels.page_gather.triton import gather_pages_triton
+
+        gather_pages_triton(dst, dst_slots, src, src_pages)
+    else:
+        gather_pages_naive(dst, dst_slots, src, src_pages)
+
+
+__all__ = ["gather_pages", "gather_pages_naive", "host_view"]

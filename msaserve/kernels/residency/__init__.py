@@ -1,0 +1,26 @@
+"""One layer's admission step of sparse-KV residency on the device (policy: `engine/kv/residency.py`):
+the selection becomes resident in the tables, the misses come back as (dst_slots, src_pages) for
+`kernels.page_gather`. No host sync. Triton on CUDA (one launch), the reference of tensor ops elsewhere.
+
+Tables of one layer (each with one spare entry at the end that masked writes go to):
+slot_of [max_pages + 1] int32 (page → slot, -1: not resident), page_in [num_slots + 1] int64
+(slot → page, -1: free), last_used [num_slots + 1] int64 (the step its page was last selected),
+counters [3] int64 (pages fetched, pages evicted, steps that fetched).
+"""
+
+import torch
+
+from msaserve.kernels.residency.naive import admit_naive
+
+
+def admit(selected: torch.Tensor, slot_of: torch.Tensor, page_in: torch.Tensor, last_used: torch.Tensor,
+          counters: torch.Tensor, step: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """selected [.., Hkv, K] block ids (-1 unused) → (dst_slots [M] int64, -1: no copy; src_pages [M])."""
+    if selected.device.type == "cuda":
+        from msaserve.kernels.residency.triton import admit_triton
+
+        return admit_triton(selected, slot_of, page_in, last_used, counters, step, ring)
+    return admit_naive(selected, slot_of, page_in, last_used, counters, step, ring)
+
+
+__all__ = ["admit", "admit_naive"]
