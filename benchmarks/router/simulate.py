@@ -82,8 +82,10 @@ REPORT_PREFILL = True
 """Whether simulated replicas report `waiting_prefill_pages`, as the live ModelDeployment does
 (`EngineStats.waiting_prefill_pages`, since issue 29's third pass); `--no-prefill-report` runs the
 router on waiting × mean miss size, what it had before."""
-POLICY_NAMES = (*POLICIES, "ray_pow2", "ray_prefix_affinity")
-"""Our policies (production code) and the simulated Ray Serve routers (ray_baselines.py)."""
+POLICY_NAMES = tuple(dict.fromkeys((*POLICIES, "ray_pow2", "ray_prefix_affinity")))
+"""Our policies (production code) and the simulated Ray Serve routers (ray_baselines.py), once each:
+importing ray_baselines first registers its classes in `POLICY_CLASSES` too, so `POLICIES` may
+already hold them (the sweeps of 1b698fe ran both Ray baselines twice, identical rows)."""
 
 
 def build_policy(name: str, state: RouterState, rng: random.Random, kv_cfg: KVAwareConfig,
