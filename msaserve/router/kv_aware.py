@@ -82,9 +82,10 @@ class KVAwareConfig:
     """Pages credited to the rendezvous home of the request's first page (see the module docstring).
     8 (picked on Mooncake, 4 replicas, near capacity, from 0 / 8 / 16): families stay on one replica
     instead of being copied onto several, which is what lets four caches hold more distinct
-    prefixes. (It was off while the simulated replicas reserved every waiting request's pages: a
-    backlog then evicted the agent trace's system prompts, and crediting their homes overloaded
-    them; with engine-like admission it is neutral to better there, docs/performance-router.md.)"""
+    prefixes. (It was off because on the agent-sessions trace, simulated with replicas that reserved
+    every waiting request's pages, it overloaded the system prompts' homes; with engine-like
+    admission, horizon 32 and family credit 8 together are neutral to slightly better there,
+    docs/performance-router.md.)"""
     spill_load_ratio: float = 0.5
     """Fallbacks when the chosen replica cannot take the request now (Serve's queue-length probe:
     `max_ongoing_requests` reached): another replica is ranked only if its load is at most this
@@ -93,8 +94,8 @@ class KVAwareConfig:
     prefix (or the session's context) away without queueing less. 1 or more: every replica is a
     fallback (the behaviour before), as with a choice of at most `imbalance_abs` sequences.
     0.5 set a priori, then checked on the agent-sessions trace (Mooncake never fills a queue of
-    256): at 19.7 req/s, 4 replicas, 0.25 and 0.5 are sustained, 0.75 and 1 are not; at
-    39.3 req/s, 8 replicas, only 0.25 is (docs/performance-router.md)."""
+    256): at 19.7 req/s, 4 replicas, 0.25 and 0.5 are sustained, 0.75 is not (1 is not already at
+    17.9 req/s); at 39.3 req/s, 8 replicas, only 0.25 is (docs/performance-router.md)."""
     imbalance_abs: float = 16.0
     """Sequences: the guard needs max − min load above this…"""
     imbalance_rel: float = 3.0
