@@ -3,8 +3,11 @@
 Costs come from a calibration (JSON; `Calibration.default()` documents where each figure comes
 from). One replica runs continuous batching like the engine: each step prefills up to
 `chunk_tokens` of the oldest admitted request(s) and decodes one token for every decoding
-sequence. A request is admitted (FIFO) when its pages fit: cached prefix pages are reused, the
-rest are taken from free pages, evicting unreferenced cached pages least-recently-used first.
+sequence. A request is admitted (FIFO) as the engine's scheduler admits it: while the step's
+token budget has room after the running prefills, and when its pages fit: cached prefix pages are
+reused, the rest are taken from free pages, evicting unreferenced cached pages least-recently-used
+first. (Until issue 29's third pass every waiting request whose pages fit was admitted at once, so a
+burst reserved every replica's pages and evicted its cached prefixes before any reuse.)
 Its prompt pages enter the prefix cache when its prefill completes (the engine's `stored` event).
 """
 
@@ -187,8 +190,14 @@ class SimReplica:
         return True
 
     def _admit(self) -> None:
-        while self.waiting and self._try_admit(self.waiting[0]):
-            self.waiting.popleft()
+        """Admit waiting requests as the engine's scheduler does (`Scheduler._admit_waiting`): only
+        while this step's token budget has room after the running prefills' chunks, and only if the
+        whole rest of the prompt fits. A request waiting behind a backlog holds no pages, so it
+        evicts no cached prefix before it is prefilled."""
+        budget = self.cal.chunk_tokens - sum(r.input_tokens - r.prefilled for r in self.prefilling)
+        while self.waiting and budget > 0 and self._try_admit(self.waiting[0]):
+            req = self.waiting.popleft()
+            budget -= req.input_tokens - req.prefilled
 
     def _prefill_done(self, req: SimRequest) -> None:
         """Prompt pages join the prefix cache (stored event); the sequence starts decoding."""

@@ -79,10 +79,13 @@ def _publish(replica: SimReplica, recorder: RoutingStatsRecorder, state: RouterS
 
 
 REPORT_PREFILL = True
-"""Whether simulated replicas report `waiting_prefill_pages` (the live ModelDeployment does not:
-`--no-prefill-report` runs the router on what it gets live, waiting × mean miss size)."""
-POLICY_NAMES = (*POLICIES, "ray_pow2", "ray_prefix_affinity")
-"""Our policies (production code) and the simulated Ray Serve routers (ray_baselines.py)."""
+"""Whether simulated replicas report `waiting_prefill_pages`, as the live ModelDeployment does
+(`EngineStats.waiting_prefill_pages`, since issue 29's third pass); `--no-prefill-report` runs the
+router on waiting × mean miss size, what it had before."""
+POLICY_NAMES = tuple(dict.fromkeys((*POLICIES, "ray_pow2", "ray_prefix_affinity")))
+"""Our policies (production code) and the simulated Ray Serve routers (ray_baselines.py), once each:
+importing ray_baselines first registers its classes in `POLICY_CLASSES` too, so `POLICIES` may
+already hold them (the sweeps of 1b698fe ran both Ray baselines twice, identical rows)."""
 
 
 def build_policy(name: str, state: RouterState, rng: random.Random, kv_cfg: KVAwareConfig,
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--limit", type=int, help="first N trace rows only (smoke runs)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-prefill-report", action="store_true",
-                        help="replicas do not report waiting_prefill_pages (as the live deployment)")
+                        help="replicas do not report waiting_prefill_pages (live before issue 29)")
     parser.add_argument("--prefix", default="router.", help="figure name prefix in the results JSON")
     parser.add_argument("--out", default="benchmarks/results/router.json")
     parser.add_argument("--plot", default="docs/router_p90_ttft.png")

@@ -39,7 +39,7 @@ def breakdown(data: dict, key: str) -> list[str]:
         return []
     lines = ["| backend | step | " + " | ".join(PARTS) + " |", "|---|---|" + "---:|" * len(PARTS)]
     for row in entry["table"]:
-        cells = " | ".join(f"{row[p]:.3f}" for p in PARTS)
+        cells = " | ".join(f"{row[p]:.3f}" if p in row else "void" for p in PARTS)
         lines.append(f"| {row['backend']} | {row['step']} | {cells} |")
     return lines
 
@@ -49,12 +49,13 @@ def main() -> int:
     with open(path) as f:
         data = json.load(f)
     print("\n".join(traffic(data)))
-    for key in ("m3.step_breakdown", "m3.session_1m_step_breakdown"):
+    for key in sorted(k for k in data if k.endswith("step_breakdown")):
         print()
         print("\n".join(breakdown(data, key)))
     print()
     for key, entry in sorted(data.items()):
-        if "table" not in entry and ("speedup" in key or "prefill" in key or "session" in key):
+        scalar = "value" in entry and "table" not in entry
+        if scalar and any(word in key for word in ("speedup", "prefill", "session")):
             print(f"{key}: {entry['value']} {entry['unit']}  ({entry.get('note', '')[:160]})")
     return 0
 

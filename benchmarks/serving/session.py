@@ -19,6 +19,7 @@ from step_breakdown import format_row, header, profile_steps
 
 from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.types import GenerateRequest, SamplingParams
+from msaserve.kernels.dense.select import default_selector
 
 DENSE = ("dense backend: every layer full attention, prefill in the same chunks as MSA and decode, each "
          "by the fastest dense kernel measured for its shape (msaserve/kernels/dense/select.py), decode "
@@ -83,7 +84,13 @@ def _session(args: argparse.Namespace, sizes: Sizes, backend: str, length: int, 
         engine = build_engine(args, sizes, backend, length + decode + 256, 1, sizes.session_chunk,
                               exact_pages=True)
         run_one_session(engine, min(2 * sizes.session_chunk + 5, length), 4, args.device, seed=1)  # warm-up
+        before = default_selector().measurements
         result = run_one_session(engine, length, decode, args.device)
+        result["selector_measurements"] = default_selector().measurements - before
+        if result["selector_measurements"]:
+            print(f"WARNING session {backend} {length}: the dense selector measured "
+                  f"{result['selector_measurements']} keys inside the timed run: not a valid figure",
+                  file=sys.stderr, flush=True)
         if breakdown:
             try:  # a diagnostic: its failure must not cost the session's figures
                 result["breakdown"] = decode_breakdown(engine, length, args.device)
@@ -110,6 +117,8 @@ def part_session(args: argparse.Namespace, sizes: Sizes, report: Report) -> None
         report.add(f"session_{t}_{backend}_tpot_ms", r["tpot_ms"], "ms", note=note)
         report.add(f"session_{t}_{backend}_hbm_gib", r["hbm_gib"], "GiB", note=note + "; peak allocated")
         report.add(f"session_{t}_{backend}_kv_gib", r["session_kv_gib"], "GiB", note=note)
+        report.add(f"session_{t}_{backend}_selector_measurements", r["selector_measurements"], "keys",
+                   note="dense keys the selector measured inside the timed run (0 for a valid figure)")
         report.write(args.output_path)
     if len(results) < 2:
         return

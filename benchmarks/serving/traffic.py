@@ -22,6 +22,7 @@ from workloads import (
 )
 
 from msaserve.engine.llm_engine import LLMEngine
+from msaserve.kernels.dense.select import default_selector
 
 BACKENDS = ("msa", "dense")
 SEED = 0  # of the measured agentic sessions (the warm-up uses others)
@@ -62,6 +63,8 @@ def record(report: Report, sizes: Sizes, name: str, key: str, level: int, result
     report.add(f"{key}_requests_finished", result.requests, "requests", note=note)
     report.add(f"{key}_requests_cut", result.requests_cut, "requests", note=note + "; of them "
                f"{result.requests_unserved} had no first token yet")
+    report.add(f"{key}_selector_measurements", result.selector_measurements, "keys",
+               note="dense keys the selector measured inside the timed window (0 for a valid figure)")
 
 
 def _run_level(args: argparse.Namespace, sizes: Sizes, engine: LLMEngine, name: str, level: int
@@ -73,7 +76,14 @@ def _run_level(args: argparse.Namespace, sizes: Sizes, engine: LLMEngine, name: 
         if name == "agentic":  # steady state: the system prompt every session shares stays cached
             run_to_end(engine, agentic_prefix(vocab, SEED, sizes.prefix_len))
         sessions = traffic_sessions(args, sizes, name, vocab, level)
-        return run_closed_loop(engine, sessions, level, sizes.window_s)
+        before = default_selector().measurements
+        result = run_closed_loop(engine, sessions, level, sizes.window_s)
+        result.selector_measurements = default_selector().measurements - before
+        if result.selector_measurements:
+            print(f"WARNING {name} {engine.config.attention_backend} c{level}: the dense selector measured "
+                  f"{result.selector_measurements} keys inside the timed window: this figure is not valid",
+                  file=sys.stderr, flush=True)
+        return result
     except torch.cuda.OutOfMemoryError as error:  # reported, so the other figures still land
         print(f"{name} {engine.config.attention_backend} c{level}: out of memory ({error})", file=sys.stderr)
         return None

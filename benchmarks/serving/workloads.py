@@ -124,6 +124,8 @@ class RunResult:
     """Requests in flight when the window closed (aborted; their partial stats are counted)."""
     requests_unserved: int = 0
     """Of the cut requests, those that had no first token yet (no TTFT recorded for them)."""
+    selector_measurements: int = 0
+    """Dense-attention keys the selector measured during the run (0 for a valid timed figure)."""
 
     @property
     def output_tok_s(self) -> float:

@@ -328,6 +328,7 @@ class LLMEngine:
             num_total_pages=manager.num_pages,
             num_cached_pages=manager.num_cached_pages,
             prefix_hit_rate=manager.prefix_hit_rate,
+            waiting_prefill_pages=-(-self.scheduler.prefill_tokens_left() // self.page_size),
         )
 
     def drain_kv_events(self) -> list[KVEvent]:

@@ -70,6 +70,13 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def prefill_tokens_left(self) -> int:
+        """Tokens still to prefill: the running prefills' rest, and every waiting or swapped
+        sequence's uncomputed tokens (a waiting prompt's cached prefix is found only at admission,
+        so it counts whole). Decoding sequences (one uncomputed token) are not prefill."""
+        return sum(s.num_uncomputed_tokens for queue in (self.running, self.waiting, self.swapped)
+                   for s in queue if s.num_uncomputed_tokens > 1)
+
     def finish(self, seq: Sequence) -> None:
         """Retire a sequence from whichever queue holds it and give back its pages at once."""
         if seq.status is SequenceStatus.RUNNING:

@@ -220,6 +220,9 @@ class EngineStats:
     num_total_pages: int
     num_cached_pages: int = 0
     prefix_hit_rate: float = 0.0
+    waiting_prefill_pages: int = 0
+    """Pages of prompt still to prefill (`Scheduler.prefill_tokens_left`, in pages): the work ahead
+    of a new request, which the router prices (`RouterState.queued_prefill_pages`)."""
 
 
 @dataclass

@@ -159,16 +159,19 @@ class ModelDeployment:
     def record_routing_stats(self) -> dict:
         if self.engine is None:
             return {}
-        return routing_stats_payload(
-            self.engine.stats(), self.engine.drain_kv_events(), self.routing, draining=self.draining
-        )
+        stats = self.engine.stats()
+        events = self.engine.drain_kv_events()
+        return routing_stats_payload(stats, events, self.routing, draining=self.draining,
+                                     waiting_prefill_pages=stats.waiting_prefill_pages)
 
     async def routing_snapshot(self, target: dict) -> dict:
         """A router's resync: every page hash this replica held at its last payload, and the
         payload's seq (`target` names the replica the router meant; it checks the answer's)."""
         if self.engine is None:
             return {}
-        return self.routing.snapshot_payload(self.engine.stats(), draining=self.draining)
+        stats = self.engine.stats()
+        return self.routing.snapshot_payload(stats, draining=self.draining,
+                                             waiting_prefill_pages=stats.waiting_prefill_pages)
 
     async def drain(self, target: dict) -> bool:
         """Stop (`{"draining": True}`) or resume attracting sessions; in-flight requests finish."""

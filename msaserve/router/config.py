@@ -60,6 +60,12 @@ class RouterConfig(BaseModel):
         description="Pages credited to the rendezvous home of the request's first page, so that a "
         "prefix family nobody holds yet lands where its last miss did.",
     )
+    spill_load_ratio: float = Field(
+        _default("spill_load_ratio"), ge=0.0, le=1e6,
+        description="When the chosen replica's queue is full, another replica takes the request only "
+        "if its load is at most this fraction of the chosen one's; else the request waits for it "
+        "(1 or more: any replica).",
+    )
     imbalance_ratio: float = Field(
         _default("imbalance_rel"), ge=1.0, le=1000.0,
         description="Relative imbalance guard: with the absolute one, fall back to power-of-two "

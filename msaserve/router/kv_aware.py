@@ -18,8 +18,9 @@ replica is known to hold it: past capacity, KV pressure evicts prefixes before t
 them reused, and without a tie-break each miss of a family lands on a different replica, which
 then all hold (and evict) copies; with it the family's next miss lands where the last one did and
 finds the pages fresh. The home is rendezvous hashing (highest hash of replica id and page hash),
-stable across router processes and balanced over families in expectation. Off by default: a
-family can be a large share of the traffic (a popular system prompt), and its home then overloads.
+stable across router processes and balanced over families in expectation. It is a credit of a few
+pages, not a rule: a family that is a large share of the traffic (a popular system prompt) is held
+by several replicas, and then it does not apply.
 `active_pages(r)` is pages held by r's live sequences (decode cost per step grows
 with it, and it is KV pressure that evicts cached prefixes).
 
@@ -29,6 +30,9 @@ session stays on its home replica unless that replica is overloaded, draining or
 request goes to the cheapest other replica and the decision says `session_moved`. When load
 across replicas is imbalanced (both thresholds crossed, `policies.is_imbalanced`), the policy
 falls back to power of two choices: the state it reasons about is then likely stale.
+
+When the choice is full (Serve's queue-length probe), the ranking offers only replicas carrying at
+most `spill_load_ratio` of its load; otherwise the request waits for its choice (`rank`).
 """
 
 import dataclasses
@@ -59,11 +63,13 @@ class KVAwareConfig:
     """Weight of the prefill pages already queued on the replica, relative to this request's own
     (below 1: a miss adds work for everyone, queued work only delays; 0.5 chosen on the Mooncake
     trace in benchmarks/router/simulate.py)."""
-    queue_horizon_pages: float = 256.0
+    queue_horizon_pages: float = 32.0
     """Load adaptation: queued prefill is priced up to this many pages. Below it a queue is time
     this request waits; past it every candidate has work enough not to idle, and a miss only adds
-    work that delays everyone behind it, so the prefix decides (256 pages of 512 tokens: chosen on
-    the Mooncake trace, docs/performance-router.md)."""
+    work that delays everyone behind it, so the prefix decides (32 pages of 512 tokens, with
+    family_credit 8: chosen on the Mooncake trace at 4 replicas from 0 / 16 / 32 / 64 / 128 / 256
+    once the simulated replicas admitted like the engine, checked on the agent-sessions trace and at
+    8 replicas; docs/performance-router.md)."""
     spill_on_full_kv: bool = False
     """Whether a replica without free pages for the request counts as overloaded (skipped while
     another can take it; a session leaves it). Off: near capacity every replica's pages are full
@@ -72,11 +78,24 @@ class KVAwareConfig:
     """Pages of prefill a session's home replica is credited with."""
     index_credit: float = 16.0
     """Pages credited where the session's MSA index is resident (KV cache service)."""
-    family_credit: float = 0.0
+    family_credit: float = 8.0
     """Pages credited to the rendezvous home of the request's first page (see the module docstring).
-    Off by default: 8 (picked on Mooncake, 4 replicas, past capacity, from 0 / 8 / 16 / 32) beat
-    prefix_affinity there, but on the agent-sessions trace a family is one of four system prompts,
-    and crediting its home overloaded it (docs/performance-router.md)."""
+    8 (picked on Mooncake, 4 replicas, near capacity, from 0 / 8 / 16): families stay on one replica
+    instead of being copied onto several, which is what lets four caches hold more distinct
+    prefixes. (It was off because on the agent-sessions trace, simulated with replicas that reserved
+    every waiting request's pages, it overloaded the system prompts' homes; with engine-like
+    admission, horizon 32 and family credit 8 together are neutral to slightly better there,
+    docs/performance-router.md.)"""
+    spill_load_ratio: float = 0.5
+    """Fallbacks when the chosen replica cannot take the request now (Serve's queue-length probe:
+    `max_ongoing_requests` reached): another replica is ranked only if its load is at most this
+    fraction of the chosen one's, otherwise the request waits in the router for the chosen one.
+    Past capacity every replica is full, and a spill to an equally loaded replica throws the
+    prefix (or the session's context) away without queueing less. 1 or more: every replica is a
+    fallback (the behaviour before), as with a choice of at most `imbalance_abs` sequences.
+    0.5 set a priori, then checked on the agent-sessions trace (Mooncake never fills a queue of
+    256): at 19.7 req/s, 4 replicas, 0.25 and 0.5 are sustained, 0.75 is not (1 is not already at
+    17.9 req/s); at 39.3 req/s, 8 replicas, only 0.25 is (docs/performance-router.md)."""
     imbalance_abs: float = 16.0
     """Sequences: the guard needs max − min load above this…"""
     imbalance_rel: float = 3.0
@@ -84,7 +103,7 @@ class KVAwareConfig:
 
     def __post_init__(self) -> None:
         for name in ("w_prefill", "w_decode", "w_queue", "affinity_credit", "index_credit", "family_credit",
-                     "imbalance_abs"):
+                     "spill_load_ratio", "imbalance_abs"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name}={getattr(self, name)} is invalid: allowed a number ≥ 0")
         if self.imbalance_rel < 1.0:
@@ -154,6 +173,19 @@ class KVAwarePolicy(Policy):
             scored.append((cost, r.load, r.replica_id, hit))
         cost, _, chosen_id, hit = min(scored)
         return Decision(chosen_id, self._reason(home_id, chosen_id, hit), hit)
+
+    def rank(self, request: RequestView, replicas: Sequence[ReplicaState], now: float) -> list[Decision]:
+        """The choice, then (by load) only the replicas carrying at most `spill_load_ratio` of its
+        load: when the choice is full the request spills to a replica that is clearly less busy, or
+        waits for the choice. A choice with at most `imbalance_abs` sequences keeps every fallback
+        (small loads say nothing about capacity, as for the imbalance guard)."""
+        ranking = super().rank(request, replicas, now)
+        load = {r.replica_id: r.load for r in replicas}
+        chosen = load[ranking[0].replica_id]
+        if self.config.spill_load_ratio >= 1.0 or chosen <= self.config.imbalance_abs:
+            return ranking
+        limit = self.config.spill_load_ratio * chosen
+        return ranking[:1] + [d for d in ranking[1:] if load[d.replica_id] <= limit]
 
     def _family(self, request: RequestView, eligible: Sequence[ReplicaState], now: float) -> str | None:
         """The family home to credit: only for a request no eligible replica holds a page of (a

@@ -9,6 +9,8 @@ Class path: `msaserve.router.serve_router.MSARequestRouter` (ROUTER_CLASS_PATH).
     w_prefill                 -> KVAwareConfig.w_prefill: cost per page to prefill on the replica
     w_decode                  -> KVAwareConfig.w_decode: cost per active page on the replica
     affinity_credit           -> KVAwareConfig.affinity_credit: pages credited to a session's home
+    spill_load_ratio          -> KVAwareConfig.spill_load_ratio: fallbacks ranked after the choice carry
+                                 at most this fraction of its load (else the request waits for it)
     imbalance_min_load        -> KVAwareConfig.imbalance_abs: the guard needs max − min load (running +
                                  waiting sequences) above this ...
     imbalance_ratio           -> KVAwareConfig.imbalance_rel: ... and max load above this × the mean

@@ -162,6 +162,9 @@ def test_dense_backend_decodes_with_the_paged_kernel_on_cuda() -> None:
     ops = get_ops("dense", "cuda")
     assert ops.dense_decode.__module__ == "msaserve.kernels.dense.gpu" and ops.graph_capturable
     assert ops.dense_prefill.__module__ == "msaserve.kernels.dense.gpu"
+    msa = get_ops("triton", "cuda")  # the MSA backend's full-attention layers: the same capturable ops
+    assert msa.dense_decode is ops.dense_decode and msa.dense_prefill is ops.dense_prefill
+    assert msa.graph_capturable
     cpu = get_ops("dense", "cpu")
     assert cpu.dense_decode.__module__ == "msaserve.kernels.dense.sdpa" and not cpu.graph_capturable
 

@@ -84,8 +84,11 @@ def test_kv_aware_goes_where_the_prefix_is():
 
 def test_kv_aware_spills_when_the_holder_has_more_queued_prefill_than_the_prefix_saves():
     state = make_state({}, {"cached": PREFIX, "queued": 500, "waiting": 3}, {"queued": 10, "waiting": 1})
-    d = choose(KVAwarePolicy(state), state, req(PREFIX))
+    unbounded = KVAwareConfig(queue_horizon_pages=1024)  # 500 queued pages all priced
+    d = choose(KVAwarePolicy(state, config=unbounded), state, req(PREFIX))
     assert d.replica_id == "r0" and d.reason == "least_cost"
+    # The default horizon (32 pages) prices at most 16 pages of queue: the 40-page prefix decides.
+    assert choose(KVAwarePolicy(state), state, req(PREFIX)).replica_id == "r1"
 
 
 def test_kv_aware_decode_weight_breaks_ties_toward_fewer_active_pages():
@@ -251,3 +254,19 @@ def test_family_credit_sends_a_miss_to_its_family_home_and_yields_to_a_holder():
     holder = next(rid for rid in state.replicas if rid != home)
     state.replicas[holder].cached = set(PREFIX[:1])
     assert choose(credited, state, request).replica_id == holder
+
+
+def test_a_full_choice_spills_only_to_a_clearly_less_loaded_replica():
+    """Past capacity every replica is full: spilling to an equally loaded one throws the prefix
+    away without queueing less, so the ranking offers only replicas with at most half the load."""
+    state = make_state({"cached": PREFIX, "running": 32, "waiting": 218},  # the holder: 250
+                       {"running": 32, "waiting": 208},  # 240: as busy, no prefix
+                       {"running": 32, "waiting": 68})  # 100: under half
+    replicas = list(state.replicas.values())
+    ranking = KVAwarePolicy(state).rank(req(PREFIX), replicas, NOW)
+    assert [d.replica_id for d in ranking] == ["r0", "r2"]
+    anywhere = KVAwarePolicy(state, config=KVAwareConfig(spill_load_ratio=1.0)).rank(req(PREFIX), replicas,
+                                                                                     NOW)
+    assert [d.replica_id for d in anywhere] == ["r0", "r2", "r1"]
+    idle = make_state({"cached": PREFIX, "running": 1}, {}, {})  # idle replicas are always fallbacks
+    assert len(KVAwarePolicy(idle).rank(req(PREFIX), list(idle.replicas.values()), NOW)) == 3

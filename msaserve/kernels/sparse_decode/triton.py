@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from msaserve.kernels.dense.sdpa import dense_decode
+from msaserve.kernels.dense.gpu import dense_decode
 from msaserve.kernels.triton_common import (
     INTERPRET,
     check,
@@ -165,7 +165,7 @@ def sparse_decode(
 ) -> torch.Tensor:
     """q: [B, Q, Hq, D]; caches [num_pages, P, Hkv, D]; block_tables: [B, max_pages];
     seq_lens: [B] (including the Q queries); selected: [B, Q, Hkv, K] logical block ids in any
-    order, -1 = none (None = dense, served by SDPA) → o [B, Q, Hq, D] in q's dtype.
+    order, -1 = none (None = dense, served by the paged dense kernel) → o [B, Q, Hq, D] in q's dtype.
     """
     if selected is None:
         return dense_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale)

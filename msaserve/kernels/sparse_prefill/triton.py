@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from msaserve.kernels.dense.sdpa import dense_prefill
+from msaserve.kernels.dense.gpu import dense_prefill
 from msaserve.kernels.triton_common import (
     INTERPRET,
     check,
