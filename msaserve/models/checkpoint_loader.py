@@ -14,6 +14,7 @@ from tqdm import tqdm
 from msaserve.models.checkpoint_plan import LoadPlan, Piece, TensorInfo, plan_load, read_headers
 from msaserve.models.config import MSAConfig
 from msaserve.models.fp8_blocks import dequantize_blocks, fp8_block_size
+from msaserve.models.memory_check import check_fits
 from msaserve.models.registry import read_config_json
 
 
@@ -49,6 +50,7 @@ def load_checkpoint(
     tied = ("lm_head.weight",) if getattr(config, "tie_word_embeddings", False) else ()
     block = fp8_block_size(raw)
     plan = plan_load(infos, params, map_name, block, ignored_params=tied)
+    check_fits(model, directory.name, dtype, device)
     model = model.to(dtype=dtype).to_empty(device=device)
     state = dict(model.named_parameters())
     vision: dict[str, torch.Tensor] = {}

@@ -15,6 +15,7 @@ from tokenizers import Tokenizer as BackendTokenizer
 
 from msaserve.models.config import MSAConfig
 from msaserve.models.gguf_loader import ModelFileMissing, load_gguf, smollm2_gguf_path
+from msaserve.models.memory_check import check_fits
 from msaserve.models.minimax_m3.random_weights import init_m3_random_weights
 from msaserve.models.presets import CHECKPOINT_PRESETS, PRESETS, get_preset, preset_config_json, preset_names
 from msaserve.models.registry import architecture_for, architecture_of
@@ -90,6 +91,7 @@ def _load_checkpoint_preset(name: str, device: torch.device | str, dtype: torch.
               file=sys.stderr)
     with torch.device("meta"):
         model = architecture.model_class(config, backend)
+    check_fits(model, name, dtype, device)
     model = model.to(dtype=dtype).to_empty(device=device)
     init_m3_random_weights(model, seed=seed)
     return LoadedModel(model.eval(), Tokenizer.byte_level(config.vocab_size), config)

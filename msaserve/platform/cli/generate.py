@@ -12,6 +12,7 @@ from msaserve.engine.model_loading import (
     CheckpointMismatch,
     LoadedModel,
     ModelFileMissing,
+    ModelTooLarge,
     Tokenizer,
     UnsupportedModelType,
     load_model,
@@ -72,7 +73,7 @@ def run(args: argparse.Namespace) -> int:
 def _run(args: argparse.Namespace) -> int:
     try:
         loaded = load_model(args.model, attention_backend=args.attention)
-    except (ModelFileMissing, UnsupportedModelType, CheckpointMismatch) as error:
+    except (ModelFileMissing, ModelTooLarge, UnsupportedModelType, CheckpointMismatch) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
     tokenizer = loaded.tokenizer
