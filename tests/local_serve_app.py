@@ -4,6 +4,7 @@ One starter for every test folder (tests/ has no packages; pytest puts this fold
 through tests/conftest.py, and benchmarks add it themselves).
 """
 
+import random
 import socket
 import time
 from collections.abc import Iterator
@@ -20,11 +21,24 @@ from msaserve.platform.config import ServeConfig
 from msaserve.platform.http_limits import apply_proxy_limits, proxy_http_options
 from msaserve.platform.ray_defaults import apply_local_loopback, apply_ray_defaults
 
+# Below Linux's ephemeral range (32768-60999), where Ray's own processes take their random ports,
+# and above Ray's worker-port range (10002-19999): a port picked here and bound a few seconds later
+# by the Serve proxy is not taken meanwhile by Ray's startup (a clean-clone run once lost four tests
+# to "Failed to bind to address '127.0.0.1:44217'").
+_PORTS = range(20000, 32768)
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    rng = random.Random()
+    for _ in range(200):
+        port = rng.choice(_PORTS)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free loopback port in {_PORTS.start}-{_PORTS.stop - 1} after 200 tries")
 
 
 @dataclass
