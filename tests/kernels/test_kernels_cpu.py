@@ -122,3 +122,16 @@ def test_loading_a_native_kernel_keeps_subnormal_floats(tmp_path) -> None:
     if out == "no-compiler":
         pytest.skip("no C compiler here")
     assert out == "ok"
+
+
+def test_c_block_selection_refuses_a_top_k_its_stack_arrays_cannot_hold() -> None:
+    """msa_select_blocks keeps its candidates in fixed stack arrays: a larger top_k is an error naming
+    the value and the range, never a write past them."""
+    from msaserve.kernels.indexer_prefill import cpu_kernel
+
+    if cpu_kernel.library() is None:
+        pytest.skip("no C compiler here")
+    scores = torch.randn(3, 2, 8)
+    with pytest.raises(ValueError, match=r"top_k=4097 .* allowed 1 to 4096"):
+        cpu_kernel.select_blocks(scores, 0, 64, cpu_kernel.MAX_TOP_K + 1, 1, 1)
+    assert cpu_kernel.select_blocks(scores, 0, 64, 4, 1, 1).shape == (3, 2, 4)

@@ -10,12 +10,17 @@ import torch
 
 from msaserve.kernels import cpu_native
 
+MAX_TOP_K = 4096
+"""The most blocks msa_select_blocks selects (its candidate arrays live on the stack); MSAConfig caps top_k
+at the same value."""
+
 SOURCE = r"""
 #include <stdint.h>
 #include <stdlib.h>
 
 /* Built with -ffast-math: no infinities, so a future block's score is the finite floor NEG. */
 #define NEG (-1e30f)
+#define MAX_TOP_K @MAX_TOP_K@  /* msa_select_blocks keeps its candidates on the stack */
 
 /* 16 fp32 lanes (GCC vector extension: zmm with AVX-512, two ymm with AVX2, ...). */
 typedef float v16 __attribute__((vector_size(64), aligned(4)));
@@ -68,6 +73,22 @@ static void block_scores_tiled(const float *q, const float *kt, float *out, int6
     }
 }
 
+/* The query rows [r0, r1) of OpenMP task `task` (one run of up to `page` rows, one KV head `h`) and the
+   last block any of them sees; the blocks past it get the floor NEG. */
+static int64_t task_span(int64_t task, int64_t hkv, int64_t page, int64_t lead, int64_t rows, int64_t first,
+                         int64_t num_blocks, float *out, int64_t *r0, int64_t *r1) {
+    const int64_t grp = task / hkv, h = task % hkv;
+    *r0 = grp * page - lead;
+    *r1 = *r0 + page;
+    if (*r0 < 0) *r0 = 0;
+    if (*r1 > rows) *r1 = rows;
+    const int64_t last_block = (first + *r1 - 1) / page;
+    for (int64_t r = *r0; r < *r1; r++)
+        for (int64_t j = last_block + 1; j < num_blocks; j++)
+            out[(r * hkv + h) * num_blocks + j] = NEG;
+    return last_block;
+}
+
 /* msa_block_scores for page % 64 == 0 with the keys already transposed per block:
    keys_t [HkI, num_blocks, DI, page] (zero past the last key), so no task transposes a block. */
 void msa_block_scores_tiled(const float *q, const float *keys_t, float *out, int64_t rows, int64_t first,
@@ -76,14 +97,9 @@ void msa_block_scores_tiled(const float *q, const float *keys_t, float *out, int
     const int64_t lead = first % page, groups = (lead + rows + page - 1) / page;
     #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int64_t task = 0; task < groups * hkv; task++) {
-        const int64_t grp = task / hkv, h = task % hkv, hk = hki == 1 ? 0 : h;
-        int64_t r0 = grp * page - lead, r1 = r0 + page;
-        if (r0 < 0) r0 = 0;
-        if (r1 > rows) r1 = rows;
-        const int64_t last_block = (first + r1 - 1) / page;
-        for (int64_t r = r0; r < r1; r++)
-            for (int64_t j = last_block + 1; j < num_blocks; j++)
-                out[(r * hkv + h) * num_blocks + j] = NEG;
+        const int64_t h = task % hkv, hk = hki == 1 ? 0 : h;
+        int64_t r0, r1;
+        const int64_t last_block = task_span(task, hkv, page, lead, rows, first, num_blocks, out, &r0, &r1);
         for (int64_t j = 0; j <= last_block; j++)
             block_scores_tiled(q, keys_t + (hk * num_blocks + j) * di * page, out, r0, r1, first, j, hkv, h,
                                di, page, num_blocks);
@@ -110,8 +126,8 @@ void msa_select_blocks(const float *scores, int32_t *out, int64_t rows, int64_t 
             for (int64_t j = 0; j < n_init && j < local_lo; j++) o[n++] = (int32_t)j;
             for (int64_t j = local_lo; j <= c; j++) o[n++] = (int32_t)j;
             const int64_t free = top_k - n;
-            int32_t best[4096];
-            float best_s[4096];
+            int32_t best[MAX_TOP_K];
+            float best_s[MAX_TOP_K];
             int64_t kept = 0;
             for (int64_t j = n_init; j < local_lo; j++) {  /* ascending ids: ties keep the earlier */
                 const float v = s[j];
@@ -147,14 +163,10 @@ void msa_block_scores(const float *q, const float *keys, float *out, int64_t row
         float *kt = malloc(sizeof(float) * di * page), *s = malloc(sizeof(float) * page);
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < groups * hkv; task++) {
-            const int64_t grp = task / hkv, h = task % hkv, hk = hki == 1 ? 0 : h;
-            int64_t r0 = grp * page - lead, r1 = r0 + page;
-            if (r0 < 0) r0 = 0;
-            if (r1 > rows) r1 = rows;
-            const int64_t last_block = (first + r1 - 1) / page;
-            for (int64_t r = r0; r < r1; r++)
-                for (int64_t j = last_block + 1; j < num_blocks; j++)
-                    out[(r * hkv + h) * num_blocks + j] = NEG;
+            const int64_t h = task % hkv, hk = hki == 1 ? 0 : h;
+            int64_t r0, r1;
+            const int64_t last_block = task_span(task, hkv, page, lead, rows, first, num_blocks, out,
+                                                 &r0, &r1);
             for (int64_t j = 0; j <= last_block; j++) {
                 const float *kb = keys + (j * page * hki + hk) * di;
                 int64_t avail = first + r1 - j * page;  /* keys of block j any row may see */
@@ -183,7 +195,7 @@ void msa_block_scores(const float *q, const float *keys, float *out, int64_t row
         free(kt); free(s);
     }
 }
-"""
+""".replace("@MAX_TOP_K@", str(MAX_TOP_K))
 
 
 def library() -> ctypes.CDLL | None:
@@ -231,6 +243,8 @@ def select_blocks(scores: torch.Tensor, first: int, page_size: int, top_k: int, 
     fp32 → [Tq, Hkv, top_k] int32, ascending, -1 pad."""
     lib = library()
     assert lib is not None, "select_blocks called where supported() is False"
+    if not 1 <= top_k <= MAX_TOP_K:
+        raise ValueError(f"top_k={top_k} is invalid for the CPU kernel: allowed 1 to {MAX_TOP_K}")
     rows, num_heads, num_blocks = scores.shape
     scores = scores.float().contiguous()
     out = torch.empty(rows, num_heads, top_k, dtype=torch.int32)
