@@ -96,6 +96,28 @@ def shared_model(args: argparse.Namespace) -> LoadedModel:
     return _MODELS[key]
 
 
+class SelectorWatch:
+    """`with SelectorWatch(label) as watch:` around a timed part; `watch.count` is the dense keys the
+    selector measured inside it (0 for a valid figure), and any count is warned about on stderr."""
+
+    def __init__(self, label: str):
+        self.label, self.count = label, 0
+
+    def __enter__(self) -> "SelectorWatch":
+        from msaserve.kernels.dense.select import default_selector
+
+        self.before = default_selector().measurements
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        from msaserve.kernels.dense.select import default_selector
+
+        self.count = default_selector().measurements - self.before
+        if self.count:
+            print(f"WARNING {self.label}: the dense selector measured {self.count} keys inside the timed "
+                  "part: this figure is not valid", file=sys.stderr, flush=True)
+
+
 def pretune_dense(config, device: str, chunk: int, max_model_len: int, whole_chunks: bool) -> None:
     """Measure the dense selector's prefill keys (chunks of 1K tokens up to `chunk`, over every
     KV bucket up to max_model_len) before any timed part: measured inside a timed prefill they

@@ -12,14 +12,13 @@ import time
 import traceback
 
 import torch
-from bench_setup import Sizes, build_engine, free_memory, prompt_vocab, synchronize
+from bench_setup import SelectorWatch, Sizes, build_engine, free_memory, prompt_vocab, synchronize
 from byte_ceiling import copy_bandwidth_tbps, step_floor
 from report import Report
 from step_breakdown import format_row, header, profile_steps
 
 from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.types import GenerateRequest, SamplingParams
-from msaserve.kernels.dense.select import default_selector
 
 DENSE = ("dense backend: every layer full attention, prefill in the same chunks as MSA and decode, each "
          "by the fastest dense kernel measured for its shape (msaserve/kernels/dense/select.py), decode "
@@ -84,13 +83,9 @@ def _session(args: argparse.Namespace, sizes: Sizes, backend: str, length: int, 
         engine = build_engine(args, sizes, backend, length + decode + 256, 1, sizes.session_chunk,
                               exact_pages=True)
         run_one_session(engine, min(2 * sizes.session_chunk + 5, length), 4, args.device, seed=1)  # warm-up
-        before = default_selector().measurements
-        result = run_one_session(engine, length, decode, args.device)
-        result["selector_measurements"] = default_selector().measurements - before
-        if result["selector_measurements"]:
-            print(f"WARNING session {backend} {length}: the dense selector measured "
-                  f"{result['selector_measurements']} keys inside the timed run: not a valid figure",
-                  file=sys.stderr, flush=True)
+        with SelectorWatch(f"session {backend} {length}") as watch:
+            result = run_one_session(engine, length, decode, args.device)
+        result["selector_measurements"] = watch.count
         if breakdown:
             try:  # a diagnostic: its failure must not cost the session's figures
                 result["breakdown"] = decode_breakdown(engine, length, args.device)

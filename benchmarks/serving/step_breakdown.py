@@ -8,8 +8,9 @@ for the innermost range it was launched in (on the CPU, each op's own CPU time d
 the profiler links to no range (Triton's launcher calls the driver directly: an H200 run credited
 the dense paged-decode kernel and MSA's Triton kernels to no part, so dense and MSA decode steps
 showed the same attention time) count by name for the part whose msaserve/kernels package defines
-them: indexer_* → indexer, moe → moe, sparse_*, dense, rotary and the shared LSE merge →
-attention, layer_ops → rest. Only those names: the device timeline also holds the ranges
+them: indexer_* → indexer, moe → moe, sparse_*, dense and the shared LSE merge → attention, the
+rest (layer_ops: fused norm, rotary + cache writes, SwiGLU product; residency, page_gather) → rest,
+whichever module launched them. Only those names: the device timeline also holds the ranges
 themselves as annotation events (counted once, they put 20 ms per step in `rest`). Kernel time
 only: launch gaps, which the graphs remove, are left out, so the parts add up to the GPU work of
 a step, not to its wall time.
@@ -99,12 +100,12 @@ def kernel_parts() -> dict[str, str]:
             continue
         package = module_name.split(".")[2]
         part = ("indexer" if package.startswith("indexer") else "moe" if package == "moe" else
-                "attention" if package.startswith(("sparse", "dense", "rotary", "triton_common")) else "rest")
+                "attention" if package.startswith(("sparse", "dense", "triton_common")) else "rest")
         for value in vars(module).values():
             fn = value
-            while hasattr(fn, "fn") and not callable(getattr(fn, "__wrapped__", None)) and fn is not fn.fn:
-                fn = fn.fn  # Autotuner / Heuristics → JITFunction → the Python function
-            if fn is not value and callable(fn) and hasattr(fn, "__name__"):
+            while hasattr(fn, "fn"):  # Autotuner / Heuristics → JITFunction → the Python function
+                fn = fn.fn
+            if fn is not value:
                 parts[fn.__name__] = part
     return parts
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Iterable
 
 import torch
-from bench_setup import Sizes, build_engine, free_memory, prompt_vocab
+from bench_setup import SelectorWatch, Sizes, build_engine, free_memory, prompt_vocab
 from report import Report
 from workloads import (
     RunResult,
@@ -22,7 +22,6 @@ from workloads import (
 )
 
 from msaserve.engine.llm_engine import LLMEngine
-from msaserve.kernels.dense.select import default_selector
 
 BACKENDS = ("msa", "dense")
 SEED = 0  # of the measured agentic sessions (the warm-up uses others)
@@ -76,13 +75,9 @@ def _run_level(args: argparse.Namespace, sizes: Sizes, engine: LLMEngine, name: 
         if name == "agentic":  # steady state: the system prompt every session shares stays cached
             run_to_end(engine, agentic_prefix(vocab, SEED, sizes.prefix_len))
         sessions = traffic_sessions(args, sizes, name, vocab, level)
-        before = default_selector().measurements
-        result = run_closed_loop(engine, sessions, level, sizes.window_s)
-        result.selector_measurements = default_selector().measurements - before
-        if result.selector_measurements:
-            print(f"WARNING {name} {engine.config.attention_backend} c{level}: the dense selector measured "
-                  f"{result.selector_measurements} keys inside the timed window: this figure is not valid",
-                  file=sys.stderr, flush=True)
+        with SelectorWatch(f"{name} {engine.config.attention_backend} c{level}") as watch:
+            result = run_closed_loop(engine, sessions, level, sizes.window_s)
+        result.selector_measurements = watch.count
         return result
     except torch.cuda.OutOfMemoryError as error:  # reported, so the other figures still land
         print(f"{name} {engine.config.attention_backend} c{level}: out of memory ({error})", file=sys.stderr)

@@ -25,6 +25,7 @@ from msaserve.kernels.dense.select import default_selector
 
 __all__ = ["dense_decode", "dense_prefill"]
 
+
 def dense_decode(
     q: torch.Tensor,
     k_cache: torch.Tensor,
