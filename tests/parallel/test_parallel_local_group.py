@@ -4,6 +4,7 @@ chunks, partial sample rows, decode) intact, greedy steps are sampled on the ran
 come back) and sampled / logprob requests still get the rank's logits — tokens and logprobs equal
 the plain engine's."""
 
+import dataclasses
 import pickle
 
 import pytest
@@ -16,7 +17,8 @@ from msaserve.engine.parallel.local import LocalGroup
 from msaserve.engine.parallel.messages import StepMessage
 from msaserve.engine.parallel.runner import GroupRunner
 from msaserve.engine.parallel.worker import RankWorker, free_address
-from msaserve.engine.step_inputs import build_step_inputs
+from msaserve.engine.scheduler import ScheduledBatch
+from msaserve.engine.step_inputs import build_host_step, build_step_inputs
 from msaserve.engine.types import GenerateRequest, SamplingParams
 
 
@@ -81,24 +83,31 @@ def test_group_of_one_rank_gives_the_plain_engines_tokens(group_engine):
 
 
 def test_step_message_round_trip_keeps_every_tensor():
+    """A pickled message (the buffer arrives read-only, as from a zero-copy transport) uploads to
+    the plain runner's own inputs; a decode step sends no sample rows (every row samples) and still
+    arrives with all of them."""
     config = engine_config()
     plain = LLMEngine(config, model=random_m3(0))
     for i, length in enumerate((9, 70)):
         plain.add_request(GenerateRequest(f"r{i}", prompt(length, seed=i), SamplingParams(max_tokens=4)))
-    batch = plain.scheduler.schedule()  # r0 whole, r1 mid-prefill (48-token budget): r0 alone samples
-    inputs = build_step_inputs(batch, plain.page_size, torch.device("cpu"))
-    sent = StepMessage.pack(inputs)
-    read_only = StepMessage.pack(inputs)
-    for array in (read_only.longs, read_only.ints):  # as a zero-copy transport hands arrays over
-        array.flags.writeable = False
-    for message in (pickle.loads(pickle.dumps(sent)), read_only):
-        assert message.sample_rows == inputs.sample_rows == [0]
-        ids, meta = message.unpack(torch.device("cpu"))
+    prefill = plain.scheduler.schedule()  # r0 whole, r1 mid-prefill (48-token budget): r0 alone samples
+    last = dataclasses.replace(prefill.seqs[0], num_computed_tokens=8)  # r0's last prompt token alone
+    decode = ScheduledBatch(seqs=[last], num_new_tokens=[1])  # as a decode step
+    for batch, rows in ((prefill, [0]), (decode, [0])):
+        inputs = build_step_inputs(batch, plain.page_size, torch.device("cpu"))
+        sent = StepMessage(build_host_step(batch, plain.page_size), greedy=True)
+        state = sent.__getstate__()
+        assert state[6] == (None if batch is decode else rows)  # the sample rows on the wire
+        message = pickle.loads(pickle.dumps(sent))
+        assert not message.step.buffer.flags.writeable and message.greedy
+        assert message.step.sample_rows == inputs.sample_rows == rows
+        ids, meta = message.step.upload(torch.device("cpu"))
         assert torch.equal(ids, inputs.input_ids)
         for name in ("positions", "slot_mapping", "block_tables", "seq_lens", "cu_seqlens_q",
                      "logits_indices"):
             assert torch.equal(getattr(meta, name), getattr(inputs.meta, name)), name
-        assert (meta.max_query_len, meta.decode_query_len) == (inputs.meta.max_query_len, None)
+        assert (meta.max_query_len, meta.decode_query_len) == (inputs.meta.max_query_len,
+                                                               inputs.meta.decode_query_len)
 
 
 def test_local_group_takes_one_rank_only():

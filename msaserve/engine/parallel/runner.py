@@ -1,8 +1,9 @@
 """The driver's side of a multi-rank replica: what `LLMEngine` holds instead of a `ModelRunner`.
 
-The driver schedules as for one rank and builds each step's inputs on the host; `execute` sends
-them to every rank as one `StepMessage` and gets rank 0's logits (or, for a step whose sampled
-rows are all greedy, rank 0's argmax tokens: the logits stay on the device). Pages are reached through
+The driver schedules as for one rank and builds each step's inputs in one flat host buffer
+(`build_host_step`: numpy, the plain runner's own first stage; no torch here); `execute` sends it to
+every rank as one `StepMessage` and gets rank 0's logits (or, for a step whose sampled rows are all
+greedy, rank 0's argmax tokens: the logits stay on the device). Pages are reached through
 `caches`, one `RemoteLayerCache` per layer whose tensors gather whole pages (every KV head, the
 index once) from the ranks and scatter them back, so swapping, persisting sessions to the KV
 cache service and the service prefix cache see the layout-free page of one rank.
@@ -19,7 +20,7 @@ from msaserve.engine.config import EngineConfig
 from msaserve.engine.parallel.errors import ReplicaGroupFailed
 from msaserve.engine.parallel.messages import StepMessage
 from msaserve.engine.scheduler import ScheduledBatch
-from msaserve.engine.step_inputs import StepInputs, build_step_inputs
+from msaserve.engine.step_inputs import HostStep, build_host_step
 from msaserve.kernels import AttentionOps, get_ops
 
 if TYPE_CHECKING:  # the Ray group; the GPU benchmark drives a rank in-process through the same calls
@@ -101,23 +102,23 @@ class GroupRunner:
 
     def execute(self, batch: ScheduledBatch, record_selections: bool = False,
                 ops_wrapper: Callable[[AttentionOps], AttentionOps] | None = None,
-                ) -> tuple[StepInputs, torch.Tensor]:
-        """One step → (its inputs, the sampled rows' logits [N, vocab] on the host)."""
+                ) -> tuple[HostStep, torch.Tensor]:
+        """One step → (its inputs on the host, the sampled rows' logits [N, vocab] on the host)."""
         if ops_wrapper is not None or record_selections:
             raise ReplicaGroupFailed("a multi-rank replica cannot adopt sessions lazily or record MSA "
                                      "selections yet (its attention runs on the ranks)")
-        inputs = build_step_inputs(batch, self.page_size, self.device)
-        return inputs, self.group.call_all("execute", StepMessage.pack(inputs))[0]
+        step = build_host_step(batch, self.page_size)
+        return step, self.group.call_all("execute", StepMessage(step))[0]
 
-    def execute_greedy(self, batch: ScheduledBatch) -> tuple[StepInputs, list[int]]:
-        """One step whose sampled rows are all greedy without logprobs → (its inputs, their tokens
-        [N]): rank 0 takes the argmax on its device, so the logits never leave it."""
-        inputs = build_step_inputs(batch, self.page_size, self.device)
-        return inputs, self.group.call_all("execute", StepMessage.pack(inputs, greedy=True))[0]
+    def execute_greedy(self, batch: ScheduledBatch) -> tuple[HostStep, list[int]]:
+        """One step whose sampled rows are all greedy without logprobs → (its inputs on the host,
+        their tokens [N]): rank 0 takes the argmax on its device, so the logits never leave it."""
+        step = build_host_step(batch, self.page_size)
+        return step, self.group.call_all("execute", StepMessage(step, greedy=True))[0]
 
     def execute_decode_round(self, batch: ScheduledBatch, steps: int) -> list[list[int]]:
-        inputs = build_step_inputs(batch, self.page_size, self.device)
-        return self.group.call_all("execute", StepMessage.pack(inputs, decode_steps=steps))[0]
+        step = build_host_step(batch, self.page_size)
+        return self.group.call_all("execute", StepMessage(step, decode_steps=steps))[0]
 
     def gather(self, layer: int, name: str, pages: torch.Tensor) -> torch.Tensor:
         if name.startswith("index"):  # the index-K head is on every rank: read it once

@@ -98,19 +98,19 @@ class RankWorker:
         """Run one step (or a decode round) → on rank 0: the sampled rows' logits [N, vocab] on the
         host, or their greedy tokens [N] (`message.greedy`: sampled here, only ids travel), or a
         round's tokens [steps][B]; None on the others."""
-        runner = self.runner
-        ids, meta = message.unpack(runner.device)
+        runner, sample_rows = self.runner, message.step.sample_rows
+        ids, meta = message.step.upload(runner.device)  # as the plain runner's build_step_inputs
         if message.decode_steps > 1:
             tokens = runner.decode_round(ids, meta, message.decode_steps)
             return tokens if self.rank == 0 else None
         hidden = runner.forward(ids, meta)
         if self.rank != 0:
             return None
-        if len(message.sample_rows) == meta.num_seqs and meta.is_decode:
+        if len(sample_rows) == meta.num_seqs and meta.is_decode:
             rows = hidden  # one row per sequence, every one samples (as ModelRunner.execute)
         else:
-            rows = hidden[meta.logits_indices[torch.tensor(message.sample_rows, dtype=torch.long,
-                                                            device=runner.device)]]
+            rows = torch.tensor(sample_rows, dtype=torch.long, device=runner.device)
+            rows = hidden[meta.logits_indices[rows]]
         logits = runner.model.compute_logits(rows)
         if message.greedy:
             return torch.argmax(logits, dim=-1).tolist()
