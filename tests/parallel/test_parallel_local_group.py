@@ -96,8 +96,8 @@ def test_step_message_round_trip_keeps_every_tensor():
     for batch, rows in ((prefill, [0]), (decode, [0])):
         inputs = build_step_inputs(batch, plain.page_size, torch.device("cpu"))
         sent = StepMessage(build_host_step(batch, plain.page_size), greedy=True)
-        state = sent.__getstate__()
-        assert state[6] == (None if batch is decode else rows)  # the sample rows on the wire
+        wire = sent.__reduce__()[1]
+        assert wire[6] == (None if batch is decode else rows)  # the sample rows on the wire
         message = pickle.loads(pickle.dumps(sent))
         assert not message.step.buffer.flags.writeable and message.greedy
         assert message.step.sample_rows == inputs.sample_rows == rows

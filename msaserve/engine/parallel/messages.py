@@ -24,23 +24,25 @@ class StepMessage:
     greedy: bool = False
     """Rank 0 returns the argmax token of each sampled row (list[int]) instead of its logits."""
 
-    def __getstate__(self) -> tuple:
-        """Raw bytes and plain ints; the sampled rows travel only when some row does not sample
-        (a prefill chunk), as None otherwise (every decode step)."""
+    def __reduce__(self) -> tuple:
+        """Pickled as the buffer's raw bytes and plain ints, rebuilt by one call; the sampled rows
+        travel only when some row does not sample (a prefill chunk), as None otherwise (every
+        decode step)."""
         step, layout = self.step, self.step.layout
         rows = None if len(step.sample_rows) == layout.num_seqs else step.sample_rows
-        return (step.buffer.tobytes(), layout.num_tokens, layout.num_seqs, layout.width, step.max_query_len,
-                step.decode_query_len, rows, self.decode_steps, self.greedy)
-
-    def __setstate__(self, state: tuple) -> None:
-        data, num_tokens, num_seqs, width, max_query_len, decode_query_len, rows, steps, greedy = state
-        rows = list(range(num_seqs)) if rows is None else rows
-        # Read-only over the pickle's bytes: the upload copies it (into pinned memory on CUDA).
-        buffer = np.frombuffer(data, dtype=np.int64)
-        self.step = HostStep(buffer, StepLayout(num_tokens, num_seqs, width), max_query_len,
-                             decode_query_len, rows)
-        self.decode_steps, self.greedy = steps, greedy
+        return _from_wire, (step.buffer.tobytes(), layout.num_tokens, layout.num_seqs, layout.width,
+                            step.max_query_len, step.decode_query_len, rows, self.decode_steps, self.greedy)
 
     @property
     def nbytes(self) -> int:
         return self.step.buffer.nbytes
+
+
+def _from_wire(data: bytes, num_tokens: int, num_seqs: int, width: int, max_query_len: int,
+               decode_query_len: int | None, rows: list[int] | None, decode_steps: int, greedy: bool
+               ) -> StepMessage:
+    # Read-only over the pickle's bytes: the upload copies it (into pinned memory on CUDA).
+    buffer = np.frombuffer(data, dtype=np.int64)
+    rows = list(range(num_seqs)) if rows is None else rows
+    step = HostStep(buffer, StepLayout(num_tokens, num_seqs, width), max_query_len, decode_query_len, rows)
+    return StepMessage(step, decode_steps, greedy)
