@@ -7,7 +7,8 @@ paths make the same one pinned copy); a pickled buffer arrives read-only, so the
 copies it once (on CUDA that copy is the pinned one, which the plain path makes too).
 
 Inputs: a decode step of `batch` sequences at --context tokens, M3's page size (128). Timing:
-median of --repeats rounds, each the mean of 200 steps.
+--repeats rounds, each the mean of 200 steps of each path, the paths interleaved round by round;
+medians of the rounds (the group path's addition: of the per-round differences).
 
   python benchmarks/multigpu/bench_step_message.py --git-revision $(git rev-parse --short HEAD)
 """
@@ -59,14 +60,29 @@ def plain_path(batch: ScheduledBatch) -> None:
     build_step_inputs(batch, PAGE, torch.device("cpu"))  # build_host_step + upload: the baseline
 
 
-def per_step_us(fn, batch: ScheduledBatch, repeats: int) -> float:
-    means = []
+def round_trip(step) -> None:
+    """The message alone: wrapped, pickled, unpickled (as an inline Ray argument)."""
+    pickle.loads(pickle.dumps(StepMessage(step, greedy=True)))
+
+
+def mean_us(fn, arg) -> float:
+    start = time.perf_counter()
+    for _ in range(200):
+        fn(arg)
+    return (time.perf_counter() - start) / 200 * 1e6
+
+
+def paired_us(batch: ScheduledBatch, repeats: int) -> dict[str, float]:
+    """Plain and group rounds interleaved (a slow phase of the shared machine falls on both) →
+    medians of plain, group, their per-round difference and the message's round trip alone."""
+    rounds: dict[str, list[float]] = {"plain": [], "group": [], "adds": [], "round_trip": []}
+    step = build_host_step(batch, PAGE)
     for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(200):
-            fn(batch)
-        means.append((time.perf_counter() - start) / 200 * 1e6)
-    return statistics.median(means)
+        plain, group = mean_us(plain_path, batch), mean_us(group_path, batch)
+        for name, value in (("plain", plain), ("group", group), ("adds", group - plain),
+                            ("round_trip", mean_us(round_trip, step))):
+            rounds[name].append(value)
+    return {name: statistics.median(values) for name, values in rounds.items()}
 
 
 def main() -> int:
@@ -85,21 +101,20 @@ def main() -> int:
                  date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
     out, rows = {}, []
     for b in args.batches:
-        batch = decode_batch(b, args.context)
-        base = per_step_us(plain_path, batch, args.repeats)
-        group = per_step_us(group_path, batch, args.repeats)
-        rows.append((b, base, group, group - base))
+        r = paired_us(decode_batch(b, args.context), args.repeats)
+        rows.append((b, r))
         out[f"multigpu.step_message_host_us_b{b}"] = {
-            **stamp, "value": round(group - base, 1), "unit": "us",
+            **stamp, "value": round(r["adds"], 1), "unit": "us",
             "note": (f"host work the group path adds per decode step (the StepMessage, its pickle round "
                      f"trip, the rank's copy of the read-only buffer, tokens back), batch {b}, context "
-                     f"{args.context}: group {group:.1f} us - plain {base:.1f} us (build_step_inputs on "
-                     "the CPU, both paths' shared build and upload)")}
+                     f"{args.context}: median per-round difference of group ({r['group']:.1f} us) and plain "
+                     f"({r['plain']:.1f} us: build_step_inputs on the CPU, the build and upload both paths "
+                     f"share); the message's pickle round trip alone {r['round_trip']:.1f} us")}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
-    print(f"{'batch':>6} {'plain us':>9} {'group us':>9} {'group adds us':>14}")
-    for b, base, group, adds in rows:
-        print(f"{b:>6} {base:>9.1f} {group:>9.1f} {adds:>14.1f}")
+    print(f"{'batch':>6} {'plain us':>9} {'group us':>9} {'group adds us':>14} {'round trip us':>14}")
+    for b, r in rows:
+        print(f"{b:>6} {r['plain']:>9.1f} {r['group']:>9.1f} {r['adds']:>14.1f} {r['round_trip']:>14.1f}")
     return 0
 
 
