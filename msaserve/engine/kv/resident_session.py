@@ -184,6 +184,15 @@ class ResidentSession:
                 if self.host.present[layer, page]:
                     self.pools[layer][slot].copy_(self.host.data[layer, page], non_blocking=True)
         self.write_page = page
+        self._check_host_complete()
+
+    def _check_host_complete(self) -> None:
+        """Whether the host tier holds every page before the write page (then steps need no host
+        sync). Checked as soon as the write page is placed — an offloaded session is complete from
+        its first step, before any `decode_metadata` — and at every step while it is not (background
+        reads fill an adopted session's tier). Host memory only: no device sync."""
+        if not self._host_complete:
+            self._host_complete = bool(self.host.present[:, : self.write_page].all())
 
     def decode_metadata(self, position: int) -> AttentionMetadata:
         """The metadata of a one-token decode step at `position` (the session's tokens so far)."""
@@ -193,8 +202,7 @@ class ResidentSession:
                 raise ValueError(f"position={position} is invalid: allowed the next token of page "
                                  f"{self.write_page} or the first of page {self.write_page + 1}")
             self._enter_page(page, load=False)
-        if not self._host_complete:  # every page before the write page in the host tier: no sync
-            self._host_complete = bool(self.host.present[:, : self.write_page].all())
+        self._check_host_complete()
         device = self.device
         positions = torch.tensor([position], device=device)
         kv_slot = (page % self.ring) * self.page_size + position % self.page_size
