@@ -5,7 +5,8 @@ MSA layer, each holding a decode batch at --context tokens, but `ModelRunner.for
 constant hidden [B, H] for the timed steps, so a step is only host work: scheduling, the step's
 inputs, the message and its pickling, the LM head of the tiny model, sampling, outputs. The
 difference is what the group machinery costs the host per step (what the H200 run sees at a ~3×
-slower host, plus nothing on the device: both paths run the same kernels).
+slower host, plus nothing on the device: both paths run the same kernels). --no-pickle leaves the
+pickling out (the transport's share).
 
 Timing: --steps interleaved step pairs (order alternating) after --warmup; per batch the median of
 each path and the median of the per-pair differences. The script runs unchanged at older revisions
@@ -45,7 +46,7 @@ def engines(args) -> tuple[dict[str, LLMEngine], RankWorker]:
     worker = RankWorker(config, 0)
     worker.join(free_address())
     info = worker.take_model(overhead.build_model(1, True, "cpu"), None)
-    runner = GroupRunner(LocalGroup(worker, info, serialize=True), config)
+    runner = GroupRunner(LocalGroup(worker, info, serialize=not args.no_pickle), config)
     return {"plain": LLMEngine(config, model=worker.runner.model),
             "group": LLMEngine(config, model=runner.model, runner=runner)}, worker
 
@@ -80,6 +81,8 @@ def main() -> int:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--steps", type=int, default=600, help="timed step pairs (plain, group) per batch")
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--no-pickle", action="store_true",
+                        help="LocalGroup without pickling: the machinery's cost without the transport's")
     parser.add_argument("--git-revision", default="unknown")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
@@ -95,12 +98,15 @@ def main() -> int:
                  hardware=f"CPU ({platform.machine()}, shared 2-core dev machine), torch {torch.__version__}",
                  git_revision=args.git_revision,
                  date=datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+    transport = "without pickling" if args.no_pickle else "pickling as Ray"
     out = {f"multigpu.group_host_us_b{b}": {
         **stamp, "value": round(r["adds_us"], 1), "unit": "us",
         "note": (f"host time the group path adds to engine.step() (forward taken out; tiny M3, 1 layer, "
-                 f"LocalGroup pickling as Ray), decode batch {b}, context {args.context}: median of "
+                 f"LocalGroup {transport}), decode batch {b}, context {args.context}: median of "
                  f"{args.steps} interleaved pair differences; plain {r['plain_us']:.1f} us, group "
                  f"{r['group_us']:.1f} us per step")} for b, r in results.items()}
+    if args.no_pickle:
+        out = {key.replace("group_host_us", "group_host_unpickled_us"): entry for key, entry in out.items()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n")
     print(f"{'batch':>6} {'plain us':>9} {'group us':>9} {'group adds us':>14}")
