@@ -56,7 +56,8 @@ def stored_session(config, pages: int, device: torch.device, dtype: torch.dtype)
     kv_bytes = pages * config.num_layers * 2 * config.page_size * config.num_kv_heads * config.head_dim * 2
     client = KVCacheClient.in_process(ServiceConfig(num_shards=4, memory_bytes=2 * kv_bytes + (64 << 20)),
                                       identity)
-    tokens = torch.randint(3, 500, (pages * config.page_size + 1,), generator=torch.Generator().manual_seed(1))
+    gen_tokens = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, 500, (pages * config.page_size + 1,), generator=gen_tokens)
     SessionWriter(client, "s").sync(tokens.tolist(), caches, range(pages), pages * config.page_size)
     return client, caches
 
@@ -96,8 +97,8 @@ def run(args) -> dict:
     client, caches = stored_session(config, args.pages, device, dtype)
     max_pages = args.pages + 2
     budget = max(2 + config.num_kv_heads * config.top_k, round(0.1 * args.pages))
-    host = HostKV(config.num_layers, max_pages, (config.page_size, config.num_kv_heads, config.head_dim), dtype,
-                  pin=device.type == "cuda")
+    page_shape = (config.page_size, config.num_kv_heads, config.head_dim)
+    host = HostKV(config.num_layers, max_pages, page_shape, dtype, pin=device.type == "cuda")
     gen = torch.Generator().manual_seed(2)
     rows, ok = [], True
     for _ in range(args.repeats + 1):  # the first is a warm-up
@@ -146,12 +147,14 @@ def report(args, r: dict) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--pages", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--output", default=str(ROOT / "benchmarks" / "results" / "kvcache_adoption_profile.json"))
+    parser.add_argument("--output",
+                        default=str(ROOT / "benchmarks" / "results" / "kvcache_adoption_profile.json"))
     args = parser.parse_args()
     report(args, run(args))
 
