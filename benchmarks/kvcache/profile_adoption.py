@@ -140,10 +140,10 @@ def report(args, r: dict) -> None:
     data.update(entries)
     out.write_text(json.dumps(data, indent=1) + "\n")
     print(f"\n{meta['workload']}; results → {out}")
+    print(f"first step's slots equal to the stored pages: {r['checked']}")
     print(f"{'phase':<34}{'ms':>10}{'us/page':>10}")
     for key in ("host_reset_s", "allocate_s", "index_s", "adopt_s", "step_s"):
         print(f"{key.removesuffix('_s'):<34}{m[key] * 1e3:>10.2f}{m[key] / n * 1e6:>10.2f}")
-    print(f"first step's slots equal to the stored pages: {r['checked']}")
 
 
 def main() -> None:
