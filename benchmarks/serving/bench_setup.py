@@ -119,14 +119,17 @@ class SelectorWatch:
 
 
 def pretune_dense(config, device: str, chunk: int, max_model_len: int, whole_chunks: bool) -> None:
-    """Measure the dense selector's prefill keys (chunks of 1K tokens up to `chunk`, over every
+    """Measure the dense selector's prefill keys (chunks of 2 tokens up to `chunk`, over every
     KV bucket up to max_model_len) before any timed part: measured inside a timed prefill they
     had cost the dense side several seconds (each new KV bucket times every candidate), which
     inflated MSA's prefill ratios. Once per process (the selector caches its choices). whole_chunks:
     one long prompt in chunks of `chunk` (the session and prefill parts) — only that chunk size."""
     from msaserve.kernels.dense.select import default_selector
 
-    q_lens = [chunk] if whole_chunks else [n for n in (1024, 2048, 4096, 8192, 16384) if n < chunk] + [chunk]
+    # Traffic: every power-of-two chunk bucket from 2 tokens up (a Mooncake turn's last chunk can be a
+    # few hundred tokens: pretuning from 1K up left two keys to be measured inside the timed window).
+    powers = [1 << i for i in range(1, chunk.bit_length()) if 1 << i < chunk]
+    q_lens = [chunk] if whole_chunks else [*powers, chunk]
     start = time.perf_counter()
     measured = default_selector().pretune(config.num_heads, config.num_kv_heads, config.head_dim,
                                           torch.bfloat16 if device == "cuda" else torch.float32,
