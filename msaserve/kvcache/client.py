@@ -30,7 +30,8 @@ from msaserve.kvcache.store import CapacityError
 from msaserve.kvcache.transport import LocalTransport, RayTransport, ServiceUnavailable, Transport
 
 __all__ = [
-    "CapacityError", "KVCacheClient", "PackedFetch", "PendingFetch", "PendingReply", "ServiceUnavailable",
+    "CapacityError", "KVCacheClient", "PackedFetch", "PendingFetch", "PendingReply", "RowsFetch",
+    "ServiceUnavailable",
     "start_shards",
 ]
 
@@ -119,6 +120,29 @@ class PackedFetch(PendingFetch):
         return ok
 
 
+class RowsFetch(PendingFetch):
+    """Reads in flight into chosen rows of the caller's buffer (`get_kv_into_async`). `result()`
+    waits until every row is written and returns, per item in request order, whether the
+    service had a valid copy (a bad item's row is zeros)."""
+
+    def __init__(self, transport: Transport, futures: list[tuple[Any, list[int]]], size: int,
+                 dest: np.ndarray, rows: np.ndarray) -> None:
+        super().__init__(transport, futures, size)
+        self._dest, self._rows = dest, rows
+
+    def result(self, timeout_s: float | None = None) -> list[bool]:  # type: ignore[override]
+        ok = [False] * self._size
+        for (_, positions), reply in zip(self._futures, self.replies(timeout_s), strict=True):
+            if isinstance(reply, tuple):  # a shard in another process: its rows as one array
+                packed, flags = reply
+                self._dest[self._rows[positions]] = packed
+            else:
+                flags = reply
+            for pos, flag in zip(positions, flags, strict=True):
+                ok[pos] = flag
+        return ok
+
+
 class KVCacheClient:
     def __init__(
         self, shards: Sequence[Any], model: ModelIdentity, transport: Transport | None = None
@@ -179,6 +203,32 @@ class KVCacheClient:
     def get_kv_packed_async(self, requests: Sequence[tuple[int, int]], out: np.ndarray) -> PackedFetch:
         """K+V payloads of (page hash, layer) pairs into the rows of out, as `get_index_packed_async`."""
         return self._packed("get_kv_packed", [h for h, _ in requests], list(requests), out)
+
+    def get_kv_into_async(self, requests: Sequence[tuple[int, int]], dest: np.ndarray,
+                          rows: Sequence[int]) -> RowsFetch:
+        """K+V payloads of (page hash, layer) pairs, verified, into rows `rows[i]` of dest [R, K+V
+        payload bytes] (uint8, C-contiguous): shards in this process write them there (no
+        staging copy), others return packed rows that `result()` scatters. Leave those rows
+        alone until `result()` returned."""
+        if dest.ndim != 2 or dest.dtype != np.uint8 or not dest.flags.c_contiguous:
+            raise ValueError(f"dest must be a C-contiguous uint8 array [rows, row bytes], got {dest.dtype} "
+                             f"{tuple(dest.shape)}")
+        rows_ = np.asarray(rows, dtype=np.int64)
+        if len(rows_) != len(requests) or (len(rows_) and not 0 <= rows_.min() <= rows_.max() < len(dest)):
+            raise ValueError(f"rows must give each of the {len(requests)} requests a row of dest "
+                             f"(0..{len(dest) - 1}), got {len(rows_)} rows")
+        shared, items = self.transport.shares_memory, list(requests)
+        futures = []
+        for s, pos in self._by_shard([h for h, _ in items]).items():
+            mine = [items[i] for i in pos]
+            if shared:
+                call = self.transport.submit(self.shards[s], "get_kv_into", self.model_key, mine, dest,
+                                             rows_[pos].tolist())
+            else:
+                call = self.transport.submit(self.shards[s], "get_kv_packed", self.model_key, mine,
+                                             dest.shape[1])
+            futures.append((call, pos))
+        return RowsFetch(self.transport, futures, len(items), dest, rows_)
 
     def has_pages(self, page_hashes: Sequence[int]) -> list[bool]:
         """Whether the service holds each page completely (index-K and every layer's K+V)."""

@@ -113,22 +113,31 @@ class KVCacheShard:
     ) -> tuple[np.ndarray | None, list[bool]]:
         """Verified payloads written as consecutive rows: into `out` [len(keys), row_bytes] (a
         caller in this process hands its buffer) or, without out, into a new array that is returned
-        (through Ray: one object per call instead of one per page). The pages are checksummed, then
-        copied in one call that releases the GIL (other shards verify meanwhile). Returns (the new
-        array or None, ok per key); the row of a missing or corrupt page is zeros."""
-        payloads = self._get(store_name, keys)
-        for key, payload in zip(keys, payloads, strict=True):
-            if payload is not None and payload.nbytes != row_bytes:
-                raise ValueError(f"page {key!r} has {payload.nbytes} bytes; the reader's layout needs "
-                                 f"{row_bytes} (a model identity mismatch)")
-        ok = [p is not None for p in payloads]
-        if not all(ok):
-            zeros = np.zeros(row_bytes, dtype=np.uint8)
-            payloads = [zeros if p is None else p for p in payloads]
+        (through Ray: one object per call instead of one per page). Each page is copied into its
+        row and the copy verified there (`PageStore.read_into`). Returns (the new array or None, ok
+        per key); the row of a missing or corrupt page is zeros."""
         packed = np.empty((len(keys), row_bytes), dtype=np.uint8) if out is None else None
-        if keys:
-            np.stack(payloads, out=packed if out is None else out)
+        ok = self._read_into(store_name, keys, packed if out is None else out, range(len(keys)))
         return packed, ok
+
+    def get_kv_into(
+        self, model_key: str, requests: Sequence[tuple[int, int]], dest: np.ndarray, rows: Sequence[int],
+    ) -> list[bool]:
+        """K+V payloads of (page hash, layer) pairs verified into rows `rows[i]` of `dest` [R, row
+        bytes], a buffer of a caller in this process (a sparse-resident session's pinned host
+        tier: no staging copy between the service and it). ok per request; bad rows are zeros."""
+        keys = [kv_key(model_key, h, layer) for h, layer in requests]
+        return self._read_into("kv", keys, dest, rows)
+
+    def _read_into(
+        self, store_name: str, keys: list[str], dest: np.ndarray, rows: Sequence[int]
+    ) -> list[bool]:
+        start = time.perf_counter()
+        ok = self.stores[store_name].read_into(keys, dest, rows)
+        if self.metrics is not None:
+            self.metrics.observe_fetch(store_name, time.perf_counter() - start)
+        self._publish()
+        return ok
 
     def _get(self, store_name: str, keys: list[str]) -> list[Payload | None]:
         start = time.perf_counter()

@@ -17,6 +17,8 @@ import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from msaserve.kvcache.codec import Payload, as_payload, checksum
 from msaserve.kvcache.tiers import Tier, make_tier
 
@@ -108,6 +110,41 @@ class PageStore:
 
     def get_many(self, keys: Sequence[str]) -> list[Payload | None]:
         return [self.get(key) for key in keys]
+
+    def read_into(self, keys: Sequence[str], dest: np.ndarray, rows: Sequence[int]) -> list[bool]:
+        """Copy each key's page into row `rows[i]` of dest [R, row bytes] (uint8) and verify the
+        copy there: one pass over the stored bytes (the hash then reads the row while it is still
+        in cache), and what is checked is what the reader gets. Per key whether a valid copy
+        arrived; the row of a missing or corrupt page is zeros. The same tier order, statistics
+        and promotion as `get`."""
+        row_bytes = dest.shape[1]
+        ok = []
+        for key, row in zip(keys, rows, strict=True):
+            found, out = False, dest[row]
+            for level, tier in enumerate(self.tiers):
+                page = tier.get(key)
+                if page is None:
+                    continue
+                size_ok = page.payload.nbytes == row_bytes
+                if not size_ok and checksum(page.payload) == page.checksum:
+                    raise ValueError(f"page {key!r} has {page.payload.nbytes} bytes; the reader's layout "
+                                     f"needs {row_bytes} (a model identity mismatch)")
+                if size_ok:
+                    out[:] = page.payload
+                if size_ok and checksum(out) == page.checksum:
+                    self.stats.add(f"hits_{tier.kind}")
+                    self.stats.add("bytes_read", row_bytes)
+                    if level > 0:
+                        self._promote(key, page.payload, page.checksum)
+                    found = True
+                    break
+                tier.pop(key)
+                self.stats.add("corruptions")
+            if not found:
+                self.stats.add("misses")
+                out[:] = 0
+            ok.append(found)
+        return ok
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is held in some tier (not verified: a later get may still miss)."""

@@ -167,3 +167,23 @@ def test_without_a_host_view_the_host_reads_the_misses_and_the_tokens_stay(model
     assert decode(model, session, want[0], PROMPT_LEN, STEPS) == want
     assert session.stats.host_steps == STEPS * model.config.num_layers
     assert len(session.stats.fetch_log) > 0 and session.stats.pages_fetched > STEPS
+
+
+def test_host_tier_refuses_a_service_whose_pages_are_not_its_pages(model):
+    """Service reads copy raw bytes into the host tier: a source in another dtype (same page size
+    in bytes would otherwise be read as garbage) or page shape is refused up front."""
+    from msaserve.engine.kv.host_tier import HostKV, ServiceSource
+
+    def source(dtype: torch.dtype) -> ServiceSource:
+        identity = identity_for(model.config, "tiny@seed0", dtype)
+        return ServiceSource(KVCacheClient.in_process(ServiceConfig(num_shards=1, memory_bytes=1 << 20),
+                                                      identity), [], "s")
+
+    c = model.config
+    page = (c.page_size, c.num_kv_heads, c.head_dim)
+    with pytest.raises(ValueError, match=r"K/V pages of .* are \(16, 2, 16\) bfloat16: allowed only this "
+                                         r"host tier's page \(16, 2, 16\) float16"):
+        HostKV(c.num_layers, 8, page, torch.float16, pin=False, source=source(torch.bfloat16))
+    host = HostKV(c.num_layers, 8, page, torch.bfloat16, pin=False, source=source(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"allowed only this host tier's page \(16, 2, 16\) bfloat16"):
+        host.reset(source(torch.float32))

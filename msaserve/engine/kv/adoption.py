@@ -75,10 +75,9 @@ def load_packed(ring: staging.UploadRing, units: Sequence[PackedUnit], depth: in
                 uploaded.append(ring.upload(slot, len(fetch.items), row_bytes))
             chunk, device = uploaded[0], uploaded[0].device
             if n == len(fetch.items):
-                return chunk, torch.as_tensor(fetch.items, device=device)
+                return chunk, _to_device(fetch.items, device)
             keep = np.flatnonzero(fetch.items < n)
-            return (chunk.index_select(0, torch.as_tensor(keep, device=device)),
-                    torch.as_tensor(fetch.items[keep], device=device))
+            return chunk.index_select(0, _to_device(keep, device)), _to_device(fetch.items[keep], device)
 
         return rows
 
@@ -94,6 +93,15 @@ def load_packed(ring: staging.UploadRing, units: Sequence[PackedUnit], depth: in
         for _, _, fetch in started:  # an early exit: wait until no shard writes into the buffers
             with contextlib.suppress(Exception):  # the error that ended the load is already raised
                 fetch.result()
+
+
+def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host index array on `device`, without a stream sync on CUDA (a pageable copy would
+    wait for every queued upload and scatter: one host stall per group of a bulk load)."""
+    host = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
 
 
 class PageLost(RuntimeError):

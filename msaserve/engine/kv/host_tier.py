@@ -21,8 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 import torch
 
-from msaserve.engine.kv.pages import PageCodec
-from msaserve.kvcache.client import KVCacheClient, PendingFetch, ServiceUnavailable
+from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
 
 
 class PageLostInService(RuntimeError):
@@ -37,41 +36,38 @@ class ServiceSource:
     hashes: list[int]
     session_id: str
 
-    def __post_init__(self) -> None:
-        self.codec = PageCodec(self.client.model)
-
-    def read(self, items: Sequence[tuple[int, int]]) -> torch.Tensor:
-        """(page, layer) items → host tensor [n, 2, P, Hkv, D] (one batched read)."""
+    def read_into(self, items: Sequence[tuple[int, int]], dest: np.ndarray,
+                  rows: Sequence[int]) -> list[bool]:
+        """(page, layer) items → verified into rows `rows[i]` of dest [R, K+V bytes] (the host
+        tier's memory: shards in this process write there directly, one copy). ok per item."""
         try:
-            payloads = self.client.get_kv([(self.hashes[p], layer) for p, layer in items])
+            return self.client.get_kv_into_async([(self.hashes[p], layer) for p, layer in items], dest,
+                                                 rows).result()
         except ServiceUnavailable as e:
             raise PageLostInService(f"session {self.session_id!r}: {e}") from e
-        lost = [item for item, payload in zip(items, payloads, strict=True) if payload is None]
-        if lost:
-            raise PageLostInService(f"session {self.session_id!r}: K/V of (page, layer) {lost} are missing "
-                                    "or corrupt in the KV cache service")
-        return self.codec.decode_kv(payloads)
-
-    def read_async(self, items: Sequence[tuple[int, int]]) -> PendingFetch:
-        return self.client.get_kv_async([(self.hashes[p], layer) for p, layer in items])
 
 
 class HostKV:
     """K/V of one session's pages in host memory: `[L, max_pages, 2, P, Hkv, D]`, pinned when the
     session decodes on CUDA. `present[l, p]`: whether (page p, layer l) is here.
 
-    Background reads (`prefetch`) run on a worker thread of their own: it reads from the service,
-    decodes and stores, and marks a page present only once its bytes are in place, so the decode
-    thread does none of that work (a GPU kernel may read a present page straight from here)."""
+    Service reads land in this memory directly (`KVCacheClient.get_kv_into_async`: in-process
+    shards copy each page into its row and verify it there), so the source's K/V layout must be
+    this tier's page, byte for byte (checked). Background reads (`prefetch`) run on a worker thread
+    of their own and mark a page present only once its bytes are in place, so the decode thread
+    does none of that work (a GPU kernel may read a present page straight from here)."""
 
     def __init__(self, num_layers: int, max_pages: int, page_shape: tuple[int, int, int], dtype: torch.dtype,
                  pin: bool, source: ServiceSource | None = None) -> None:
         """page_shape: (P, Hkv, D). source: where pages not offloaded or written back come from."""
         self.data = torch.empty(num_layers, max_pages, 2, *page_shape, dtype=dtype, pin_memory=pin)
+        self._rows = self.data.view(torch.uint8).reshape(num_layers * max_pages, -1).numpy()
+        """The same memory as [L · max_pages, page bytes] uint8: (page p, layer l) is row l · max_pages + p
+        (service reads land there with no staging copy)."""
         self.present = torch.zeros(num_layers, max_pages, dtype=torch.bool)
         self._requested = torch.zeros(num_layers, max_pages, dtype=torch.bool)
         """[L, max_pages] queued for a background read once (a failed one is left to demand)."""
-        self.source = source
+        self.source = self._checked(source)
         self._pending: list[tuple[Future, list[tuple[int, int]]]] = []
         self._worker: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
@@ -88,8 +84,20 @@ class HostKV:
             torch.cuda.synchronize()
         self.present.zero_()
         self._requested.zero_()
-        self.source, self.service_log, self.service_reads, self.service_bytes = source, [], 0, 0
+        self.source = self._checked(source)
+        self.service_log, self.service_reads, self.service_bytes = [], 0, 0
         return self
+
+    def _checked(self, source: ServiceSource | None) -> ServiceSource | None:
+        """The source, if its K/V pages are this tier's pages byte for byte (reads copy raw bytes)."""
+        if source is not None:
+            m = source.client.model
+            theirs = ((m.page_size, m.num_kv_heads, m.head_dim), m.kv_dtype)
+            ours = (tuple(self.data.shape[3:]), str(self.data.dtype).removeprefix("torch."))
+            if theirs != ours:
+                raise ValueError(f"the service's K/V pages of {m.name!r} are {theirs[0]} {theirs[1]}: "
+                                 f"allowed only this host tier's page {ours[0]} {ours[1]} (copied as bytes)")
+        return source
 
     @property
     def page_bytes(self) -> int:
@@ -123,16 +131,25 @@ class HostKV:
                                         "set nor the host tier, and the session has no service source")
             items = [(p, layer) for p in missing]
             self._log("demand", items)
-            self._store(items, self.source.read(items))
+            ok = self._read(self.source, items)
             self.service_reads += 1
+            lost = [p for (p, _), good in zip(items, ok, strict=True) if not good]
+            if lost:
+                raise PageLostInService(f"session {self.source.session_id!r}: K/V of pages {lost} in layer "
+                                        f"{layer} are missing or corrupt in the KV cache service")
 
-    def _store(self, items: Sequence[tuple[int, int]], kv: torch.Tensor) -> None:
-        pages = torch.tensor([p for p, _ in items], dtype=torch.long)
-        layers = torch.tensor([layer for _, layer in items], dtype=torch.long)
-        self.data[layers, pages] = kv  # the bytes first...
-        self.present[layers, pages] = True  # ...then the flag
+    def _read(self, source: ServiceSource, items: Sequence[tuple[int, int]]) -> list[bool]:
+        """Service reads straight into this memory; the pages that arrived intact are marked present
+        (the bytes first, then the flag: a kernel may read a present page at any time)."""
+        max_pages = self.present.shape[1]
+        ok = source.read_into(items, self._rows, [layer * max_pages + p for p, layer in items])
+        good = [item for item, flag in zip(items, ok, strict=True) if flag]
+        if good:
+            index = torch.tensor(good, dtype=torch.long)
+            self.present[index[:, 1], index[:, 0]] = True
         with self._lock:
-            self.service_bytes += kv.numel() * kv.element_size()
+            self.service_bytes += len(good) * self.page_bytes
+        return ok
 
     # ---- background reads from the service ---------------------------------------------------
     def prefetch(self, predicted: Sequence[tuple[int, int]], max_items: int, chunk: int = 128) -> int:
@@ -177,7 +194,7 @@ class HostKV:
     def _fill(self, source: ServiceSource, items: list[tuple[int, int]]) -> None:
         """(worker thread) One background read, stored; a read that fails leaves its pages to demand."""
         with contextlib.suppress(PageLostInService):
-            self._store(items, source.read(items))
+            self._read(source, items)
 
     def _log(self, kind: str, items: list[tuple[int, int]]) -> None:
         if len(self.service_log) < 10_000:

@@ -22,6 +22,7 @@ Layers that attend densely (no index branch) would read every page: not supporte
 """
 
 import dataclasses
+import time
 from collections.abc import Sequence
 
 import torch
@@ -101,6 +102,9 @@ class ResidentSession:
         self.last_selected: list[list[int]] = [[] for _ in self.caches]
         self._stats = ResidencyStats()
         self._host_complete = False
+        self.adopt_phases: dict[str, float] = {}
+        """Seconds of `adopt`'s phases (host_reset_s, allocate_s, index_s: the whole index and a stored
+        tail's K/V), measured on the host: device work still queued is not in them."""
         # Where the miss fill reads the host tier: the pinned memory itself on CPU, a UVA view of it
         # on CUDA (no host sync); None: the host learns the misses (a sync per layer) and copies.
         self._host_src = host.data if self.device.type == "cpu" else host_view(host.data, self.device)
@@ -141,6 +145,7 @@ class ResidentSession:
         the service into the pinned host tier, then into the working set) → (session, tokens
         covered; the caller runs the record's remaining tokens). host: a host tier to reuse (a
         replica keeps its pinned memory allocated: pinning GiBs takes seconds)."""
+        t0 = time.perf_counter()
         hashes = list(record.page_hashes) + ([record.tail_hash] if record.tail_hash is not None else [])
         c = config
         source = ServiceSource(client, hashes, record.session_id)
@@ -149,7 +154,9 @@ class ResidentSession:
                           pin=torch.device(device).type == "cuda", source=source)
         else:
             host.reset(source)
+        t1 = time.perf_counter()
         session = cls(config, max_pages, budget_pages, host, device, dtype, index_dtype)
+        t2 = time.perf_counter()
         ring = session.ring
         # Index of every page at its logical page; the stored tail's K/V (it is written into
         # next) straight to its ring slot.
@@ -157,6 +164,8 @@ class ResidentSession:
                                   kv_block_table=[p % ring for p in range(max_pages)])
         covered = fetcher.load_index()
         session._enter_page(covered // c.page_size, load=False)  # a loaded tail is already in its slot
+        session.adopt_phases = dict(host_reset_s=t1 - t0, allocate_s=t2 - t1,
+                                    index_s=time.perf_counter() - t2)
         return session, covered
 
     # ---- one decode step ----------------------------------------------------------------------
