@@ -359,6 +359,16 @@ def hardware(device: torch.device) -> str:
     return f"CPU ({torch.get_num_threads()} threads)"
 
 
+def merge_results(path: str | Path, entries: dict) -> Path:
+    """Write `entries` into the JSON file at `path`, keeping the other scripts' keys there."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data = json.loads(out.read_text()) if out.exists() else {}
+    data.update(entries)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    return out
+
+
 def git_revision() -> str:
     try:
         return subprocess.check_output(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True).strip()
@@ -400,11 +410,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
             entry["samples"] = [round(x, 4) for x in samples[key]]
         if key in samples or "adopt_vs" in key:
             entry["note"] = f"median of {args.repeats} runs, each on fresh caches"
-    out = Path(args.output)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    data = json.loads(out.read_text()) if out.exists() else {}  # other scripts' keys stay
-    data.update(entries)
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    out = merge_results(args.output, entries)
     print(f"\n{label}; persist (upload) {r['persist_s']:.3f} s, "
           f"{r['uploaded_bytes'] / gib:.3f} GiB; results → {out}")
     print(f"TPOT resident {r['tpot_resident_s'] * 1e3:.2f} ms | lazy (median of {args.steps}) "

@@ -15,7 +15,6 @@ index' and 46–49 ms for the first step (git 4195171, residency.py).
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -28,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
-from adopt import git_revision, hardware  # noqa: E402
+from adopt import git_revision, hardware, merge_results  # noqa: E402
 
 from msaserve.engine.kv.host_tier import HostKV  # noqa: E402
 from msaserve.engine.kv.pages import identity_for  # noqa: E402
@@ -135,10 +134,7 @@ def report(args, r: dict) -> None:
     }
     for entry in entries.values():
         entry.update(meta)
-    out = Path(args.output)
-    data = json.loads(out.read_text()) if out.exists() else {}
-    data.update(entries)
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    out = merge_results(args.output, entries)
     print(f"\n{meta['workload']}; results → {out}")
     print(f"first step's slots equal to the stored pages: {r['checked']}")
     print(f"{'phase':<34}{'ms':>10}{'us/page':>10}")

@@ -15,7 +15,6 @@ figure to compare); the bytes are checked equal to the service's. CPU only: the 
 """
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -28,7 +27,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
-from adopt import git_revision, hardware  # noqa: E402
+from adopt import git_revision, hardware, merge_results  # noqa: E402
 
 from msaserve.engine.kv.host_tier import HostKV, ServiceSource  # noqa: E402
 from msaserve.engine.kv.pages import PageCodec, identity_for  # noqa: E402
@@ -104,7 +103,7 @@ def run(args) -> dict:
     fetch = client.get_index_packed_async(hashes[:256], out[:256])  # rows are grouped by shard
     fetch.result()
     stored = client.get_index(hashes[:256])
-    equal = equal and all(np.array_equal(out[fetch.rows[i]], stored[i]) for i in range(256))
+    equal = equal and all(np.array_equal(out[fetch.rows[i]], stored[i]) for i in range(len(stored)))
     return dict(times={k: sorted(v) for k, v in times.items()}, equal=equal, pages=n)
 
 
@@ -126,10 +125,7 @@ def report(args, r: dict) -> None:
                 note=f"minimum of {len(values)} (median {values[len(values) // 2] * scale:.2f}); bytes "
                 f"equal to the service's: {r['equal']}",
                 workload=f"m3-mini pages, 4 in-process shards; {label.split(',')[0]}")
-    out = Path(args.output)
-    data = json.loads(out.read_text()) if out.exists() else {}
-    data.update(entries)
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    out = merge_results(args.output, entries)
     print(f"results → {out}; bytes equal to the service's: {r['equal']}")
     print(f"{'read':<44}{'before min':>12}{'after min':>12}{'before med':>12}{'after med':>12}")
     for label, (kind, scale, _, _) in rows.items():

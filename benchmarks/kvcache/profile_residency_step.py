@@ -16,7 +16,6 @@ Each path's result is checked: the selected pages' K/V in their slots equal the 
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,7 +28,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
-from adopt import git_revision, hardware  # noqa: E402
+from adopt import git_revision, hardware, merge_results  # noqa: E402
 
 from msaserve.engine.kv.device_working_set import DeviceWorkingSet  # noqa: E402
 from msaserve.engine.kv.residency import WorkingSet  # noqa: E402
@@ -153,10 +152,7 @@ def main() -> None:
     }
     for entry in entries.values():
         entry.update(meta)
-    out = Path(args.output)
-    data = json.loads(out.read_text()) if out.exists() else {}
-    data.update(entries)
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    out = merge_results(args.output, entries)
     print(f"\n{meta['workload']}; {meta['hardware']}; results → {out}")
     print(f"{'path':<10}{'us / layer-step':>17}{'admission us':>14}{'pages right':>13}")
     for name in ("before", "after"):

@@ -28,7 +28,6 @@ times larger than the ratios written here.
 """
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -42,7 +41,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(HERE)]
 
-from adopt import QUICK_OVERRIDES, Replica, git_revision, hardware, log, prefill_session, sync  # noqa: E402
+from adopt import QUICK_OVERRIDES, Replica, git_revision, hardware, log, merge_results, prefill_session, sync  # noqa: E402
 
 from msaserve.engine.kv.host_tier import HostKV  # noqa: E402
 from msaserve.engine.kv.pages import identity_for  # noqa: E402
@@ -370,10 +369,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
         )
     for entry in entries.values():
         entry.update(meta, workload=label)
-    out = Path(args.output)
-    data = json.loads(out.read_text()) if out.exists() else {}
-    data.update(entries)
-    out.write_text(json.dumps(data, indent=1) + "\n")
+    out = merge_results(args.output, entries)
     print(f"\n{label}; results → {out}")
     print(f"{'run':<34}{'TPOT ms':>9}{'x resident':>11}{'MiB/step':>10}{'tokens eq':>10}")
     print(f"{'resident':<34}{base * 1e3:>9.2f}{1:>11.2f}{0:>10.1f}{'-':>10}")
