@@ -29,6 +29,7 @@ from test_kernels_triton_cases import (
 
 _TRITON_MODULES = [
     "msaserve.kernels.triton_common",
+    "msaserve.kernels.indexer_decode.merge",
     "msaserve.kernels.indexer_decode.triton",
     "msaserve.kernels.indexer_prefill.triton",
     "msaserve.kernels.sparse_decode.triton",
@@ -36,7 +37,7 @@ _TRITON_MODULES = [
 ]
 
 
-_, _idec, _ipre, _sdec, _spre = import_interpreted(*_TRITON_MODULES)
+_, _, _idec, _ipre, _sdec, _spre = import_interpreted(*_TRITON_MODULES)
 TRITON = Ops(_idec.indexer_decode, _ipre.indexer_prefill, _sdec.sparse_decode, _spre.sparse_prefill)
 NAIVE = Ops(
     importlib.import_module("msaserve.kernels.indexer_decode.naive").indexer_decode,

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+from msaserve.kernels.indexer_decode.merge import SplitMerge, merge_splits
 from msaserve.kernels.indexer_prefill.naive import check_forced_blocks
 from msaserve.kernels.triton_common import (
     EMPTY_ID_BASE,
@@ -31,7 +32,6 @@ from msaserve.kernels.triton_common import (
     check_shape,
     num_sms,
     pow2,
-    sorted_selection,
     topk_insert,
 )
 
@@ -279,45 +279,6 @@ def _score_split_kernel(
     tl.store(cand_id_ptr + offs, ids)
 
 
-@triton.jit
-def _merge_splits_kernel(
-    cand_val_ptr, cand_id_ptr, out_ptr, num_splits,
-    stride_ob, stride_oq, stride_oh,
-    HPK: tl.constexpr, NUM_ROWS: tl.constexpr, NR: tl.constexpr, KP: tl.constexpr, SP: tl.constexpr,
-    TOP_K: tl.constexpr, RB: tl.constexpr,
-):
-    """RB rows of one (sequence, key head): top-K over the splits' candidates, value desc then id asc."""
-    b = tl.program_id(0)
-    hk = tl.program_id(1)
-    rows = tl.program_id(2) * RB + tl.arange(0, RB)
-    row_ok = rows < NUM_ROWS
-    offs_c = tl.arange(0, SP * KP)  # candidate = split · KP + slot
-    split = offs_c // KP
-    base = ((b * tl.num_programs(1) + hk) * num_splits) * NR * KP
-    offs = base + split[None, :] * (NR * KP) + rows[:, None] * KP + (offs_c % KP)[None, :]
-    ok = row_ok[:, None] & (split[None, :] < num_splits)
-    vals = tl.load(cand_val_ptr + offs, mask=ok, other=float("-inf"))  # [RB, SP·KP]
-    ids = tl.load(cand_id_ptr + offs, mask=ok, other=EMPTY_ID_BASE)
-    real = ids < EMPTY_ID_BASE
-    vals = tl.where(real, vals, float("-inf"))
-    offs_k = tl.arange(0, KP)
-    chosen = tl.full([RB, KP], EMPTY_ID_BASE, tl.int32)
-    for k in range(TOP_K):
-        best = tl.max(vals, axis=1)  # [RB]
-        tied = (vals == best[:, None]) & real
-        best_id = tl.min(tl.where(tied, ids, EMPTY_ID_BASE), axis=1)
-        best_id = tl.where(best == float("-inf"), EMPTY_ID_BASE, best_id)
-        chosen = tl.where(offs_k[None, :] == k, best_id[:, None], chosen)
-        taken = ids == best_id[:, None]
-        vals = tl.where(taken, float("-inf"), vals)
-        real = real & ~taken
-    chosen = sorted_selection(chosen, EMPTY_ID_BASE)  # [RB, KP]
-    q_i = rows // HPK
-    h = hk * HPK + rows % HPK
-    ptrs = out_ptr + b * stride_ob + q_i[:, None] * stride_oq + h[:, None] * stride_oh + offs_k[None, :]
-    tl.store(ptrs, chosen, mask=row_ok[:, None] & (offs_k[None, :] < TOP_K))
-
-
 # ---------------------------------------------------------------- launcher
 
 
@@ -363,6 +324,8 @@ def _launch(
     n_local: int,
     fp8_scan: Fp8Scan,
     key_load: KeyLoad,
+    split_merge: SplitMerge,
+    num_splits: int | None,
 ) -> torch.Tensor:
     batch, num_q, num_heads, index_dim = q_index.shape
     num_pages, page_size, key_heads, _ = index_cache.shape
@@ -384,7 +347,9 @@ def _launch(
     num_rows = pow2(num_q * heads_per_key, 16)
     kp = pow2(top_k)
     max_pages = block_tables.shape[1]
-    splits = _num_splits(batch, key_heads, max_pages, q_index.device)
+    check(num_splits is None or num_splits >= 1,
+          f"num_splits is {num_splits}; allowed None or an integer ≥ 1")
+    splits = num_splits or _num_splits(batch, key_heads, max_pages, q_index.device)
     pages_per_split = triton.cdiv(max_pages, splits)
     splits = triton.cdiv(max_pages, pages_per_split)
     cand_val = torch.empty((batch, key_heads, splits, num_rows, kp), device=q_index.device,
@@ -404,13 +369,7 @@ def _launch(
         Q_TERMS=_query_terms(q_index, index_scale, fp8_scan), TMA=key_desc is not None,
     )
     out = torch.empty((batch, num_q, num_heads, top_k), device=q_index.device, dtype=torch.int32)
-    # One row per program on the GPU (registers); all rows at once under the interpreter.
-    rows_per_program = num_rows if INTERPRET else 1
-    _merge_splits_kernel[(batch, key_heads, triton.cdiv(num_q * heads_per_key, rows_per_program))](
-        cand_val, cand_id, out, splits, out.stride(0), out.stride(1), out.stride(2),
-        HPK=heads_per_key, NUM_ROWS=num_q * heads_per_key, NR=num_rows, KP=kp, SP=pow2(splits),
-        TOP_K=top_k, RB=rows_per_program,
-    )
+    merge_splits(cand_val, cand_id, out, heads_per_key, split_merge)
     return out
 
 
@@ -429,6 +388,8 @@ def indexer_decode(
     fp8_scan: Fp8Scan = DEFAULT_FP8_SCAN,
     key_load: KeyLoad = DEFAULT_KEY_LOAD,
     n_local: int = 1,
+    split_merge: SplitMerge = "auto",
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """q_index: [B, Q, Hkv, DI] (query i of sequence b at position seq_lens[b] - Q + i);
     index_cache: [num_pages, P, HkI, DI] (bf16/fp16/fp32, or fp8-e4m3 with index_scale
@@ -437,6 +398,8 @@ def indexer_decode(
     `select_blocks`.
     fp8_scan: how fp8 keys meet the query (module docstring); ignored for other key dtypes.
     key_load: how key pages reach the MMA: "pointer" gathers or "tma" copies (DEFAULT_KEY_LOAD).
+    split_merge: how the splits' candidates are merged (merge.py); "auto" picks by the split count.
+    num_splits: CTAs per (sequence, key head) scanning the pages; default two waves over the SMs.
     """
     return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, top_k, n_init, n_local,
-                   fp8_scan, key_load)
+                   fp8_scan, key_load, split_merge, num_splits)

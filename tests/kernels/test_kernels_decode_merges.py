@@ -1,0 +1,111 @@
+"""The decode ops' small merges under TRITON_INTERPRET=1 on the CPU: the decode indexer's split merge
+(msaserve/kernels/indexer_decode/merge.py: serial, packed and tree launches) and the LSE merge of
+partial attention outputs (msaserve/kernels/triton_common.py: the serial and the all-parts launch).
+
+The split merge is checked exactly against a PyTorch statement of the selection rule (value desc,
+then id asc; empty slots and -inf never chosen), on candidates full of ties, for several split
+counts (powers of two and not), and end to end through `indexer_decode` against the naive op. With
+CUDA present tests/gpu covers the compiled kernels and this module is skipped.
+"""
+
+import dataclasses
+import functools
+import importlib
+
+import pytest
+import torch
+
+if torch.cuda.is_available():
+    pytest.skip("CUDA present: tests/gpu tests the compiled kernels", allow_module_level=True)
+
+from kernel_testing import import_interpreted
+from test_kernels_triton_cases import Ops, Shape, check_indexer_decode
+
+_common, _merge, _idec, _sdec = import_interpreted(
+    "msaserve.kernels.triton_common", "msaserve.kernels.indexer_decode.merge",
+    "msaserve.kernels.indexer_decode.triton", "msaserve.kernels.sparse_decode.triton",
+)
+NAIVE = Ops(
+    importlib.import_module("msaserve.kernels.indexer_decode.naive").indexer_decode, None,
+    importlib.import_module("msaserve.kernels.sparse_decode.naive").sparse_decode, None,
+)
+EMPTY = 1 << 29
+METHODS = ("serial", "packed", "tree")
+
+
+@pytest.fixture(autouse=True)
+def _interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+
+
+def _candidates(batch: int, key_heads: int, splits: int, rows: int, kp: int, seed: int):
+    """cand_val, cand_id [B, HkI, splits, pow2(rows, 16), KP] as the score kernel leaves them: ids
+    distinct per row across splits, values from a few integers (many ties) with ±0.0 among them,
+    ~20 % empty slots (id ≥ EMPTY, -inf), a few real -inf values and some wholly empty splits."""
+    gen = torch.Generator().manual_seed(seed)
+    nr = max(16, 1 << (rows - 1).bit_length())
+    shape = (batch, key_heads, splits, nr, kp)
+    vals = torch.randint(-3, 4, shape, generator=gen).float()
+    vals = torch.where((vals == 0) & (torch.rand(shape, generator=gen) < 0.5), -0.0, vals)
+    ids = torch.argsort(torch.rand(batch, key_heads, nr, splits * kp * 3, generator=gen), dim=-1)
+    ids = ids[..., : splits * kp].view(batch, key_heads, nr, splits, kp).transpose(2, 3).to(torch.int32)
+    empty = torch.rand(shape, generator=gen) < 0.2
+    empty[:, :, splits // 2] = True  # an empty split
+    slot = torch.arange(kp, dtype=torch.int32).expand(shape)
+    ids = torch.where(empty, EMPTY + slot, ids).contiguous()
+    vals = torch.where(empty | (torch.rand(shape, generator=gen) < 0.03), float("-inf"), vals).contiguous()
+    return vals, ids
+
+
+def _reference(vals: torch.Tensor, ids: torch.Tensor, num_q: int, hpk: int, top_k: int) -> torch.Tensor:
+    batch, key_heads = vals.shape[:2]
+    out = torch.full((batch, num_q, key_heads * hpk, top_k), -1, dtype=torch.int32)
+    for b in range(batch):
+        for hk in range(key_heads):
+            for row in range(num_q * hpk):
+                v, i = vals[b, hk, :, row].flatten().tolist(), ids[b, hk, :, row].flatten().tolist()
+                real = sorted((-x, j) for x, j in zip(v, i, strict=True) if j < EMPTY and x > float("-inf"))
+                chosen = sorted(j for _, j in real[:top_k])
+                out[b, row // hpk, hk * hpk + row % hpk, : len(chosen)] = torch.tensor(chosen)
+    return out
+
+
+@pytest.mark.parametrize(("splits", "num_q", "top_k"), [(1, 1, 16), (5, 8, 16), (16, 1, 5), (17, 2, 16),
+                                                        (33, 1, 16), (70, 8, 4)])
+def test_split_merges_follow_the_selection_rule(splits: int, num_q: int, top_k: int) -> None:
+    """Every launch gives exactly the rule's selection, ties included, over 1–70 splits, Q = 1 to 8
+    (row padding), top_k below its power of two, batch 2, both key-head layouts."""
+    hpk, key_heads = (4, 1) if splits % 2 else (2, 2)
+    kp = 1 << (top_k - 1).bit_length()
+    vals, ids = _candidates(2, key_heads, splits, num_q * hpk, kp, seed=splits)
+    want = _reference(vals, ids, num_q, hpk, top_k)
+    for method in METHODS:
+        out = torch.full_like(want, 7)
+        _merge.merge_splits(vals, ids, out, hpk, method)
+        assert torch.equal(out, want), f"{method}: {(out != want).nonzero()[:4].tolist()}"
+
+
+def test_tree_groups() -> None:
+    """Level-1 groups of ~√splits splits; every split in exactly one group."""
+    for splits, size in ((1, 1), (2, 2), (9, 4), (16, 4), (17, 8), (33, 8), (264, 32)):
+        assert _merge._group_size(splits) == size
+    with pytest.raises(ValueError, match="split_merge is 'heap'; allowed serial, packed, tree, auto"):
+        _merge.merge_splits(*_candidates(1, 1, 2, 4, 4, 0), torch.empty(1, 1, 4, 4, dtype=torch.int32), 4,
+                            "heap")
+
+
+_M3_LIKE = Shape((150, 700, 1100), page_size=16, num_kv_heads=4, group=1, head_dim=32, index_heads=1,
+                 top_k=16, n_init=0, n_local=2)
+
+
+@pytest.mark.parametrize(("num_splits", "num_q", "fp8", "method"),
+                         [(3, 1, False, "auto"), (17, 8, True, "auto"), (24, 1, True, "tree"),
+                          (12, 8, False, "packed")])
+def test_indexer_decode_split_counts_match_naive(num_splits: int, num_q: int, fp8: bool, method: str) -> None:
+    """The whole op with forced split counts (more splits than the short sequences have pages: empty
+    splits), fp8 (bf16 queries) and fp32 index keys, batch 3: the naive op's selection up to near-ties.
+    The merges' exact agreement with each other is the test above."""
+    op = functools.partial(_idec.indexer_decode, split_merge=method, num_splits=num_splits)
+    dtype = torch.bfloat16 if fp8 else torch.float32
+    check_indexer_decode(dataclasses.replace(NAIVE, indexer_decode=op), NAIVE, _M3_LIKE, num_q, dtype, "cpu",
+                         fp8=fp8, seed=num_splits)
