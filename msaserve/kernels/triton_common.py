@@ -7,6 +7,7 @@ and autotuning is reduced to one config (the interpreter cost is per program ins
 """
 
 import os
+from typing import Literal
 
 import torch
 import triton
@@ -120,8 +121,44 @@ def _lse_merge_kernel(
     tl.store(ptrs, result.to(out.dtype.element_ty), mask=row_ok[:, None] & mask_d)
 
 
+@triton.jit
+def _lse_merge_parts_kernel(
+    part_o, part_lse, valid_ptr, out,
+    stride_po_row, stride_po_part, stride_pl_row, stride_pl_part, stride_v_row, stride_v_part,
+    stride_out_row, heads_per_row, stride_out_head,
+    NUM_PARTS: tl.constexpr, NP: tl.constexpr, G: tl.constexpr, GB: tl.constexpr, D: tl.constexpr,
+    DB: tl.constexpr, ALL_VALID: tl.constexpr,
+):
+    """The same merge for GB heads × DB dims of one row, every partial loaded at once: one round of
+    loads and a vectorised max / weights / sum over the parts instead of a dependent round per part.
+    For decode, whose few rows leave most SMs idle under `_lse_merge_kernel`. ALL_VALID: no valid
+    tensor, every part counts."""
+    row = tl.program_id(0).to(tl.int64)
+    g = tl.program_id(1) * GB + tl.arange(0, GB)
+    d = tl.program_id(2) * DB + tl.arange(0, DB)
+    k = tl.arange(0, NP)
+    ok_k = k < NUM_PARTS
+    if not ALL_VALID:
+        ok_k = ok_k & (tl.load(valid_ptr + row * stride_v_row + k * stride_v_part, mask=ok_k, other=-1) >= 0)
+    ok_g = g < G
+    ok_d = d < D
+    lse = tl.load(part_lse + row * stride_pl_row + k[:, None] * stride_pl_part + g[None, :],
+                  mask=ok_k[:, None] & ok_g[None, :], other=float("-inf"))  # [NP, GB]
+    o = tl.load(part_o + row * stride_po_row + k[:, None, None] * stride_po_part + g[None, :, None] * D
+                + d[None, None, :], mask=(ok_k[:, None] & ok_g[None, :])[:, :, None] & ok_d[None, None, :],
+                other=0.0).to(tl.float32)  # [NP, GB, DB]
+    m = tl.max(lse, axis=0)  # [GB]
+    weight = tl.exp2(lse - tl.where(m == float("-inf"), 0.0, m)[None, :])  # [NP, GB]; 0 where skipped
+    denom = tl.sum(weight, axis=0)
+    result = tl.sum(o * weight[:, :, None], axis=0) / tl.where(denom > 0, denom, 1.0)[:, None]  # [GB, DB]
+    out_row = row // heads_per_row
+    head = (row % heads_per_row) * G + g
+    ptrs = out + out_row * stride_out_row + head[:, None] * stride_out_head + d[None, :]
+    tl.store(ptrs, result.to(out.dtype.element_ty), mask=ok_g[:, None] & ok_d[None, :])
+
+
 # Bulk merges (a prefill chunk's partials: GBs) pick their tile and pipelining by autotuning;
-# small ones (decode) keep the fixed launch below, cheap to capture in a CUDA graph.
+# small ones (decode) keep the fixed launches below, cheap to capture in a CUDA graph.
 _MERGE_TILES = [(rows, w, s) for rows in (2, 4, 8) for w, s in ((4, 2), (4, 3), (8, 2), (8, 3))]
 _lse_merge_tuned = triton.autotune(
     configs=[triton.Config({"ROWS": rows}, num_warps=w, num_stages=s) for rows, w, s in _MERGE_TILES],
@@ -129,19 +166,56 @@ _lse_merge_tuned = triton.autotune(
 )(_lse_merge_kernel)
 TUNED_MERGE_MIN_ROWS = 1 << 16
 """Partial rows from which a merge is autotuned (a 16K-token chunk at the M3 shape has 65,536)."""
+PARTS_MERGE_MAX_PARTIALS = 1 << 14
+"""Rows × parts up to which "auto" loads all of a row's parts at once, if it has at most
+PARTS_MERGE_MAX_PARTS: every decode merge (their splits fill two to four waves of CTAs, rows × parts
+≤ 4 · 132 on the H200) and prefill chunks up to a few hundred tokens."""
+PARTS_MERGE_MAX_PARTS = 256
+_PARTS_TILE = (1 << 14) if INTERPRET else 2048  # elements per program (16 fp32 per thread at 4 warps)
+LseMerge = Literal["serial", "parts", "auto"]
+
+
+def _parts_tile(parts: int, group_p2: int, dim_p2: int) -> tuple[int, int, int]:
+    """(NP, GB, DB) of the all-parts launch: all parts, D in runs of ≤ 64 (coalesced), heads to fill
+    _PARTS_TILE; many small programs, since a decode merge is latency-bound."""
+    parts_p2 = pow2(parts)
+    dim_block = min(dim_p2, 64 if parts_p2 * 64 <= _PARTS_TILE else max(16, _PARTS_TILE // parts_p2))
+    heads_block = max(1, min(group_p2, _PARTS_TILE // (parts_p2 * dim_block)))
+    return parts_p2, heads_block, dim_block
 
 
 def lse_merge(
-    part_o: torch.Tensor, part_lse: torch.Tensor, valid: torch.Tensor, out: torch.Tensor
+    part_o: torch.Tensor, part_lse: torch.Tensor, valid: torch.Tensor | None, out: torch.Tensor,
+    method: LseMerge = "auto",
 ) -> None:
     """Merge partials into `out`.
 
-    part_o: [R, N, G, D] contiguous; part_lse: [R, N, G] fp32; valid: [R, N] int32 (< 0 = skip);
-    out: [R // H, H * G, D] viewed by rows, H = R / out.shape[0] heads-groups per output row.
+    part_o: [R, N, G, D] contiguous; part_lse: [R, N, G] fp32; valid: [R, N] int32 (< 0 = skip) or None
+    (every part counts); out: [R // H, H * G, D] viewed by rows, H = R / out.shape[0] heads-groups per
+    output row. method: "serial" (`_lse_merge_kernel`, a round of loads per part), "parts" (all parts at
+    once) or "auto": parts for small merges (decode), serial otherwise, autotuned when bulk.
     """
+    check(method in ("serial", "parts", "auto"), f"method is {method!r}; allowed serial, parts, auto")
     rows, parts, group, head_dim = part_o.shape
     heads_per_row = rows // out.shape[0]
     group_p2 = pow2(group)
+    if method == "auto":
+        small = rows * parts <= PARTS_MERGE_MAX_PARTIALS and parts <= PARTS_MERGE_MAX_PARTS
+        method = "parts" if small else "serial"
+    valid_strides = (valid.stride(0), valid.stride(1)) if valid is not None else (0, 0)
+    if method == "parts":
+        parts_p2, heads_block, dim_block = _parts_tile(parts, group_p2, pow2(head_dim))
+        grid = (rows, triton.cdiv(group, heads_block), triton.cdiv(head_dim, dim_block))
+        _lse_merge_parts_kernel[grid](
+            part_o, part_lse, valid if valid is not None else part_lse, out,
+            part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1), *valid_strides,
+            out.stride(0), heads_per_row, out.stride(1),
+            NUM_PARTS=parts, NP=parts_p2, G=group, GB=heads_block, D=head_dim, DB=dim_block,
+            ALL_VALID=valid is None, num_warps=4,
+        )
+        return
+    if valid is None:
+        valid = torch.zeros((rows, parts), device=part_o.device, dtype=torch.int32)
     args = (part_o, part_lse, valid, out, rows,
             part_o.stride(0), part_o.stride(1), part_lse.stride(0), part_lse.stride(1),
             valid.stride(0), valid.stride(1), out.stride(0), heads_per_row, out.stride(1))

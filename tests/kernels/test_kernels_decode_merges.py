@@ -19,7 +19,7 @@ if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu tests the compiled kernels", allow_module_level=True)
 
 from kernel_testing import import_interpreted
-from test_kernels_triton_cases import Ops, Shape, check_indexer_decode
+from test_kernels_triton_cases import Ops, Shape, check_indexer_decode, check_sparse_decode
 
 _common, _merge, _idec, _sdec = import_interpreted(
     "msaserve.kernels.triton_common", "msaserve.kernels.indexer_decode.merge",
@@ -109,3 +109,56 @@ def test_indexer_decode_split_counts_match_naive(num_splits: int, num_q: int, fp
     dtype = torch.bfloat16 if fp8 else torch.float32
     check_indexer_decode(dataclasses.replace(NAIVE, indexer_decode=op), NAIVE, _M3_LIKE, num_q, dtype, "cpu",
                          fp8=fp8, seed=num_splits)
+
+
+def _partials(rows: int, parts: int, group: int, dim: int, dtype: torch.dtype, seed: int):
+    """part_o [R, N, G, D], part_lse [R, N, G] (log2 units, some -inf: empty splits), valid [R, N]."""
+    gen = torch.Generator().manual_seed(seed)
+    part_o = torch.randn(rows, parts, group, dim, generator=gen).to(dtype)
+    part_lse = torch.randn(rows, parts, group, generator=gen) * 4
+    part_lse[torch.rand(rows, parts, group, generator=gen) < 0.2] = float("-inf")
+    valid = torch.where(torch.rand(rows, parts, generator=gen) < 0.25, -1, 3).to(torch.int32)
+    return part_o, part_lse, valid
+
+
+def _reference_lse_merge(part_o, part_lse, valid, heads_per_row: int) -> torch.Tensor:
+    lse = part_lse if valid is None else part_lse.masked_fill((valid < 0)[..., None], float("-inf"))
+    m = lse.amax(1, keepdim=True)
+    weight = torch.exp2(lse - m.nan_to_num(neginf=0.0))  # [R, N, G]
+    denom = weight.sum(1)
+    result = (part_o.double() * weight.double()[..., None]).sum(1)
+    result = result / denom.clamp_min(1e-30).double()[..., None]
+    rows, _, group, dim = part_o.shape
+    return result.float().reshape(rows // heads_per_row, heads_per_row * group, dim)
+
+
+@pytest.mark.parametrize(("rows", "parts", "group", "dim", "heads_per_row"),
+                         [(4, 16, 16, 32, 4), (6, 3, 6, 64, 2), (5, 1, 1, 16, 1), (3, 40, 4, 32, 3),
+                          (2, 128, 2, 32, 1), (2, 257, 1, 16, 2)])
+@pytest.mark.parametrize("with_valid", [False, True])
+def test_lse_merges_agree(rows: int, parts: int, group: int, dim: int, heads_per_row: int,
+                          with_valid: bool) -> None:
+    """The serial and all-parts launches against the merge's formula: parts 1 to 257 (a power of two
+    and not; 257 past the all-parts limit, so "auto" is serial there), G 1 to 16, several heads
+    groups per output row, skipped parts and empty (-inf) ones, fp32 and bf16 partials."""
+    for dtype in (torch.float32, torch.bfloat16):
+        part_o, part_lse, valid = _partials(rows, parts, group, dim, dtype, seed=rows * parts)
+        valid = valid if with_valid else None
+        want = _reference_lse_merge(part_o.float(), part_lse, valid, heads_per_row)
+        for method in ("serial", "parts", "auto"):
+            out = torch.full((rows // heads_per_row, heads_per_row * group, dim), float("nan"))
+            _common.lse_merge(part_o, part_lse, valid, out, method)
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, d=dtype, k=method: f"{k} {d}: {m}")
+
+
+@pytest.mark.parametrize(("num_splits", "num_q", "dtype"), [(3, 1, torch.float32), (7, 8, torch.bfloat16),
+                                                            (16, 1, torch.bfloat16)])
+def test_sparse_decode_split_counts_match_naive(num_splits: int, num_q: int, dtype: torch.dtype) -> None:
+    """Sparse decode with forced split counts (non-powers of two leave splits with fewer or no slots)
+    merged by each launch: the naive op's output."""
+    shape = Shape((16, 150, 83), page_size=16, num_kv_heads=2, group=4, head_dim=32, index_heads=1, top_k=16)
+    for method in ("serial", "parts"):
+        op = functools.partial(_sdec.sparse_decode, merge=method, num_splits=num_splits)
+        check_sparse_decode(dataclasses.replace(NAIVE, sparse_decode=op), NAIVE, shape, num_q, dtype, "cpu",
+                            seed=num_splits)

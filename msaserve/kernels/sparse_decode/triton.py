@@ -15,6 +15,7 @@ import triton.language as tl
 from msaserve.kernels.dense.gpu import dense_decode
 from msaserve.kernels.triton_common import (
     INTERPRET,
+    LseMerge,
     check,
     check_last_contiguous,
     check_shape,
@@ -110,6 +111,8 @@ def _launch(
     seq_lens: torch.Tensor,
     selected: torch.Tensor,
     scale: float,
+    merge: LseMerge,
+    num_splits: int | None,
 ) -> torch.Tensor:
     batch, num_q, num_q_heads, head_dim = q.shape
     _, page_size, num_kv_heads, _ = k_cache.shape
@@ -128,7 +131,9 @@ def _launch(
     check_last_contiguous(q=q, k_cache=k_cache, v_cache=v_cache, selected=selected)
     out = torch.empty_like(q)
     rows = batch * num_q * num_kv_heads
-    splits = _num_splits(rows, top_k, q.device)
+    check(num_splits is None or num_splits >= 1,
+          f"num_splits is {num_splits}; allowed None or an integer ≥ 1")
+    splits = min(num_splits or _num_splits(rows, top_k, q.device), top_k)
     slots_per_split = triton.cdiv(top_k, splits)
     splits = triton.cdiv(top_k, slots_per_split)
     direct = splits == 1
@@ -145,9 +150,8 @@ def _launch(
         NUM_Q=num_q, G=group, GP=pow2(group, 16), P=page_size, D=head_dim, TOP_K=top_k,
         DIRECT=direct, UPCAST=INTERPRET,
     )
-    if not direct:
-        valid = torch.zeros((rows, splits), device=q.device, dtype=torch.int32)
-        lse_merge(part_o, part_lse, valid, out.view(batch * num_q, num_q_heads, head_dim))
+    if not direct:  # every split counts (an empty one has lse -inf): no valid tensor to fill
+        lse_merge(part_o, part_lse, None, out.view(batch * num_q, num_q_heads, head_dim), merge)
     return out
 
 
@@ -162,12 +166,17 @@ def sparse_decode(
     seq_lens: torch.Tensor,
     selected: torch.Tensor | None,
     softmax_scale: float | None = None,
+    *,
+    merge: LseMerge = "auto",
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     """q: [B, Q, Hq, D]; caches [num_pages, P, Hkv, D]; block_tables: [B, max_pages];
     seq_lens: [B] (including the Q queries); selected: [B, Q, Hkv, K] logical block ids in any
     order, -1 = none (None = dense, served by the paged dense kernel) → o [B, Q, Hq, D] in q's dtype.
+    merge: how split partials are merged (`lse_merge`'s method); num_splits: CTAs per (sequence,
+    query, KV head) over the K slots, default about two waves over the SMs.
     """
     if selected is None:
         return dense_decode(q, k_cache, v_cache, block_tables, seq_lens, softmax_scale)
     scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(q.shape[-1])
-    return _launch(q, k_cache, v_cache, block_tables, seq_lens, selected, scale)
+    return _launch(q, k_cache, v_cache, block_tables, seq_lens, selected, scale, merge, num_splits)
