@@ -18,6 +18,7 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu tests the compiled kernels", allow_module_level=True)
 
+from decode_merge_cases import EMPTY, candidates, lse_merge_formula, partials, selection_rule
 from kernel_testing import import_interpreted
 from test_kernels_triton_cases import Ops, Shape, check_indexer_decode, check_sparse_decode
 
@@ -29,45 +30,12 @@ NAIVE = Ops(
     importlib.import_module("msaserve.kernels.indexer_decode.naive").indexer_decode, None,
     importlib.import_module("msaserve.kernels.sparse_decode.naive").sparse_decode, None,
 )
-EMPTY = 1 << 29
 METHODS = ("serial", "packed", "tree")
 
 
 @pytest.fixture(autouse=True)
 def _interpreter(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-
-
-def _candidates(batch: int, key_heads: int, splits: int, rows: int, kp: int, seed: int):
-    """cand_val, cand_id [B, HkI, splits, pow2(rows, 16), KP] as the score kernel leaves them: ids
-    distinct per row across splits, values from a few integers (many ties) with ±0.0 among them,
-    ~20 % empty slots (id ≥ EMPTY, -inf), a few real -inf values and some wholly empty splits."""
-    gen = torch.Generator().manual_seed(seed)
-    nr = max(16, 1 << (rows - 1).bit_length())
-    shape = (batch, key_heads, splits, nr, kp)
-    vals = torch.randint(-3, 4, shape, generator=gen).float()
-    vals = torch.where((vals == 0) & (torch.rand(shape, generator=gen) < 0.5), -0.0, vals)
-    ids = torch.argsort(torch.rand(batch, key_heads, nr, splits * kp * 3, generator=gen), dim=-1)
-    ids = ids[..., : splits * kp].view(batch, key_heads, nr, splits, kp).transpose(2, 3).to(torch.int32)
-    empty = torch.rand(shape, generator=gen) < 0.2
-    empty[:, :, splits // 2] = True  # an empty split
-    slot = torch.arange(kp, dtype=torch.int32).expand(shape)
-    ids = torch.where(empty, EMPTY + slot, ids).contiguous()
-    vals = torch.where(empty | (torch.rand(shape, generator=gen) < 0.03), float("-inf"), vals).contiguous()
-    return vals, ids
-
-
-def _reference(vals: torch.Tensor, ids: torch.Tensor, num_q: int, hpk: int, top_k: int) -> torch.Tensor:
-    batch, key_heads = vals.shape[:2]
-    out = torch.full((batch, num_q, key_heads * hpk, top_k), -1, dtype=torch.int32)
-    for b in range(batch):
-        for hk in range(key_heads):
-            for row in range(num_q * hpk):
-                v, i = vals[b, hk, :, row].flatten().tolist(), ids[b, hk, :, row].flatten().tolist()
-                real = sorted((-x, j) for x, j in zip(v, i, strict=True) if j < EMPTY and x > float("-inf"))
-                chosen = sorted(j for _, j in real[:top_k])
-                out[b, row // hpk, hk * hpk + row % hpk, : len(chosen)] = torch.tensor(chosen)
-    return out
 
 
 @pytest.mark.parametrize(("splits", "num_q", "top_k"), [(1, 1, 16), (5, 8, 16), (16, 1, 5), (17, 2, 16),
@@ -77,8 +45,8 @@ def test_split_merges_follow_the_selection_rule(splits: int, num_q: int, top_k: 
     (row padding), top_k below its power of two, batch 2, both key-head layouts."""
     hpk, key_heads = (4, 1) if splits % 2 else (2, 2)
     kp = 1 << (top_k - 1).bit_length()
-    vals, ids = _candidates(2, key_heads, splits, num_q * hpk, kp, seed=splits)
-    want = _reference(vals, ids, num_q, hpk, top_k)
+    vals, ids = candidates(2, key_heads, splits, num_q * hpk, kp, seed=splits)
+    want = selection_rule(vals, ids, num_q, hpk, top_k)
     for method in METHODS:
         out = torch.full_like(want, 7)
         _merge.merge_splits(vals, ids, out, hpk, method)
@@ -86,11 +54,12 @@ def test_split_merges_follow_the_selection_rule(splits: int, num_q: int, top_k: 
 
 
 def test_tree_groups() -> None:
-    """Level-1 groups of ~√splits splits; every split in exactly one group."""
+    """Level-1 groups of ~√splits splits; the tests' empty id is the kernels'."""
+    assert _common.EMPTY_ID_BASE.value == EMPTY
     for splits, size in ((1, 1), (2, 2), (9, 4), (16, 4), (17, 8), (33, 8), (264, 32)):
         assert _merge._group_size(splits) == size
     with pytest.raises(ValueError, match="split_merge is 'heap'; allowed serial, packed, tree, auto"):
-        _merge.merge_splits(*_candidates(1, 1, 2, 4, 4, 0), torch.empty(1, 1, 4, 4, dtype=torch.int32), 4,
+        _merge.merge_splits(*candidates(1, 1, 2, 4, 4, 0), torch.empty(1, 1, 4, 4, dtype=torch.int32), 4,
                             "heap")
 
 
@@ -111,27 +80,6 @@ def test_indexer_decode_split_counts_match_naive(num_splits: int, num_q: int, fp
                          fp8=fp8, seed=num_splits)
 
 
-def _partials(rows: int, parts: int, group: int, dim: int, dtype: torch.dtype, seed: int):
-    """part_o [R, N, G, D], part_lse [R, N, G] (log2 units, some -inf: empty splits), valid [R, N]."""
-    gen = torch.Generator().manual_seed(seed)
-    part_o = torch.randn(rows, parts, group, dim, generator=gen).to(dtype)
-    part_lse = torch.randn(rows, parts, group, generator=gen) * 4
-    part_lse[torch.rand(rows, parts, group, generator=gen) < 0.2] = float("-inf")
-    valid = torch.where(torch.rand(rows, parts, generator=gen) < 0.25, -1, 3).to(torch.int32)
-    return part_o, part_lse, valid
-
-
-def _reference_lse_merge(part_o, part_lse, valid, heads_per_row: int) -> torch.Tensor:
-    lse = part_lse if valid is None else part_lse.masked_fill((valid < 0)[..., None], float("-inf"))
-    m = lse.amax(1, keepdim=True)
-    weight = torch.exp2(lse - m.nan_to_num(neginf=0.0))  # [R, N, G]
-    denom = weight.sum(1)
-    result = (part_o.double() * weight.double()[..., None]).sum(1)
-    result = result / denom.clamp_min(1e-30).double()[..., None]
-    rows, _, group, dim = part_o.shape
-    return result.float().reshape(rows // heads_per_row, heads_per_row * group, dim)
-
-
 @pytest.mark.parametrize(("rows", "parts", "group", "dim", "heads_per_row"),
                          [(4, 16, 16, 32, 4), (6, 3, 6, 64, 2), (5, 1, 1, 16, 1), (3, 40, 4, 32, 3),
                           (2, 128, 2, 32, 1), (2, 257, 1, 16, 2)])
@@ -142,9 +90,9 @@ def test_lse_merges_agree(rows: int, parts: int, group: int, dim: int, heads_per
     and not; 257 past the all-parts limit, so "auto" is serial there), G 1 to 16, several heads
     groups per output row, skipped parts and empty (-inf) ones, fp32 and bf16 partials."""
     for dtype in (torch.float32, torch.bfloat16):
-        part_o, part_lse, valid = _partials(rows, parts, group, dim, dtype, seed=rows * parts)
+        part_o, part_lse, valid = partials(rows, parts, group, dim, dtype, seed=rows * parts)
         valid = valid if with_valid else None
-        want = _reference_lse_merge(part_o.float(), part_lse, valid, heads_per_row)
+        want = lse_merge_formula(part_o.float(), part_lse, valid, heads_per_row)
         for method in ("serial", "parts", "auto"):
             out = torch.full((rows // heads_per_row, heads_per_row * group, dim), float("nan"))
             _common.lse_merge(part_o, part_lse, valid, out, method)

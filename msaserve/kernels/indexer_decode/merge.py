@@ -44,8 +44,9 @@ def _group_size(splits: int) -> int:
 
 
 def _warps(keys_per_program: int) -> int:
-    """About 8 keys per thread; one warp keeps a pass's reduction in shuffles, without barriers."""
-    return max(1, min(8, keys_per_program // 256))
+    """About 16 keys per thread: a pass is then one in-thread max and one warp reduction (no barrier
+    up to 512 keys)."""
+    return max(1, min(8, keys_per_program // 512))
 
 
 # ---------------------------------------------------------------- jit kernels
