@@ -73,7 +73,7 @@ def one_case(ops, case: dict, index: int) -> None:
     seq_lens = torch.tensor(finals, dtype=torch.int32, device="cuda")
     cu = torch.tensor([0, *torch.tensor(queries).cumsum(0).tolist()], dtype=torch.int32, device="cuda")
     q = torch.randn(sum(queries), HQ, D, device="cuda", dtype=BF16)
-    q_index = torch.cat([index_queries(q, f - n, P, HKV, DI)
+    q_index = torch.cat([index_queries(n, f - n, P, HKV, DI)
                          for n, f in zip(queries, finals, strict=True)])
     selected = ops.indexer_prefill(q_index, index_cache, tables, seq_lens, cu, TOP_K, N_INIT)
     calls = {
