@@ -57,21 +57,28 @@ def _tile_map(cu_seqlens_q: torch.Tensor, queries_per_tile: int, max_tiles: int)
 
 Path = Literal["auto", "tiles", "groups"]
 PATHS: tuple[Path, ...] = ("auto", "tiles", "groups")
-GROUPS_BELOW_WAVES = 1.0
-"""Short chunks go through `query_groups` while this kernel's grid would fill less than this many waves."""
+GROUPS_MAX_QUERIES = 1024
+"""Chunks of at most this many queries (all sequences of the call) go through `query_groups`.
+
+Measured on the H200 (benchmarks/kernels/profile_production_case.py, git 3de437b, one sequence,
+CUDA graphs, ms tile kernel / groups): at 64K tokens 64 q 0.61 / 0.09, 171 q 0.62 / 0.14, 512 q
+0.62 / 0.25, 1024 q 0.64 / 0.51, 2048 q 0.63 / 0.83; at 128K 1024 q 1.60 / 0.91, 2048 q 1.64 / 1.49,
+4096 q 1.67 / 2.57. The groups re-read the prefix once per 16 queries, the tiles once per 32 but
+with too few programs; 1024 is below both crossovers."""
 
 
 def choose_path(num_tokens: int, batch: int, key_heads: int, num_heads: int, page_size: int, index_dim: int,
                 device: torch.device) -> Path:
-    """"groups" while the tile kernel's grid (tiles × key heads, from shapes alone) is under
-    GROUPS_BELOW_WAVES waves of the GPU's SMs: its programs each stream a whole sequence, so a short
-    chunk over a long prefix leaves most SMs idle. "tiles" on the CPU interpreter and otherwise."""
-    if INTERPRET or device.type != "cuda":
+    """"groups" for chunks of at most GROUPS_MAX_QUERIES queries whose tile grid (tiles × key heads,
+    from shapes alone) is under one wave of the GPU's SMs: the tile kernel's programs each stream a
+    whole sequence, so a short chunk over a long prefix leaves most SMs idle. "tiles" on the CPU
+    interpreter and otherwise."""
+    if INTERPRET or device.type != "cuda" or num_tokens > GROUPS_MAX_QUERIES:
         return "tiles"
     heads_per_key = num_heads // key_heads
     queries_per_tile = max(_block_rows(page_size, index_dim), pow2(heads_per_key)) // heads_per_key
     programs = (triton.cdiv(num_tokens, queries_per_tile) + batch) * key_heads
-    return "groups" if programs < GROUPS_BELOW_WAVES * num_sms(device) else "tiles"
+    return "groups" if programs < num_sms(device) else "tiles"
 
 
 # ---------------------------------------------------------------- autotune keyed on shapes
