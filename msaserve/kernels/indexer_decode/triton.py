@@ -324,8 +324,8 @@ def _launch(
     n_local: int,
     fp8_scan: Fp8Scan,
     key_load: KeyLoad,
-    split_merge: SplitMerge,
-    num_splits: int | None,
+    split_merge: SplitMerge = "auto",
+    num_splits: int | None = None,
 ) -> torch.Tensor:
     batch, num_q, num_heads, index_dim = q_index.shape
     num_pages, page_size, key_heads, _ = index_cache.shape
