@@ -10,10 +10,12 @@ Hq 64, Hkv 4, D 128, bf16; batch 1 / 8 / 32 × context 128K / 1M, one query per 
 each timed as a CUDA graph replayed (median): every split-merge launch on the candidates the score
 kernel left, both LSE-merge launches on the partials the sparse decode left, and the whole
 `indexer_decode` (bf16 index; fp8 too with --fp8) and `sparse_decode` ops with the old merge and the
-new default. The old and new outputs are compared (selections exactly, attention within fp32 rounding).
-Writes DIR/decode_merges.json (`kernels.decode_merge_latency`, value = both merges at batch 1, 1M
-tokens with the new launches, µs; the table beside it) and prints the table last. On `--device cpu`
-(under TRITON_INTERPRET=1) tiny shapes run end to end and are timed by the wall clock.
+new default; and the dense paged decode's LSE merge (same function, its split count) on random
+partials of its shapes, since the new launch serves it too. The old and new outputs are compared
+(selections exactly, attention within fp32 rounding). Writes DIR/decode_merges.json
+(`kernels.decode_merge_latency`, value = both merges at batch 1, 1M tokens with the new launches,
+µs; the table beside it) and prints the table last. On `--device cpu` (under TRITON_INTERPRET=1)
+tiny shapes run end to end and are timed by the wall clock.
 """
 
 import argparse
@@ -29,6 +31,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from msaserve.kernels.dense.paged_decode import default_num_splits
 from msaserve.kernels.indexer_decode import triton as idec
 from msaserve.kernels.sparse_decode import triton as sdec
 from msaserve.kernels.triton_common import lse_merge
@@ -127,6 +130,7 @@ def run_case(batch: int, context: int, shape: dict, device: str, fp8: bool, spli
     row["lse_parts_us"] = 1e3 * time_ms(lambda: lse_merge(part_o, part_lse, None, merged["parts"],
                                                           "parts"))
     row["lse_max_diff"] = float((merged["serial"].float() - merged["parts"].float()).abs().max())
+    row.update(dense_merge(batch, context // shape["P"], shape["D"], device, time_ms))
     for index in ("index", "index8") if fp8 else ("index",):
         tag = "indexer" if index == "index" else "indexer_fp8"
         row[f"{tag}_old_us"] = 1e3 * time_ms(lambda i=index: indexer("serial", i))
@@ -136,6 +140,22 @@ def run_case(batch: int, context: int, shape: dict, device: str, fp8: bool, spli
     row["sparse_new_us"] = 1e3 * time_ms(lambda: attention("auto"))
     row["attention_max_diff"] = float((attention("serial").float() - attention("auto").float()).abs().max())
     return row
+
+
+def dense_merge(batch: int, max_pages: int, dim: int, device: str, time_ms: Callable) -> dict:
+    """The dense paged decode's merge (same `lse_merge`, its default split count), serial against all
+    parts at once, on random partials of its shapes: the new launch serves it too."""
+    rows = batch * HKV
+    parts = default_num_splits(rows, max_pages, torch.device(device))
+    if parts == 1:
+        return {"dense_parts": 1}
+    part_o = torch.randn(rows, parts, HQ // HKV, dim, device=device)
+    part_lse = torch.randn(rows, parts, HQ // HKV, device=device)
+    out = torch.empty(batch, HQ, dim, device=device, dtype=torch.bfloat16)
+    zeros = torch.zeros(rows, parts, device=device, dtype=torch.int32)
+    return {"dense_parts": parts,
+            "dense_lse_serial_us": 1e3 * time_ms(lambda: lse_merge(part_o, part_lse, zeros, out, "serial")),
+            "dense_lse_parts_us": 1e3 * time_ms(lambda: lse_merge(part_o, part_lse, None, out, "parts"))}
 
 
 def print_table(rows: list[dict]) -> None:
