@@ -16,23 +16,24 @@ Without Ray: `KVCacheClient.in_process(config, model)` runs the shards in this p
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from msaserve.kvcache.arena import SegmentAllocator
 from msaserve.kvcache.codec import Payload, copy_rows
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.keys import ModelIdentity, shard_of_page, shard_of_session
+from msaserve.kvcache.leases import LeaseFetch, PageLease
 from msaserve.kvcache.session_records import SessionRecord
 from msaserve.kvcache.shard import KVCacheShard, PageUpload
 from msaserve.kvcache.store import CapacityError
 from msaserve.kvcache.transport import LocalTransport, RayTransport, ServiceUnavailable, Transport
 
 __all__ = [
-    "CapacityError", "KVCacheClient", "PackedFetch", "PendingFetch", "PendingReply", "RowsFetch",
-    "ServiceUnavailable",
-    "start_shards",
+    "CapacityError", "KVCacheClient", "LeaseFetch", "PackedFetch", "PageLease", "PendingFetch",
+    "PendingReply", "RowsFetch", "ServiceUnavailable", "start_shards",
 ]
 
 
@@ -166,9 +167,13 @@ class KVCacheClient:
         return cls(shards, model)
 
     @classmethod
-    def in_process(cls, config: ServiceConfig, model: ModelIdentity) -> "KVCacheClient":
-        """Shards in this process, one thread each (no Ray, no metrics)."""
-        shards = [KVCacheShard(config, i, publish_metrics=False) for i in range(config.num_shards)]
+    def in_process(cls, config: ServiceConfig, model: ModelIdentity,
+                   segment_allocators: Mapping[str, SegmentAllocator] | None = None) -> "KVCacheClient":
+        """Shards in this process, one thread each (no Ray, no metrics). segment_allocators: store
+        name → allocator of its memory arena's segments (`KVCacheShard`; pinned memory makes
+        `lease_index_async` pages copyable straight to a GPU)."""
+        shards = [KVCacheShard(config, i, publish_metrics=False, segment_allocators=segment_allocators)
+                  for i in range(config.num_shards)]
         return cls(shards, model, LocalTransport(shards))
 
     @property
@@ -199,6 +204,19 @@ class KVCacheClient:
         `fetch.rows[i]`); the bulk path of adoption. Leave `out` alone until `result()` returned."""
         hashes = list(page_hashes)
         return self._packed("get_index_packed", hashes, hashes, out)
+
+    def lease_index_async(self, page_hashes: Sequence[int]) -> LeaseFetch:
+        """Zero-copy index reads (`leases.py`): the shards' stored pages themselves, unverified —
+        the reader checks each against its checksum and must `release()` the lease. Only for
+        shards in this process (`transport.shares_memory`); others answer `get_index_packed_async`."""
+        if not self.transport.shares_memory:
+            raise ValueError("lease_index_async needs shards in this process (transport.shares_memory); "
+                             "shards in other processes answer get_index_packed_async")
+        hashes = list(page_hashes)
+        futures = [(s, pos, self.transport.submit(self.shards[s], "lease_index", self.model_key,
+                                                  [hashes[i] for i in pos]))
+                   for s, pos in self._by_shard(hashes).items()]
+        return LeaseFetch(self.transport, self.shards, len(hashes), futures)
 
     def get_kv_packed_async(self, requests: Sequence[tuple[int, int]], out: np.ndarray) -> PackedFetch:
         """K+V payloads of (page hash, layer) pairs into the rows of out, as `get_index_packed_async`."""
