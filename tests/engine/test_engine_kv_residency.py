@@ -235,3 +235,24 @@ def test_background_read_of_the_stored_tail_never_overwrites_its_write_back(mode
     assert sorted(written) == list(range(model.config.num_layers))
     for layer, kv in written.items():
         assert torch.equal(host.data[layer, tail], kv), f"layer {layer}: the service's partial tail won"
+
+
+def test_adoption_from_arena_pages_copied_directly_decodes_identical_tokens(model, resident):
+    """The shards keep pages in arenas (pinned on CUDA; plain here): the index is copied from them
+    directly and verified beside the copy (`direct_index.py`), and the tokens are the resident's."""
+    from msaserve.kvcache.arena import numpy_segment
+
+    prompt, state, want = resident
+    identity = identity_for(model.config, "tiny@seed0", torch.float32)
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity,
+                                      segment_allocators={"index": numpy_segment, "kv": numpy_segment})
+    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
+                                       tail=True)
+    session, covered = ResidentSession.adopt(client, client.get_session("long"), model.config,
+                                             budget_pages=12, max_pages=state.max_pages,
+                                             device=torch.device("cpu"), dtype=torch.float32)
+    assert covered == PROMPT_LEN
+    arenas = [shard.stores["index"].memory.arena for shard in client.shards]
+    assert all(a.stats.slots_in_use > 0 and a.stats.retired_slots == 0 for a in arenas)
+    assert all(not shard._leases for shard in client.shards)  # the lease ended
+    assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=8) == want
