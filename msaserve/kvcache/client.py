@@ -394,7 +394,19 @@ class KVCacheClient:
 
     def _by_shard(self, hashes: list[int]) -> dict[int, list[int]]:
         """Shard → positions of the hashes it holds."""
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, h in enumerate(hashes):
-            groups[shard_of_page(h, self.num_shards)].append(i)
-        return groups
+        num_shards = len(self.shards)
+        if len(hashes) < 256:
+            groups: dict[int, list[int]] = defaultdict(list)
+            for i, h in enumerate(hashes):
+                groups[shard_of_page(h, num_shards)].append(i)
+            return groups
+        try:  # vectorised (a million-token session's index is 8,192 pages)
+            shards = np.fromiter(hashes, np.uint64, len(hashes)) % np.uint64(num_shards)
+        except OverflowError:  # not 64-bit hashes: one at a time
+            shards = np.array([shard_of_page(h, num_shards) for h in hashes], np.uint64)
+        order = np.argsort(shards, kind="stable")
+        found, starts = np.unique(shards[order], return_index=True)
+        ends = [*starts[1:], len(order)]
+        groups = {int(s): order[a:b].tolist() for s, a, b in zip(found, starts, ends, strict=True)}
+        first = {s: positions[0] for s, positions in groups.items()}  # in order of first appearance
+        return dict(sorted(groups.items(), key=lambda kv: first[kv[0]]))

@@ -155,14 +155,22 @@ class KVCacheShard:
         lease_id, self._next_lease = self._next_lease, self._next_lease + 1
         self._leases[lease_id] = (store_name, keys, pages)
         arena = getattr(store.memory, "arena", None)
-        out = PageViews.empty(lease_id, len(keys), [] if arena is None else arena.segments)
-        for i, page in enumerate(pages):
+        views, checksums, segment_of, offsets = [], [], [], []
+        for page in pages:
             if page is None:
+                views.append(None)
+                checksums.append(0)
+                segment_of.append(-1)
+                offsets.append(0)
                 continue
-            out.views[i] = page.payload
-            out.checksums[i] = page.checksum
-            if page.slot is not None:
-                out.segment_of[i], out.offsets[i] = page.slot.segment, page.slot.offset
+            slot = page.slot
+            views.append(page.payload)
+            checksums.append(page.checksum)
+            segment_of.append(-1 if slot is None else slot.segment)
+            offsets.append(0 if slot is None else slot.offset)
+        segments = [] if arena is None else arena.segments
+        out = PageViews(lease_id, views, np.array(checksums, np.uint64), segments,
+                        np.array(segment_of, np.int64), np.array(offsets, np.int64))
         if self.metrics is not None:
             self.metrics.observe_fetch(store_name, time.perf_counter() - start)
         return out

@@ -158,23 +158,29 @@ class PageStore:
         against `page.checksum` (off its critical path) and reports a bad one with `drop_corrupt`.
         A page found only in a slower tier is verified here and promoted first, as `get` does."""
         fastest, out = self.tiers[0], []
+        acquire = getattr(fastest, "acquire", fastest.get)
+        hits = hit_bytes = 0
         for key in keys:
-            page = _acquire(fastest, key)
+            page = acquire(key)
             if page is not None:
-                self.stats.add(f"hits_{fastest.kind}")
-                self.stats.add("bytes_read", page.payload.nbytes)
+                hits += 1
+                hit_bytes += page.payload.nbytes
             else:
                 payload = self._get_below(key)
                 if payload is not None:  # promoted into the fastest tier if it fit, else its own array
-                    page = _acquire(fastest, key) or StoredPage(payload, checksum(payload))
+                    page = acquire(key) or StoredPage(payload, checksum(payload))
             out.append(page)
+        self.stats.add(f"hits_{fastest.kind}", hits)
+        self.stats.add("bytes_read", hit_bytes)
         return out
 
     def release(self, pages: Iterable[StoredPage | None]) -> None:
         """End the leases of `lease`'s pages."""
-        for page in pages:
-            if page is not None:
-                _release(self.tiers[0], page)
+        release = getattr(self.tiers[0], "release", None)
+        if release is not None:
+            for page in pages:
+                if page is not None:
+                    release(page)
 
     def drop_corrupt(self, key: str, page: StoredPage) -> None:
         """A leased page failed the reader's check: drop that copy (if still stored) and count it."""

@@ -28,8 +28,3 @@ class PageViews:
     """[n] int64: the segment index of each page's bytes, -1 where they are not in the arena."""
     offsets: np.ndarray
     """[n] int64: byte offset of each page in its segment (0 where not in the arena)."""
-
-    @classmethod
-    def empty(cls, lease_id: int, n: int, segments: list[np.ndarray]) -> "PageViews":
-        return cls(lease_id, [None] * n, np.zeros(n, np.uint64), segments, np.full(n, -1, np.int64),
-                   np.zeros(n, np.int64))

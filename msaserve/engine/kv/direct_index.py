@@ -69,42 +69,51 @@ def runs_of(segment_of: np.ndarray, offsets: np.ndarray, row_bytes: int) -> tupl
 
 
 class _Staging:
-    """Two device buffers [GROUP_PAGES, row_bytes]; on CUDA the copies into them run on a side
-    stream, ordered against the scatters that read them by events."""
+    """Where a group's pages are read from by the scatter. On CUDA: two device buffers [group
+    pages, row bytes], filled by copies on a side stream (one per run), ordered against the
+    scatters that read them by events. On the CPU the runs are the chunks themselves (views of the
+    arena: no copy at all); pages outside an arena are stacked."""
 
     def __init__(self, device: torch.device, rows: int, row_bytes: int) -> None:
         self.device, self.cuda = device, device.type == "cuda"
-        self.buffers = [torch.empty(rows, row_bytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.buffers = [torch.empty(rows, row_bytes, dtype=torch.uint8, device=device)
+                        for _ in range(2 if self.cuda else 0)]
         self.stream = torch.cuda.Stream(device) if self.cuda else None
-        self.copied = [None, None]
-        self.consumed = [None, None]
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.consumed: list[torch.cuda.Event | None] = [None, None]
 
     def fill(self, slot: int, lease: PageLease, segments: list[torch.Tensor], items: np.ndarray,
-             row_bytes: int) -> np.ndarray:
-        """Copy the pages `items` into buffer `slot` (in run order); returns the item of each row."""
+             row_bytes: int) -> list[tuple[np.ndarray, torch.Tensor]]:
+        """The pages `items` → pieces (the item of each row, chunk [rows, row_bytes])."""
         order, runs = runs_of(lease.segment_of[items], lease.offsets[items], row_bytes)
+        in_runs = sum(count for _, count, _, _ in runs)
+        loose = items[order[in_runs:]]
+        sources = [segments[segment][offset : offset + count * row_bytes].view(count, row_bytes)
+                   for _, count, segment, offset in runs]
+        if len(loose):  # rare: pages outside an arena (it was full, or they came from disk)
+            sources.append(torch.from_numpy(np.stack([lease.views[i] for i in loose])))
+        if not self.cuda:
+            starts = [first for first, _, _, _ in runs]
+            ends = [*starts[1:], in_runs][: len(starts)]
+            pieces = [(items[order[a:b]], source)
+                      for a, b, source in zip(starts, ends, sources[: len(runs)], strict=True)]
+            return pieces + ([(loose, sources[-1])] if len(loose) else [])
         buffer = self.buffers[slot]
-        with torch.cuda.stream(self.stream) if self.cuda else contextlib.nullcontext():
-            if self.cuda and self.consumed[slot] is not None:
+        with torch.cuda.stream(self.stream):
+            if self.consumed[slot] is not None:
                 self.stream.wait_event(self.consumed[slot])  # the scatter of its last group is done
-            for first, count, segment, offset in runs:
-                source = segments[segment][offset : offset + count * row_bytes]
-                buffer[first : first + count].view(-1).copy_(source, non_blocking=True)
-            loose = order[sum(count for _, count, _, _ in runs):]
-            if len(loose):
-                first = len(order) - len(loose)
-                rows = np.stack([lease.views[i] for i in items[loose]])  # rare: pages outside an arena
-                buffer[first : first + len(loose)].copy_(torch.from_numpy(rows))
-            if self.cuda:
-                self.copied[slot] = torch.cuda.Event()
-                self.copied[slot].record(self.stream)
-        return items[order]
+            first = 0
+            for source in sources:
+                buffer[first : first + len(source)].copy_(source, non_blocking=True)
+                first += len(source)
+            self.copied[slot] = torch.cuda.Event()
+            self.copied[slot].record(self.stream)
+        return [(items[order], buffer[: len(order)])]
 
-    def ready(self, slot: int) -> torch.Tensor:
-        """Buffer `slot` for work on the current stream (which waits for its copy)."""
+    def ready(self, slot: int) -> None:
+        """Work on the current stream from here on sees buffer `slot`'s copies."""
         if self.cuda:
             torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
-        return self.buffers[slot]
 
     def consumed_by_current_stream(self, slot: int) -> None:
         if self.cuda:
@@ -115,6 +124,19 @@ class _Staging:
         """Wait until no copy reads host memory any more (before the lease ends)."""
         if self.cuda:
             self.stream.synchronize()
+
+
+def _scatter(codec: PageCodec, caches: Sequence[LayerKVCache], physical: torch.Tensor,
+             pieces: list[tuple[np.ndarray, torch.Tensor]], bound: int) -> None:
+    """Scatter the pieces' rows whose item is below `bound` into the caches."""
+    for row_items, chunk in pieces:
+        keep = np.flatnonzero(row_items < bound)
+        if not len(keep):
+            continue
+        if len(keep) < len(row_items):
+            chunk = chunk.index_select(0, index_to_device(keep, chunk.device))
+        codec.scatter_index(caches, physical[index_to_device(row_items[keep], physical.device)],
+                            chunk.to(physical.device))
 
 
 def load_index_leased(lease: PageLease, codec: PageCodec, caches: Sequence[LayerKVCache],
@@ -137,11 +159,11 @@ def load_index_leased(lease: PageLease, codec: PageCodec, caches: Sequence[Layer
     device = caches[0].index_cache.device
     staging = _Staging(device, min(group_pages, max(1, limit)), row_bytes)
     segments = [segment_tensor(s) for s in lease.segments]
-    rows_items: list[np.ndarray] = []
+    filled: list[list[tuple[np.ndarray, torch.Tensor]]] = []
     usable, bad = 0, None
     try:
         for g in range(min(2, len(groups))):
-            rows_items.append(staging.fill(g % 2, lease, segments, groups[g], row_bytes))
+            filled.append(staging.fill(g % 2, lease, segments, groups[g], row_bytes))
         for g, items in enumerate(groups):
             intact = len(items)
             for a, check in checks[g]:
@@ -150,19 +172,15 @@ def load_index_leased(lease: PageLease, codec: PageCodec, caches: Sequence[Layer
                     bad = a + first_bad
                     intact = bad - int(items[0])
                     break
-            chunk, row_items = staging.ready(g % 2), rows_items[g]
-            if intact:
-                keep = np.flatnonzero(row_items < items[0] + intact)
-                if len(keep) < len(row_items):
-                    chunk = chunk.index_select(0, index_to_device(keep, device))
-                codec.scatter_index(caches, physical[index_to_device(row_items[keep], device)],
-                                    chunk[: len(keep)])
+            staging.ready(g % 2)
+            _scatter(codec, caches, physical, filled[g], int(items[0]) + intact)
             staging.consumed_by_current_stream(g % 2)
+            filled[g] = []
             usable += intact
             if bad is not None:
                 break
             if g + 2 < len(groups):
-                rows_items.append(staging.fill(g % 2, lease, segments, groups[g + 2], row_bytes))
+                filled.append(staging.fill(g % 2, lease, segments, groups[g + 2], row_bytes))
     finally:
         every = [check for group in checks for _, check in group]
         for check in every:
