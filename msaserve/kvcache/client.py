@@ -205,6 +205,14 @@ class KVCacheClient:
         hashes = list(page_hashes)
         return self._packed("get_index_packed", hashes, hashes, out)
 
+    def arena_stores(self) -> frozenset[str]:
+        """The stores ("index", "kv") whose pages every shard keeps in an arena in this process
+        (leased pages then lie in segments the caller allocated, e.g. pinned memory); empty for
+        shards in other processes."""
+        if not self.transport.shares_memory:
+            return frozenset()
+        return frozenset.intersection(*(frozenset(getattr(s, "arena_stores", ())) for s in self.shards))
+
     def lease_index_async(self, page_hashes: Sequence[int]) -> LeaseFetch:
         """Zero-copy index reads (`leases.py`): the shards' stored pages themselves, unverified —
         the reader checks each against its checksum and must `release()` the lease. Only for

@@ -49,6 +49,8 @@ class KVCacheShard:
             )
 
         self.stores = {"kv": store("kv", index=False), "index": store("index", index=True)}
+        self.arena_stores = frozenset(allocators)
+        """Stores whose memory tier keeps its pages in an arena (`arena.py`)."""
         self._leases: dict[int, tuple[str, list[str], list[StoredPage | None]]] = {}
         self._next_lease = 0
         self.sessions = SessionStore(None if root is None else root / "sessions", fsync=config.fsync,

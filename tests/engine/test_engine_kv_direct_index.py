@@ -40,6 +40,7 @@ def index_pages(codec: PageCodec, caches, pages: range) -> np.ndarray:
 
 def test_pages_come_straight_from_the_arena_in_runs_verified_into_their_cache_pages():
     config, client, codec, hashes, payloads = stored()
+    assert client.arena_stores() == {"index"}  # what adoption on CUDA asks before leasing
     lease = client.lease_index_async(hashes).result()
     shard = client.shards[shard_of_page(hashes[0], 3)]
     key = index_key(client.model_key, hashes[0])
@@ -71,6 +72,7 @@ def test_a_corrupt_arena_page_ends_the_load_there_and_is_dropped_by_its_shard():
 
 def test_pages_outside_an_arena_and_a_missing_page_take_the_same_path():
     config, client, codec, hashes, payloads = stored(arena=False)
+    assert client.arena_stores() == frozenset()
     client.delete_pages([hashes[30]])
     caches = allocate_caches(config, PAGES, "cpu", torch.float32)
     lease = client.lease_index_async(hashes).result()

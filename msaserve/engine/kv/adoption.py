@@ -152,7 +152,11 @@ class LazyPageFetcher:
         each) with the next groups' reads in flight while one is copied to the device and scattered
         (`load_packed`). Either way only the verified prefix is imported."""
         start = time.perf_counter()
-        if self.client.transport.shares_memory:  # shards in this process: straight from their memory
+        device = self.caches[0].index_cache.device
+        # Shards in this process: straight from their memory — on CUDA only from arenas (pinned
+        # segments: plain pages would each need a pageable copy; packed reads are faster then).
+        in_process = self.client.transport.shares_memory
+        if in_process and (device.type != "cuda" or "index" in self.client.arena_stores()):
             usable = self._load_index_leased()
         else:
             usable = self._load_index_packed()
