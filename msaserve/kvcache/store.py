@@ -3,7 +3,10 @@ directory by default), with pins and LRU eviction.
 
 What must stay true:
 - every read verifies the xxh3 checksum stored with the page; a mismatch is a miss, counts one
-  corruption and drops that copy (a slower tier's copy may still be served after its own check);
+  corruption and drops that copy (a slower tier's copy may still be served after its own check).
+  The one exception is a lease (`lease`: zero-copy, for a reader in this process), whose reader
+  verifies the bytes itself and reports a bad page (`drop_corrupt`);
+- a leased page's bytes do not change until its lease ends (its arena slot is not reused);
 - every tier's `bytes_used ≤ capacity_bytes` after every call (a put that cannot fit without
   evicting pinned pages raises CapacityError);
 - pinned pages (pin count > 0) are never evicted from the tier they are in;
