@@ -37,7 +37,10 @@ class Sequence:
     enable_prefix_caching: bool = True
     status: SequenceStatus = SequenceStatus.WAITING
     block_table: list[int] = field(default_factory=list)
-    """Physical page of each logical page."""
+    """Physical page of each logical page. Changed only by appending in place or by assigning a new
+    list (never an item set or removed in place): `step_inputs.TableMirror` relies on it."""
+    table_mirror: object | None = field(default=None, repr=False, compare=False)
+    """The block table as numpy for the step inputs (`step_inputs.table_array`)."""
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0
     """Prompt tokens whose pages came from the prefix cache on admission."""

@@ -96,6 +96,45 @@ def build_step_inputs(
     return StepInputs(input_ids, meta, host.sample_rows)
 
 
+class TableMirror:
+    """A sequence's block table as a growing int32 array, so a step copies it with numpy instead of
+    converting a Python list (8,192 pages at 1M tokens: ~0.2 ms of host time per step, every step).
+
+    It follows one list object: the engine only ever appends to a sequence's block table in place
+    (`BlockManager.allocate_for`); every other change assigns a new list (`Sequence.block_table`).
+    A new list object, a shorter list or a changed last mirrored page makes it convert again."""
+
+    def __init__(self, table: list[int]) -> None:
+        self.source = table
+        self.length = len(table)
+        self.array = np.empty(max(16, 2 * self.length), dtype=np.int32)
+        self.array[: self.length] = table
+
+    def follows(self, table: list[int]) -> bool:
+        n = self.length
+        return table is self.source and len(table) >= n and (n == 0 or table[n - 1] == self.array[n - 1])
+
+    def view(self) -> np.ndarray:
+        """The table now: appended pages copied in, the array grown by doubling."""
+        table, n = self.source, self.length
+        if len(table) > n:
+            if len(table) > len(self.array):
+                grown = np.empty(2 * len(table), dtype=np.int32)
+                grown[:n] = self.array[:n]
+                self.array = grown
+            self.array[n : len(table)] = table[n:]
+            self.length = len(table)
+        return self.array[: self.length]
+
+
+def table_array(seq) -> np.ndarray:
+    """seq.block_table as int32 numpy (a view of the sequence's `TableMirror`: do not keep it)."""
+    mirror = seq.table_mirror
+    if mirror is None or not mirror.follows(seq.block_table):
+        mirror = seq.table_mirror = TableMirror(seq.block_table)
+    return mirror.view()
+
+
 def build_host_step(batch: ScheduledBatch, page_size: int) -> HostStep:
     """The step's inputs written straight into their flat host buffer (numpy only)."""
     lengths = batch.num_new_tokens
@@ -125,7 +164,7 @@ def build_host_step(batch: ScheduledBatch, page_size: int) -> HostStep:
         seq_lens[row] = stop
         cu_seqlens[row + 1] = offset
         logits_rows[row] = offset - 1
-        tables[row, : len(table)] = table
+        tables[row, : len(table)] = table_array(seq)
         if stop == seq.num_tokens:  # ScheduledBatch.samples: it reaches its last token
             sample_rows.append(row)
     decode = all(n == 1 for n in lengths)

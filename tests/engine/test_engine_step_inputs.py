@@ -83,3 +83,28 @@ def test_host_step_uploads_the_reference_inputs(name):
 def test_recording_selections_gives_an_empty_list():
     batch = make_batch(CASES["decode"])
     assert build_step_inputs(batch, PAGE, torch.device("cpu"), record_selections=True).meta.selections == []
+
+
+def test_block_tables_follow_appends_and_replacements_across_steps() -> None:
+    """The block-table mirror (`TableMirror`) across a sequence's life: appends in place (past the
+    array's capacity too), a replaced list (swap-in, adoption), a shorter one (preemption) and a new
+    list of the same length with a different last page each give the reference's tables."""
+    batch = make_batch([(40, 1, 41), (130, 1, 131)], seed=3)
+    seq = batch.seqs[0]
+
+    def check() -> None:
+        host = build_host_step(batch, PAGE)
+        tables = host.layout.split(host.buffer)[4]
+        assert tables.tolist() == reference(batch)["tables"]
+
+    check()
+    for grow in (1, 5, 40):  # in place, as BlockManager does; 40 pages pass the mirror's capacity
+        seq.block_table.extend(range(2000 + len(seq.block_table), 2000 + len(seq.block_table) + grow))
+        check()
+    seq.block_table = [7, 8, 9]  # a new list, shorter
+    check()
+    seq.block_table = [7, 8, 10]  # a new list, same length, other last page
+    check()
+    table = seq.block_table
+    seq.block_table = list(table)  # an equal copy
+    check()
