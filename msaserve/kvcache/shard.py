@@ -255,6 +255,12 @@ class KVCacheShard:
                 "disk_capacity": store.disk.capacity_bytes if store.disk else 0,
                 "disk_pages": len(store.disk) if store.disk else 0,
             }
+            arena = getattr(store.memory, "arena", None)
+            if arena is not None:  # page memory: segments reserved, slots a reader still holds
+                out[name].update(arena_reserved_bytes=arena.stats.reserved_bytes,
+                                 arena_segments=arena.stats.segments,
+                                 arena_retired_slots=arena.stats.retired_slots)
+        out["open_leases"] = len(self._leases)
         return out
 
     def ping(self) -> int:
