@@ -27,7 +27,7 @@ def test_leased_index_load_from_pinned_arenas_matches_every_byte(index_dtype, co
     identity = identity_for(config, "m3-proxy-L2", torch.bfloat16, index_dtype)
     codec = PageCodec(identity)
     row = codec.index_bytes + codec.scale_bytes
-    client = KVCacheClient.in_process(ServiceConfig(num_shards=4, memory_bytes=1 << 30, index_fraction=0.5),
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=4, memory_bytes=256 << 20, index_fraction=0.5),
                                       identity, segment_allocators=segment_allocators("cuda"))
     rng = np.random.default_rng(0)
     hashes = [int(h) for h in rng.integers(1, 2**62, PAGES)]

@@ -2,35 +2,27 @@
 
 The service imports no torch; the engine that runs it in-process hands its shards this allocator,
 so that the index pages it adopts can be copied to the GPU straight from the service's memory
-(`direct_index.py`). Segments live as long as the process (an arena never gives one back); each is
-remembered by its address so that a reader gets the pinned tensor back from the numpy view the
-service hands out (a tensor made with `torch.from_numpy` would not be known as pinned).
+(`direct_index.py`). A segment is the numpy view of a pinned tensor, which holds that tensor
+(`ndarray.base`): the reader gets the pinned tensor back from it (one made with `torch.from_numpy`
+would not be known to torch as pinned), and the memory goes when the arena does.
 """
-
-import threading
 
 import numpy as np
 import torch
 
-_segments: dict[int, torch.Tensor] = {}
-_lock = threading.Lock()
-
 
 def pinned_segment(nbytes: int) -> np.ndarray:
     """A segment allocator (`kvcache.arena.SegmentAllocator`): nbytes of pinned host memory."""
-    tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    with _lock:
-        _segments[tensor.data_ptr()] = tensor
-    return tensor.numpy()
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
 
 def segment_tensor(segment: np.ndarray) -> torch.Tensor:
-    """The host tensor over a segment's bytes: the pinned tensor it was allocated as, or (a
-    segment of plain memory) a tensor sharing its memory."""
-    with _lock:
-        tensor = _segments.get(segment.ctypes.data)
-    if tensor is not None and tensor.numel() == segment.nbytes:
-        return tensor
+    """The host tensor over a segment's bytes: the pinned tensor it is a view of, or (a segment of
+    plain memory) a tensor sharing its memory."""
+    base = segment.base
+    if isinstance(base, torch.Tensor) and base.dtype == torch.uint8 and base.numel() == segment.nbytes \
+            and base.data_ptr() == segment.ctypes.data:
+        return base
     return torch.from_numpy(segment)
 
 
