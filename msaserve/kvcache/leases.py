@@ -73,8 +73,24 @@ class LeaseFetch:
     def __init__(self, transport: Transport, shards: list[Any], size: int,
                  futures: list[tuple[int, list[int], Any]]) -> None:
         self._transport, self._shards, self._size, self._futures = transport, shards, size, futures
+        self._lease: PageLease | None = None
+        self._error: Exception | None = None
 
     def result(self, timeout_s: float | None = None) -> PageLease:
-        replies = self._transport.gather([f for _, _, f in self._futures], timeout_s)
-        parts = [(s, pos, views) for (s, pos, _), views in zip(self._futures, replies, strict=True)]
-        return PageLease(self._transport, self._shards, self._size, parts)
+        """The merged lease (the same object on every call). If a shard did not answer, the leases
+        the others gave are ended and its error is raised."""
+        if self._error is not None:
+            raise self._error
+        if self._lease is None:
+            parts, error = [], None
+            for shard, positions, future in self._futures:
+                try:
+                    parts.append((shard, positions, self._transport.gather([future], timeout_s)[0]))
+                except Exception as e:  # re-raised below, once the others' leases have ended
+                    error = error or e
+            if error is not None:
+                self._error = error
+                PageLease(self._transport, self._shards, self._size, parts).release()
+                raise error
+            self._lease = PageLease(self._transport, self._shards, self._size, parts)
+        return self._lease

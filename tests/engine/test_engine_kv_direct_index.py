@@ -8,7 +8,7 @@ import torch
 from msaserve.engine.kv.direct_index import load_index_leased, runs_of
 from msaserve.engine.kv.pages import PageCodec, identity_for
 from msaserve.kvcache.arena import numpy_segment
-from msaserve.kvcache.client import KVCacheClient
+from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.keys import index_key, shard_of_page
 from msaserve.models.cache import allocate_caches
@@ -48,11 +48,11 @@ def test_pages_come_straight_from_the_arena_in_runs_verified_into_their_cache_pa
     # Written in order, each shard's pages lie side by side: one run (one copy) per shard.
     _, runs = runs_of(lease.segment_of, lease.offsets, codec.index_bytes)
     assert len(runs) == 3 and sum(count for _, count, _, _ in runs) == PAGES
+    lease.release()
     caches = allocate_caches(config, PAGES + 8, "cpu", torch.float32)
     physical = torch.arange(PAGES) + 8  # page i → cache page i + 8
-    assert load_index_leased(lease, codec, caches, physical, group_pages=16) == PAGES
+    assert load_index_leased(client, hashes, codec, caches, physical, group_pages=16) == PAGES
     assert np.array_equal(index_pages(codec, caches, range(8, PAGES + 8)), payloads)
-    assert lease.released
     for stats in client.stats():
         assert stats["open_leases"] == 0 and stats["index"]["arena_retired_slots"] == 0
         assert stats["index"]["arena_segments"] == 1
@@ -65,8 +65,7 @@ def test_a_corrupt_arena_page_ends_the_load_there_and_is_dropped_by_its_shard():
     store = shard.stores["index"]
     store.memory.get(index_key(client.model_key, hashes[bad])).payload[7] ^= 0x10
     caches = allocate_caches(config, PAGES, "cpu", torch.float32)
-    lease = client.lease_index_async(hashes).result()
-    assert load_index_leased(lease, codec, caches, torch.arange(PAGES), group_pages=16) == bad
+    assert load_index_leased(client, hashes, codec, caches, torch.arange(PAGES), group_pages=16) == bad
     assert np.array_equal(index_pages(codec, caches, range(bad)), payloads[:bad])
     assert not index_pages(codec, caches, range(bad, PAGES)).any()  # nothing after it imported
     assert store.stats.corruptions == 1 and client.get_index([hashes[bad]]) == [None]
@@ -79,5 +78,25 @@ def test_pages_outside_an_arena_and_a_missing_page_take_the_same_path():
     caches = allocate_caches(config, PAGES, "cpu", torch.float32)
     lease = client.lease_index_async(hashes).result()
     assert (lease.segment_of == -1).all()
-    assert load_index_leased(lease, codec, caches, torch.arange(PAGES), group_pages=16) == 30
+    lease.release()
+    assert load_index_leased(client, hashes, codec, caches, torch.arange(PAGES), group_pages=16) == 30
     assert np.array_equal(index_pages(codec, caches, range(30)), payloads[:30])
+
+
+def test_a_shard_that_stops_answering_keeps_the_groups_before_it_and_ends_every_lease():
+    config, client, codec, hashes, payloads = stored()
+    failing = client.shards[0]
+    calls = []
+    lease_index = failing.lease_index
+
+    def answer_once(*args):
+        calls.append(args)
+        if len(calls) > 1:
+            raise ServiceUnavailable("shard 0 restarting")
+        return lease_index(*args)
+
+    failing.lease_index = answer_once
+    caches = allocate_caches(config, PAGES, "cpu", torch.float32)
+    assert load_index_leased(client, hashes, codec, caches, torch.arange(PAGES), group_pages=16) == 16
+    assert np.array_equal(index_pages(codec, caches, range(16)), payloads[:16])
+    assert all(stats["open_leases"] == 0 for stats in client.stats())  # the other shards' too

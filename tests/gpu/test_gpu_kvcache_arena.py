@@ -39,14 +39,17 @@ def test_leased_index_load_from_pinned_arenas_matches_every_byte(index_dtype, co
     lease = client.lease_index_async(hashes).result()
     assert all(segment_tensor(s).is_pinned() for s in lease.segments)
     assert len(runs_of(lease.segment_of, lease.offsets, row)[1]) == 4  # one run per shard
+    lease.release()
     caches = allocate_caches(config, PAGES, "cuda", torch.bfloat16, index_dtype)
-    usable = load_index_leased(lease, codec, caches, torch.arange(PAGES, device="cuda"), group_pages=128)
+    usable = load_index_leased(client, hashes, codec, caches, torch.arange(PAGES, device="cuda"),
+                               group_pages=128)
     want = PAGES if corrupt is None else corrupt
     assert usable == want
     ix = torch.stack([c.index_cache for c in caches], dim=1).contiguous().view(torch.uint8)
     got = ix.reshape(PAGES, -1).cpu().numpy()
     assert np.array_equal(got[:want], payloads[:want, : codec.index_bytes])
     assert not got[want:].any()
+    assert all(stats["open_leases"] == 0 for stats in client.stats())
     if codec.scale_bytes:
         scales = torch.stack([c.index_scale for c in caches], dim=1).contiguous().view(torch.uint8)
         got_scales = scales.reshape(PAGES, -1).cpu().numpy()

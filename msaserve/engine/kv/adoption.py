@@ -179,11 +179,7 @@ class LazyPageFetcher:
         """`direct_index.load_index_leased`: copied from the shards' memory, verified beside the copy."""
         device = self.caches[0].index_cache.device
         physical = torch.as_tensor(self.block_table[: len(self.hashes)], dtype=torch.long, device=device)
-        try:
-            lease = self.client.lease_index_async(self.hashes).result()
-        except ServiceUnavailable:
-            return 0
-        usable = load_index_leased(lease, self.codec, self.caches, physical)
+        usable = load_index_leased(self.client, self.hashes, self.codec, self.caches, physical)
         self.stats.index_bytes += usable * (self.codec.index_bytes + self.codec.scale_bytes)
         return usable
 

@@ -1,22 +1,26 @@
 """Adoption's index load from shards in this process: copied to the device straight from the
 service's memory, verified beside the copy.
 
-The shards lease the stored index pages (`KVCacheClient.lease_index_async`: the bytes themselves,
-unverified, held unchanged until the lease ends). Then, group by group of logical pages:
+Group by group of GROUP_PAGES logical pages (every group's lease asked for at once, so the shards
+answer later groups while the first is copied):
+- the shards lease the group's stored index pages (`KVCacheClient.lease_index_async`: the bytes
+  themselves, unverified, held unchanged until the lease ends);
 - the pages' bytes go to a device staging buffer: each run of pages that lie next to each other
   in one arena segment (pages of a session written in order do) is one host→device copy, on a
   side stream, from pinned memory when the engine gave the shards pinned segments
-  (`pinned_segments.py`); pages outside an arena are copied one by one;
+  (`pinned_segments.py`); pages outside an arena are stacked and copied together;
 - meanwhile a thread pool checks every page's bytes — the same bytes the copy reads — against the
   checksum stored with it (xxhash releases the GIL for buffers over 64 KiB, so the checks run in
   parallel);
 - only the verified prefix is scattered into the caches: the first missing or bad page ends the
   load there (the caller recomputes from its tokens) and is reported to its shard as corrupt.
-The lease ends after every copy that reads the leased bytes has completed.
+The leases end after every check and copy that reads the leased bytes has completed.
 """
 
 import contextlib
+import dataclasses
 from collections.abc import Sequence
+from concurrent.futures import Future
 
 import numpy as np
 import torch
@@ -24,7 +28,7 @@ import xxhash
 
 from msaserve.engine.kv.pages import PageCodec
 from msaserve.engine.kv.pinned_segments import segment_tensor
-from msaserve.kvcache.client import PageLease
+from msaserve.kvcache.client import KVCacheClient, LeaseFetch, PageLease, ServiceUnavailable
 from msaserve.kvcache.codec import pack_pool
 from msaserve.models.cache import LayerKVCache
 
@@ -139,56 +143,97 @@ def _scatter(codec: PageCodec, caches: Sequence[LayerKVCache], physical: torch.T
                             chunk.to(physical.device))
 
 
-def load_index_leased(lease: PageLease, codec: PageCodec, caches: Sequence[LayerKVCache],
-                      physical: torch.Tensor, group_pages: int = GROUP_PAGES) -> int:
-    """Scatter the lease's index pages (item i → cache page physical[i]) into the caches, up to the
-    first missing or bad one; returns how many (the verified prefix). Ends the lease."""
-    row_bytes = codec.index_bytes + codec.scale_bytes
+@dataclasses.dataclass
+class _Group:
+    """One group of logical pages: its lease, its checks, where its pages were put."""
+
+    start: int
+    lease: PageLease
+    limit: int
+    """Pages of the group before its first missing one."""
+    checks: list[tuple[int, Future]]
+    """(first page of the group's lease, the check of VERIFY_PAGES pages from there)."""
+    pieces: list[tuple[np.ndarray, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+
+def _begin(fetch: LeaseFetch, start: int, row_bytes: int) -> _Group:
+    """A group's lease arrived: its sizes checked, its pages' checks queued on the thread pool."""
+    lease = fetch.result()
     limit = lease.first_missing()
     for i in range(limit):
         if lease.views[i].nbytes != row_bytes:
-            lease.release()
-            raise ValueError(f"index page {i} has {lease.views[i].nbytes} bytes; the reader's layout needs "
-                             f"{row_bytes} (a model identity mismatch)")
+            raise ValueError(f"index page {start + i} has {lease.views[i].nbytes} bytes; the reader's "
+                             f"layout needs {row_bytes} (a model identity mismatch)")
     checksums = lease.checksums[:limit].tolist()
-    groups = [np.arange(a, min(a + group_pages, limit)) for a in range(0, limit, group_pages)]
-    # Per group, (first page, its check) for each VERIFY_PAGES pages, all queued now (in page order).
-    checks = [[(a, pack_pool().submit(_first_bad, lease.views[a:b], checksums[a:b]))
-               for a in range(int(items[0]), int(items[-1]) + 1, VERIFY_PAGES)
-               for b in [min(a + VERIFY_PAGES, int(items[-1]) + 1)]] for items in groups]
+    checks = [(a, pack_pool().submit(_first_bad, lease.views[a:b], checksums[a:b]))
+              for a in range(0, limit, VERIFY_PAGES) for b in [min(a + VERIFY_PAGES, limit)]]
+    return _Group(start, lease, limit, checks)
+
+
+def load_index_leased(client: KVCacheClient, hashes: Sequence[int], codec: PageCodec,
+                      caches: Sequence[LayerKVCache], physical: torch.Tensor,
+                      group_pages: int = GROUP_PAGES) -> int:
+    """Lease the index pages `hashes` (page i → cache page physical[i]) and scatter them into the
+    caches, up to the first missing or bad one; returns how many (the verified prefix).
+
+    One lease per group of pages, all asked for at once: the first group's pages are copied and
+    checked while the shards still answer the later leases. Every lease ends before this returns."""
+    row_bytes = codec.index_bytes + codec.scale_bytes
+    bounds = [(a, min(a + group_pages, len(hashes))) for a in range(0, len(hashes), group_pages)]
+    fetches = [client.lease_index_async(hashes[a:b]) for a, b in bounds]
     device = caches[0].index_cache.device
-    staging = _Staging(device, min(group_pages, max(1, limit)), row_bytes)
-    segments = [segment_tensor(s) for s in lease.segments]
-    filled: list[list[tuple[np.ndarray, torch.Tensor]]] = []
+    staging = _Staging(device, min(group_pages, max(1, len(hashes))), row_bytes)
+    groups: list[_Group] = []
     usable, bad = 0, None
+
+    def fill(g: int) -> None:  # group g's lease, checks and copies (into buffer g % 2)
+        try:
+            group = _begin(fetches[g], bounds[g][0], row_bytes)
+        except ServiceUnavailable:
+            return  # a shard did not answer: the load ends before this group
+        groups.append(group)
+        segments = [segment_tensor(segment) for segment in group.lease.segments]
+        group.pieces = staging.fill(g % 2, group.lease, segments, np.arange(group.limit), row_bytes)
+
     try:
-        for g in range(min(2, len(groups))):
-            filled.append(staging.fill(g % 2, lease, segments, groups[g], row_bytes))
-        for g, items in enumerate(groups):
-            intact = len(items)
-            for a, check in checks[g]:
+        for g in range(min(2, len(bounds))):
+            fill(g)
+        for g in range(len(bounds)):
+            if g >= len(groups):
+                break  # its lease did not come (ServiceUnavailable)
+            group = groups[g]
+            intact = group.limit
+            for a, check in group.checks:
                 first_bad = check.result()
                 if first_bad >= 0:
-                    bad = a + first_bad
-                    intact = bad - int(items[0])
+                    bad, intact = (g, a + first_bad), a + first_bad
                     break
             staging.ready(g % 2)
-            _scatter(codec, caches, physical, filled[g], int(items[0]) + intact)
+            _scatter(codec, caches, physical[group.start :], group.pieces, intact)
             staging.consumed_by_current_stream(g % 2)
-            filled[g] = []
+            group.pieces = []
             usable += intact
-            if bad is not None:
-                break
-            if g + 2 < len(groups):
-                filled.append(staging.fill(g % 2, lease, segments, groups[g + 2], row_bytes))
+            if intact < bounds[g][1] - bounds[g][0]:
+                break  # the first bad or missing page: the caller recomputes from here
+            if g + 2 < len(bounds) and len(groups) == g + 2:
+                fill(g + 2)
     finally:
-        every = [check for group in checks for _, check in group]
-        for check in every:
-            check.cancel()
-        for check in every:
-            with contextlib.suppress(Exception):
-                if not check.cancelled():
-                    check.result()  # no thread reads the leased bytes after the lease ends
-        staging.finish()
-        lease.release(corrupt=[bad] if bad is not None else None)
+        _end(groups, fetches, staging, bad)
     return usable
+
+
+def _end(groups: list[_Group], fetches: list[LeaseFetch], staging: _Staging,
+         bad: tuple[int, int] | None) -> None:
+    """No thread or copy reads leased bytes any more, then every lease ends (the bad page reported)."""
+    checks = [check for group in groups for _, check in group.checks]
+    for check in checks:
+        check.cancel()
+    for check in checks:
+        with contextlib.suppress(Exception):
+            if not check.cancelled():
+                check.result()
+    staging.finish()
+    for g, fetch in enumerate(fetches):
+        with contextlib.suppress(Exception):  # a lease that failed has nothing to end
+            lease = groups[g].lease if g < len(groups) else fetch.result()
+            lease.release(corrupt=[bad[1]] if bad is not None and bad[0] == g else None)
