@@ -83,6 +83,8 @@ class _Staging:
         self.buffers = [torch.empty(rows, row_bytes, dtype=torch.uint8, device=device)
                         for _ in range(2 if self.cuda else 0)]
         self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:  # the buffers' memory may still be in use by earlier work of the current stream
+            self.stream.wait_stream(torch.cuda.current_stream(device))
         self.copied: list[torch.cuda.Event | None] = [None, None]
         self.consumed: list[torch.cuda.Event | None] = [None, None]
 
