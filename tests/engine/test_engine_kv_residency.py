@@ -256,3 +256,25 @@ def test_adoption_from_arena_pages_copied_directly_decodes_identical_tokens(mode
     assert all(a.stats.slots_in_use > 0 and a.stats.retired_slots == 0 for a in arenas)
     assert all(not shard._leases for shard in client.shards)  # the lease ended
     assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=8) == want
+
+
+def test_a_corrupt_index_page_in_the_arena_ends_the_adoption_at_that_page(model, resident):
+    from msaserve.kvcache.arena import numpy_segment
+    from msaserve.kvcache.keys import index_key, shard_of_page
+
+    prompt, state, want = resident
+    identity = identity_for(model.config, "tiny@seed0", torch.float32)
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity,
+                                      segment_allocators={"index": numpy_segment})
+    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
+                                       tail=True)
+    record = client.get_session("long")
+    bad = 20
+    shard = client.shards[shard_of_page(record.page_hashes[bad], 2)]
+    shard.stores["index"].memory.get(index_key(client.model_key, record.page_hashes[bad])).payload[5] ^= 4
+    session, covered = ResidentSession.adopt(client, record, model.config, budget_pages=12,
+                                             max_pages=state.max_pages, device=torch.device("cpu"),
+                                             dtype=torch.float32)
+    assert covered == bad * model.config.page_size  # the caller recomputes from page 20 on
+    assert shard.stats()["index"]["corruptions"] == 1
+    assert session.host.source.readable == bad
