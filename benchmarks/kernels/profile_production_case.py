@@ -24,6 +24,7 @@ from msa_baselines import index_keys, index_queries, time_graph_ms, time_ms
 from msa_production import BF16, DI, HKI, HKV, HQ, N_INIT, TOP_K, D, P, case_lengths
 
 from msaserve.kernels.dispatch import get_ops
+from msaserve.kernels.indexer_prefill.triton import choose_path
 
 CASES = Path(__file__).resolve().parents[1] / "data" / "msa_prefill_benchmark_cases_v1.json"
 
@@ -77,24 +78,55 @@ def one_case(ops, case: dict, index: int) -> None:
                          for n, f in zip(queries, finals, strict=True)])
     selected = ops.indexer_prefill(q_index, index_cache, tables, seq_lens, cu, TOP_K, N_INIT)
     calls = {
-        "indexer": lambda: ops.indexer_prefill(q_index, index_cache, tables, seq_lens, cu, TOP_K, N_INIT),
-        "sparse": lambda: ops.sparse_prefill(q, k_cache, v_cache, tables, seq_lens, cu, selected),
+        f"indexer {path}": lambda path=path: ops.indexer_prefill(q_index, index_cache, tables, seq_lens, cu,
+                                                                 TOP_K, N_INIT, path=path)
+        for path in ("tiles", "groups")
     }
+    same = torch.equal(calls["indexer tiles"]().sort(-1).values, calls["indexer groups"]().sort(-1).values)
+    print(f"  indexer paths select the same blocks: {same}")
+    calls["sparse"] = lambda: ops.sparse_prefill(q, k_cache, v_cache, tables, seq_lens, cu, selected)
     print(f"\ncase {case['case_id'][-8:]}: batch {len(finals)}, {sum(queries)} queries, KV {max(finals)}")
     for name, fn in calls.items():
         event = time_ms(fn, reps=3, warmup=1)
-        graph = time_graph_ms(fn)
-        print(f"  {name}: as the benchmark times it {event:.3f} ms; CUDA graph {graph:.4f} ms; "
+        try:
+            graph = f"{time_graph_ms(fn):.4f} ms"
+        except RuntimeError as error:  # an op that cannot be captured is a finding, not the end
+            graph = f"not capturable ({str(error)[:80]})"
+            torch.cuda.synchronize()
+        print(f"  {name}: as the benchmark times it {event:.3f} ms; CUDA graph {graph}; "
               f"host time of one call {host_ms(fn):.3f} ms")
         profile_table(fn)
+
+
+def sweep(ops) -> None:
+    """Both indexer paths, graph-replayed, for one sequence: chunks of 64 … 8192 queries at the end of
+    64K and 128K tokens (where the short-chunk path stops paying)."""
+    print("\nindexer paths by chunk size (ms, CUDA graph):")
+    print(f"{'kv':>8} {'queries':>8} {'tiles':>9} {'groups':>9} {'auto':>7}")
+    for kv in (65536, 131072):
+        pages = kv // P
+        index_cache = index_keys(pages + 1, P, HKI, DI)
+        tables = torch.arange(pages, device="cuda", dtype=torch.int32)[None]
+        seq_lens = torch.tensor([kv], dtype=torch.int32, device="cuda")
+        for n in (64, 171, 512, 1024, 2048, 4096, 8192):
+            cu = torch.tensor([0, n], dtype=torch.int32, device="cuda")
+            q_index = index_queries(n, kv - n, P, HKV, DI)
+            args = (q_index, index_cache, tables, seq_lens, cu, TOP_K, N_INIT)
+            times = {path: time_graph_ms(lambda path=path, args=args: ops.indexer_prefill(*args, path=path))
+                     for path in ("tiles", "groups")}
+            auto = choose_path(n, 1, HKI, HKV, P, DI, q_index.device)
+            print(f"{kv:>8} {n:>8} {times['tiles']:>9.4f} {times['groups']:>9.4f} {auto:>7}", flush=True)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", nargs="+", default=["9467c4ec", "ee6aa442", "d1ee5648"])
+    parser.add_argument("--no-sweep", action="store_true")
     args = parser.parse_args()
     ops = get_ops("triton", "cuda")
+    if not args.no_sweep:
+        sweep(ops)
     cases = json.loads(CASES.read_text())["cases"]
     for index, case in enumerate(cases):
         if case["case_id"][-8:] in args.cases:

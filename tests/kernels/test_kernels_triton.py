@@ -30,13 +30,14 @@ from test_kernels_triton_cases import (
 _TRITON_MODULES = [
     "msaserve.kernels.triton_common",
     "msaserve.kernels.indexer_decode.triton",
+    "msaserve.kernels.indexer_prefill.query_groups",
     "msaserve.kernels.indexer_prefill.triton",
     "msaserve.kernels.sparse_decode.triton",
     "msaserve.kernels.sparse_prefill.triton",
 ]
 
 
-_, _idec, _ipre, _sdec, _spre = import_interpreted(*_TRITON_MODULES)
+_, _idec, _groups, _ipre, _sdec, _spre = import_interpreted(*_TRITON_MODULES)
 TRITON = Ops(_idec.indexer_decode, _ipre.indexer_prefill, _sdec.sparse_decode, _spre.sparse_prefill)
 NAIVE = Ops(
     importlib.import_module("msaserve.kernels.indexer_decode.naive").indexer_decode,
@@ -153,6 +154,40 @@ def test_indexer_decode_matches_naive(shape: Shape, num_q: int) -> None:
 @pytest.mark.parametrize("shape", INDEXER_SHAPES + M3_SHAPES, ids=_shape_id)
 def test_indexer_prefill_matches_naive(shape: Shape) -> None:
     check_indexer_prefill(TRITON, NAIVE, shape, torch.float32, "cpu", seed=3)
+
+
+GROUPS = dataclasses.replace(TRITON, indexer_prefill=functools.partial(_ipre.indexer_prefill, path="groups"))
+
+
+@pytest.mark.parametrize("shape", [INDEXER_SHAPES[0], INDEXER_SHAPES[1], M3_SHAPES[1]], ids=_shape_id)
+def test_indexer_prefill_by_query_groups_matches_naive(shape: Shape) -> None:
+    """The short-chunk path (the decode kernels over groups of 16 queries): chunks of 1 to 150
+    queries per sequence, whole sequences and suffixes, the first group of each partly before the chunk."""
+    check_indexer_prefill(GROUPS, NAIVE, shape, torch.float32, "cpu", seed=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_indexer_prefill_by_query_groups_with_fp8_and_bf16(dtype: torch.dtype) -> None:
+    check_indexer_prefill(GROUPS, NAIVE, M3_SHAPES[1], dtype, "cpu", fp8=dtype == torch.float32, seed=6)
+
+
+def test_query_group_map_covers_every_query_once() -> None:
+    """Chunks of 0, 1, 15, 16, 17 and 40 queries: each query is the real slot of exactly one group,
+    at its own position (the group's length − 16 + slot), and groups end at their last query."""
+    counts, prefix = [0, 1, 15, 16, 17, 40], [5, 0, 100, 3, 0, 7]
+    cu = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()], dtype=torch.int32)
+    seq_lens = torch.tensor([c + p for c, p in zip(counts, prefix, strict=True)], dtype=torch.int32)
+    token, real, seq, length = _groups.group_map(cu, seq_lens, int(cu[-1]))
+    assert token.shape[0] == -(-int(cu[-1]) // _groups.GROUP) + len(counts)
+    assert sorted(token[real].tolist()) == list(range(int(cu[-1])))
+    for g, s in enumerate(seq.tolist()):
+        for slot in range(_groups.GROUP):
+            if real[g, slot]:
+                t = int(token[g, slot])
+                position = int(seq_lens[s]) - (int(cu[s + 1]) - t)
+                assert cu[s] <= t < cu[s + 1] and position == int(length[g]) - _groups.GROUP + slot
+        if real[g].any():
+            assert real[g, -1]  # a used group ends at a real query
 
 
 @pytest.mark.parametrize("shape", [INDEXER_SHAPES[0], M3_SHAPES[1]], ids=_shape_id)

@@ -8,11 +8,14 @@ reduces each page to its block-max and folds it into a running top-K held in reg
 it, and c is always forced (n_local ≥ 1), so scores need no causal mask inside a page.
 """
 
+from typing import Literal
+
 import torch
 import triton
 import triton.language as tl
 
 from msaserve.kernels.indexer_prefill.naive import check_forced_blocks
+from msaserve.kernels.indexer_prefill.query_groups import indexer_prefill_by_groups
 from msaserve.kernels.triton_common import (
     EMPTY_ID_BASE,
     INTERPRET,
@@ -20,6 +23,7 @@ from msaserve.kernels.triton_common import (
     check_last_contiguous,
     check_shape,
     configs,
+    num_sms,
     pow2,
     sorted_selection,
     topk_insert,
@@ -49,6 +53,32 @@ def _tile_map(cu_seqlens_q: torch.Tensor, queries_per_tile: int, max_tiles: int)
     seq_c = seq.clamp(max=lengths.shape[0] - 1)
     first = cu_seqlens_q[seq_c].long() + (tile_ids - (ends[seq_c] - tiles[seq_c])) * queries_per_tile
     return torch.stack([torch.where(used, seq_c, -1), first], dim=1).to(torch.int32)
+
+
+Path = Literal["auto", "tiles", "groups"]
+PATHS: tuple[Path, ...] = ("auto", "tiles", "groups")
+GROUPS_MAX_QUERIES = 1024
+"""Chunks of at most this many queries (all sequences of the call) go through `query_groups`.
+
+Measured on the H200 (benchmarks/kernels/profile_production_case.py, git 3de437b, one sequence,
+CUDA graphs, ms tile kernel / groups): at 64K tokens 64 q 0.61 / 0.09, 171 q 0.62 / 0.14, 512 q
+0.62 / 0.25, 1024 q 0.64 / 0.51, 2048 q 0.63 / 0.83; at 128K 1024 q 1.60 / 0.91, 2048 q 1.64 / 1.49,
+4096 q 1.67 / 2.57. The groups re-read the prefix once per 16 queries, the tiles once per 32 but
+with too few programs; 1024 is below both crossovers."""
+
+
+def choose_path(num_tokens: int, batch: int, key_heads: int, num_heads: int, page_size: int, index_dim: int,
+                device: torch.device) -> Path:
+    """"groups" for chunks of at most GROUPS_MAX_QUERIES queries whose tile grid (tiles × key heads,
+    from shapes alone) is under one wave of the GPU's SMs: the tile kernel's programs each stream a
+    whole sequence, so a short chunk over a long prefix leaves most SMs idle. "tiles" on the CPU
+    interpreter and otherwise."""
+    if INTERPRET or device.type != "cuda" or num_tokens > GROUPS_MAX_QUERIES:
+        return "tiles"
+    heads_per_key = num_heads // key_heads
+    queries_per_tile = max(_block_rows(page_size, index_dim), pow2(heads_per_key)) // heads_per_key
+    programs = (triton.cdiv(num_tokens, queries_per_tile) + batch) * key_heads
+    return "groups" if programs < num_sms(device) else "tiles"
 
 
 # ---------------------------------------------------------------- autotune keyed on shapes
@@ -181,11 +211,22 @@ def indexer_prefill(
     n_init: int = 1,
     index_scale: torch.Tensor | None = None,
     n_local: int = 1,
+    *,
+    path: Path = "auto",
 ) -> torch.Tensor:
     """q_index: [Tq, Hkv, DI]; index_cache: [num_pages, P, HkI, DI] (bf16/fp16/fp32, or fp8-e4m3 with
     index_scale [num_pages, P, HkI] fp32); block_tables: [B, max_pages] int32; seq_lens: [B];
     cu_seqlens_q: [B + 1] → selected [Tq, Hkv, top_k] int32 (ascending, -1 pad); n_init, n_local as in
     the spec's `select_blocks`. The chunk's own index keys must already be written to the cache.
+    path: "tiles" (this module's kernel), "groups" (`query_groups`: the decode kernels over groups of
+    16 queries) or "auto" (`choose_path`).
     """
+    check(path in PATHS, f"path is {path!r}; allowed {', '.join(PATHS)}")
+    if path == "auto":
+        path = choose_path(q_index.shape[0], block_tables.shape[0], index_cache.shape[2], q_index.shape[1],
+                           index_cache.shape[1], index_cache.shape[3], q_index.device)
+    if path == "groups":
+        return indexer_prefill_by_groups(q_index, index_cache, index_scale, block_tables, seq_lens,
+                                         cu_seqlens_q, top_k, n_init, n_local)
     return _launch(q_index, index_cache, index_scale, block_tables, seq_lens, cu_seqlens_q, top_k, n_init,
                    n_local)

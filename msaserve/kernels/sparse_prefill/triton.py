@@ -53,7 +53,7 @@ def _invert_selection(
     num_heads = selected.shape[1]
     heads = torch.arange(num_heads, device=selected.device)
     sel = selected.long()
-    invalid = seq_of_query.new_tensor(1 << 62)
+    invalid = 1 << 62  # a Python scalar: a tensor made from it would be a host-to-device copy per call
     key = (seq_of_query[:, None, None] * num_heads + heads[None, :, None]) * max_pages + sel
     key = torch.where(sel >= 0, key, invalid).flatten()
     key, entry = torch.sort(key, stable=True)  # stable: queries ascend within a block
