@@ -100,3 +100,16 @@ def test_a_shard_that_stops_answering_keeps_the_groups_before_it_and_ends_every_
     assert load_index_leased(client, hashes, codec, caches, torch.arange(PAGES), group_pages=16) == 16
     assert np.array_equal(index_pages(codec, caches, range(16)), payloads[:16])
     assert all(stats["open_leases"] == 0 for stats in client.stats())  # the other shards' too
+
+
+def test_a_segment_allocated_as_a_tensor_gives_that_tensor_back():
+    """The reader copies from the tensor the engine allocated (pinned on CUDA: a tensor made from
+    the numpy view would not be known as pinned); plain segments get a tensor over their memory."""
+    from msaserve.engine.kv.pinned_segments import segment_allocators, segment_tensor
+
+    tensor_backed = torch.zeros(4096, dtype=torch.uint8).numpy()
+    assert isinstance(tensor_backed.base, torch.Tensor)
+    assert segment_tensor(tensor_backed) is tensor_backed.base
+    plain = numpy_segment(4096)
+    assert segment_tensor(plain).data_ptr() == plain.ctypes.data
+    assert segment_allocators("cpu") is None  # plain pages off CUDA, as before
