@@ -6,9 +6,11 @@ shards (4), then adopted by `ResidentSession.adopt` (10 % budget, a host tier al
 a replica keeps it) — each phase timed (`ResidentSession.adopt_phases`) — and its first decode
 step's residency work per layer (`make_resident` on a random selection of top-16 pages per KV head,
 as a random-weight model makes them: ~all miss, read from the service through the host tier).
-Median of `--repeats` adoptions, each by a fresh session. The selected slots' K/V are checked equal
-to the stored pages'. At 1M tokens (8,192 pages) an H200 adoption measured 195–228 ms for 'caches +
-index' and 46–49 ms for the first step (git 4195171, residency.py).
+The shards keep the index in pinned arenas on CUDA (the index copied to the GPU straight from
+there, `engine/kv/direct_index.py`). Median of `--repeats` adoptions, each by a fresh session. The
+selected slots' K/V are checked equal to the stored pages'. At 1M tokens (8,192 pages) an H200
+adoption measured 195–228 ms for 'caches + index' and 46–49 ms for the first step (git 4195171,
+residency.py).
 
     python benchmarks/kvcache/profile_adoption.py                      # CPU, 512 pages
     python benchmarks/kvcache/profile_adoption.py --device cuda --pages 8192
@@ -32,6 +34,7 @@ from adopt import git_revision, hardware, merge_results  # noqa: E402
 from msaserve.engine.kv.host_tier import HostKV  # noqa: E402
 from msaserve.engine.kv.pages import identity_for  # noqa: E402
 from msaserve.engine.kv.persist import SessionWriter  # noqa: E402
+from msaserve.engine.kv.pinned_segments import segment_allocators  # noqa: E402
 from msaserve.engine.kv.resident_session import ResidentSession  # noqa: E402
 from msaserve.kvcache.client import KVCacheClient  # noqa: E402
 from msaserve.kvcache.config import ServiceConfig  # noqa: E402
@@ -53,8 +56,9 @@ def stored_session(config, pages: int, device: torch.device, dtype: torch.dtype)
             t.copy_(torch.randn(t.shape, generator=gen, device=device, dtype=torch.float32))
     identity = identity_for(config, "profile-adoption", dtype)
     kv_bytes = pages * config.num_layers * 2 * config.page_size * config.num_kv_heads * config.head_dim * 2
+    # Index pages in pinned arenas on CUDA, as residency.py: adoption copies them straight from there.
     client = KVCacheClient.in_process(ServiceConfig(num_shards=4, memory_bytes=2 * kv_bytes + (64 << 20)),
-                                      identity)
+                                      identity, segment_allocators=segment_allocators(device))
     gen_tokens = torch.Generator().manual_seed(1)
     tokens = torch.randint(3, 500, (pages * config.page_size + 1,), generator=gen_tokens)
     SessionWriter(client, "s").sync(tokens.tolist(), caches, range(pages), pages * config.page_size)

@@ -1,8 +1,20 @@
-"""Where the adoption index load spends its time: index pages of 64 KiB (m3-proxy, 2 layers, bf16)
-in 4 in-process shards; each step of `LazyPageFetcher.load_index` timed apart (best of 3), then the
-pipelined load under cProfile. A diagnostic for docs/performance-kvcache.md: prints, writes nothing.
+"""Where the adoption index load spends its time, and the old against the new load.
+
+Default (a diagnostic; prints, writes nothing): index pages of 64 KiB (m3-proxy, 2 layers, bf16)
+in 4 in-process shards; each step of the packed load timed apart (best of 3), then the pipelined
+load under cProfile.
+
+`--compare`: `LazyPageFetcher`'s two index loads of the same pages (m3-proxy's attention shape with
+`--layers` 4: M3's index page, 128 KiB; 8,192 pages = 1 GiB) from 4 in-process shards —
+**packed** (the shards copy each page into a pinned upload buffer and verify the copy; before
+issue 30's arena) and **leased** (the shards' memory tier keeps the pages in arenas, pinned on
+CUDA; the device copies runs of them straight from there while a thread pool verifies the same
+bytes, `engine/kv/direct_index.py`) — median of `--repeats`, every page checked equal afterwards;
+then the leased load's parts alone. Prints a table; writes benchmarks/results/kvcache_index_load.json
+(`kvcache_index_load_cpu.json` with `kvcache.index_load_cpu_*` keys off CUDA).
 
     python benchmarks/kvcache/profile_index_load.py [num_pages]    # default 8192 (1M tokens)
+    python benchmarks/kvcache/profile_index_load.py --compare [--pages 8192 --layers 4 --repeats 5]
 """
 
 import cProfile
@@ -16,6 +28,7 @@ import numpy as np
 import torch
 import xxhash
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from msaserve.engine.kv import adoption, staging
@@ -58,6 +71,11 @@ def best_of(label: str, fn, reps: int = 3):
 
 
 def main() -> None:
+    if "--compare" in sys.argv:
+        from index_load_compare import compare
+
+        compare(sys.argv[1:])
+        return
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 8192
     config = get_preset("m3-proxy", num_layers=2)
     identity = identity_for(config, "m3-proxy-L2", torch.bfloat16)

@@ -46,6 +46,7 @@ from adopt import QUICK_OVERRIDES, Replica, git_revision, hardware, log, merge_r
 from msaserve.engine.kv.host_tier import HostKV  # noqa: E402
 from msaserve.engine.kv.pages import identity_for  # noqa: E402
 from msaserve.engine.kv.persist import SessionWriter  # noqa: E402
+from msaserve.engine.kv.pinned_segments import segment_allocators  # noqa: E402
 from msaserve.engine.kv.resident_session import ResidentSession, allocate_resident_caches  # noqa: E402
 from msaserve.kernels import get_ops  # noqa: E402
 from msaserve.kvcache.client import KVCacheClient  # noqa: E402
@@ -128,6 +129,8 @@ def run(args: argparse.Namespace) -> dict:
     pages = -(-args.context // config.page_size)
     max_pages = -(-capacity // config.page_size)
     identity = identity_for(config, f"{args.preset}-random-seed0-L{args.num_layers}", dtype)
+    # The shards keep their index pages in pinned arenas on CUDA: adoption copies the index to the
+    # GPU straight from there, verified beside the copy (engine/kv/direct_index.py).
     client = KVCacheClient.in_process(
         ServiceConfig(
             num_shards=args.shards,
@@ -137,6 +140,7 @@ def run(args: argparse.Namespace) -> dict:
             ),
         ),
         identity,
+        segment_allocators=segment_allocators(device),
     )
 
     # Warm-up off the clock: every kernel (autotuning) and path on a short session.
@@ -385,6 +389,10 @@ def report(args: argparse.Namespace, r: dict) -> None:
             f"{name:<34}{a['tpot_median'] * 1e3:>9.2f}{a['tpot_median'] / base:>11.2f}"
             f"{a['device_bytes_per_step'] / 2**20:>10.1f}{a['match']!s:>10}"
         )
+    for prefetch, a in r["adoption"].items():
+        phases = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}" for k, v in a["phases"].items())
+        print(f"adoption phases (prefetch {prefetch}), ms: record {a['record_s'] * 1e3:.1f}, {phases}, "
+              f"first step {a['first_step'] * 1e3:.1f}; first token {a['ttft'] * 1e3:.1f}")
     print(
         f"re-prefill {r['reprefill_s']:.3f} s; "
         f"adopt vs re-prefill {entries['kvcache.adopt_vs_reprefill']['value']}x"

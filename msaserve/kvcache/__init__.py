@@ -10,6 +10,9 @@ Pieces, from the bytes up:
 - `codec`: page payloads (uint8 arrays), their xxh3 checksums, row copies.
 - `tiers` / `store`: `PageStore`, host memory over a disk directory: checksums verified on every
   read, pins, LRU eviction memory → disk → dropped, byte caps per tier. Pure Python.
+- `arena` / `views` / `leases`: the memory tier's pages in segments allocated once (pinned when an
+  engine in this process provides them), and zero-copy leases of them for such a reader, who
+  verifies what it uses.
 - `keys` / `page_hash`: model identity, shard keys, the chained page hash (the one function the
   replicas and the router both use).
 - `session_records`: `SessionRecord` (tokens, page hashes, tail, sampling state, model identity) and

@@ -16,23 +16,24 @@ Without Ray: `KVCacheClient.in_process(config, model)` runs the shards in this p
 import contextlib
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
+from msaserve.kvcache.arena import SegmentAllocator
 from msaserve.kvcache.codec import Payload, copy_rows
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.keys import ModelIdentity, shard_of_page, shard_of_session
+from msaserve.kvcache.leases import LeaseFetch, PageLease
 from msaserve.kvcache.session_records import SessionRecord
 from msaserve.kvcache.shard import KVCacheShard, PageUpload
 from msaserve.kvcache.store import CapacityError
 from msaserve.kvcache.transport import LocalTransport, RayTransport, ServiceUnavailable, Transport
 
 __all__ = [
-    "CapacityError", "KVCacheClient", "PackedFetch", "PendingFetch", "PendingReply", "RowsFetch",
-    "ServiceUnavailable",
-    "start_shards",
+    "CapacityError", "KVCacheClient", "LeaseFetch", "PackedFetch", "PageLease", "PendingFetch",
+    "PendingReply", "RowsFetch", "ServiceUnavailable", "start_shards",
 ]
 
 
@@ -166,9 +167,13 @@ class KVCacheClient:
         return cls(shards, model)
 
     @classmethod
-    def in_process(cls, config: ServiceConfig, model: ModelIdentity) -> "KVCacheClient":
-        """Shards in this process, one thread each (no Ray, no metrics)."""
-        shards = [KVCacheShard(config, i, publish_metrics=False) for i in range(config.num_shards)]
+    def in_process(cls, config: ServiceConfig, model: ModelIdentity,
+                   segment_allocators: Mapping[str, SegmentAllocator] | None = None) -> "KVCacheClient":
+        """Shards in this process, one thread each (no Ray, no metrics). segment_allocators: store
+        name → allocator of its memory arena's segments (`KVCacheShard`; pinned memory makes
+        `lease_index_async` pages copyable straight to a GPU)."""
+        shards = [KVCacheShard(config, i, publish_metrics=False, segment_allocators=segment_allocators)
+                  for i in range(config.num_shards)]
         return cls(shards, model, LocalTransport(shards))
 
     @property
@@ -199,6 +204,27 @@ class KVCacheClient:
         `fetch.rows[i]`); the bulk path of adoption. Leave `out` alone until `result()` returned."""
         hashes = list(page_hashes)
         return self._packed("get_index_packed", hashes, hashes, out)
+
+    def arena_stores(self) -> frozenset[str]:
+        """The stores ("index", "kv") whose pages every shard keeps in an arena in this process
+        (leased pages then lie in segments the caller allocated, e.g. pinned memory); empty for
+        shards in other processes."""
+        if not self.transport.shares_memory:
+            return frozenset()
+        return frozenset.intersection(*(frozenset(getattr(s, "arena_stores", ())) for s in self.shards))
+
+    def lease_index_async(self, page_hashes: Sequence[int]) -> LeaseFetch:
+        """Zero-copy index reads (`leases.py`): the shards' stored pages themselves, unverified —
+        the reader checks each against its checksum and must `release()` the lease. Only for
+        shards in this process (`transport.shares_memory`); others answer `get_index_packed_async`."""
+        if not self.transport.shares_memory:
+            raise ValueError("lease_index_async needs shards in this process (transport.shares_memory); "
+                             "shards in other processes answer get_index_packed_async")
+        hashes = list(page_hashes)
+        futures = [(s, pos, self.transport.submit(self.shards[s], "lease_index", self.model_key,
+                                                  [hashes[i] for i in pos]))
+                   for s, pos in self._by_shard(hashes).items()]
+        return LeaseFetch(self.transport, self.shards, len(hashes), futures)
 
     def get_kv_packed_async(self, requests: Sequence[tuple[int, int]], out: np.ndarray) -> PackedFetch:
         """K+V payloads of (page hash, layer) pairs into the rows of out, as `get_index_packed_async`."""
@@ -376,7 +402,19 @@ class KVCacheClient:
 
     def _by_shard(self, hashes: list[int]) -> dict[int, list[int]]:
         """Shard → positions of the hashes it holds."""
-        groups: dict[int, list[int]] = defaultdict(list)
-        for i, h in enumerate(hashes):
-            groups[shard_of_page(h, self.num_shards)].append(i)
-        return groups
+        num_shards = len(self.shards)
+        if len(hashes) < 256:
+            groups: dict[int, list[int]] = defaultdict(list)
+            for i, h in enumerate(hashes):
+                groups[shard_of_page(h, num_shards)].append(i)
+            return groups
+        try:  # vectorised (a million-token session's index is 8,192 pages)
+            shards = np.fromiter(hashes, np.uint64, len(hashes)) % np.uint64(num_shards)
+        except OverflowError:  # not 64-bit hashes: one at a time
+            shards = np.array([shard_of_page(h, num_shards) for h in hashes], np.uint64)
+        order = np.argsort(shards, kind="stable")
+        found, starts = np.unique(shards[order], return_index=True)
+        ends = [*starts[1:], len(order)]
+        groups = {int(s): order[a:b].tolist() for s, a, b in zip(found, starts, ends, strict=True)}
+        first = {s: positions[0] for s, positions in groups.items()}  # in order of first appearance
+        return dict(sorted(groups.items(), key=lambda kv: first[kv[0]]))

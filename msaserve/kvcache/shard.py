@@ -9,22 +9,32 @@ Ray moves through its object store (readers on the node map them zero-copy).
 import dataclasses
 import functools
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from msaserve.kvcache.arena import SegmentAllocator
 from msaserve.kvcache.codec import Payload, as_payload
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.keys import index_key, kv_key
 from msaserve.kvcache.session_records import SessionRecord, SessionStore
 from msaserve.kvcache.store import PageStore
+from msaserve.kvcache.tiers import StoredPage
+from msaserve.kvcache.views import PageViews
 
 PageUpload = tuple[int, Sequence[Payload] | None, Payload | None]
 """(page hash, K+V payload per layer or None, index-K payload for all layers or None)."""
 
 
 class KVCacheShard:
-    def __init__(self, config: ServiceConfig, shard_id: int, publish_metrics: bool = True) -> None:
+    def __init__(self, config: ServiceConfig, shard_id: int, publish_metrics: bool = True,
+                 segment_allocators: Mapping[str, SegmentAllocator] | None = None) -> None:
+        """segment_allocators: store name ("index", "kv") → allocator of its memory tier's arena
+        segments (pinned host memory from an engine in this process: `lease_index` readers then
+        copy pages to the GPU straight from there); a store without one keeps plain arrays."""
+        allocators = dict(segment_allocators or {})
+        if not set(allocators) <= {"index", "kv"}:
+            raise ValueError(f"segment_allocators for stores {sorted(allocators)}: allowed 'index', 'kv'")
         self.config = config
         self.shard_id = shard_id
         root = config.shard_dir(shard_id)
@@ -35,9 +45,14 @@ class KVCacheShard:
                 disk_path=None if root is None else root / name,
                 disk_bytes=config.split(config.disk_bytes, index),
                 write_through=config.write_through, fsync=config.fsync,
+                segment_allocator=allocators.get(name),
             )
 
         self.stores = {"kv": store("kv", index=False), "index": store("index", index=True)}
+        self.arena_stores = frozenset(allocators)
+        """Stores whose memory tier keeps its pages in an arena (`arena.py`)."""
+        self._leases: dict[int, tuple[str, list[str], list[StoredPage | None]]] = {}
+        self._next_lease = 0
         self.sessions = SessionStore(None if root is None else root / "sessions", fsync=config.fsync,
                                      max_sessions=config.max_sessions_per_shard)
         self.metrics = None
@@ -120,6 +135,48 @@ class KVCacheShard:
         ok = self._read_into(store_name, keys, packed if out is None else out, range(len(keys)))
         return packed, ok
 
+    def lease_index(self, model_key: str, page_hashes: Sequence[int]) -> PageViews:
+        """Zero-copy index reads for a caller in this process (`views.py`): the stored pages
+        themselves, unverified, held until `release_lease`."""
+        return self._lease("index", [index_key(model_key, h) for h in page_hashes])
+
+    def release_lease(self, lease_id: int, corrupt: Sequence[int] = ()) -> None:
+        """End a lease; `corrupt`: positions whose bytes failed the reader's check (dropped, counted)."""
+        store_name, keys, pages = self._leases.pop(lease_id)
+        store = self.stores[store_name]
+        for i in corrupt:
+            if pages[i] is not None:
+                store.drop_corrupt(keys[i], pages[i])
+        store.release(pages)
+        self._publish()
+
+    def _lease(self, store_name: str, keys: list[str]) -> PageViews:
+        start = time.perf_counter()
+        store = self.stores[store_name]
+        pages = store.lease(keys)
+        lease_id, self._next_lease = self._next_lease, self._next_lease + 1
+        self._leases[lease_id] = (store_name, keys, pages)
+        arena = getattr(store.memory, "arena", None)
+        views, checksums, segment_of, offsets = [], [], [], []
+        for page in pages:
+            if page is None:
+                views.append(None)
+                checksums.append(0)
+                segment_of.append(-1)
+                offsets.append(0)
+                continue
+            slot = page.slot
+            views.append(page.payload)
+            checksums.append(page.checksum)
+            segment_of.append(-1 if slot is None else slot.segment)
+            offsets.append(0 if slot is None else slot.offset)
+        segments = [] if arena is None else arena.segments
+        out = PageViews(lease_id, views, np.array(checksums, np.uint64), segments,
+                        np.array(segment_of, np.int64), np.array(offsets, np.int64))
+        if self.metrics is not None:
+            self.metrics.observe_fetch(store_name, time.perf_counter() - start)
+        return out
+
     def get_kv_into(
         self, model_key: str, requests: Sequence[tuple[int, int]], dest: np.ndarray, rows: Sequence[int],
     ) -> list[bool]:
@@ -198,6 +255,12 @@ class KVCacheShard:
                 "disk_capacity": store.disk.capacity_bytes if store.disk else 0,
                 "disk_pages": len(store.disk) if store.disk else 0,
             }
+            arena = getattr(store.memory, "arena", None)
+            if arena is not None:  # page memory: segments reserved, slots a reader still holds
+                out[name].update(arena_reserved_bytes=arena.stats.reserved_bytes,
+                                 arena_segments=arena.stats.segments,
+                                 arena_retired_slots=arena.stats.retired_slots)
+        out["open_leases"] = len(self._leases)
         return out
 
     def ping(self) -> int:

@@ -3,7 +3,10 @@ directory by default), with pins and LRU eviction.
 
 What must stay true:
 - every read verifies the xxh3 checksum stored with the page; a mismatch is a miss, counts one
-  corruption and drops that copy (a slower tier's copy may still be served after its own check);
+  corruption and drops that copy (a slower tier's copy may still be served after its own check).
+  The one exception is a lease (`lease`: zero-copy, for a reader in this process), whose reader
+  verifies the bytes itself and reports a bad page (`drop_corrupt`);
+- a leased page's bytes do not change until its lease ends (its arena slot is not reused);
 - every tier's `bytes_used ≤ capacity_bytes` after every call (a put that cannot fit without
   evicting pinned pages raises CapacityError);
 - pinned pages (pin count > 0) are never evicted from the tier they are in;
@@ -19,8 +22,9 @@ from collections.abc import Iterable, Sequence
 
 import numpy as np
 
+from msaserve.kvcache.arena import PageArena, SegmentAllocator
 from msaserve.kvcache.codec import Payload, as_payload, checksum
-from msaserve.kvcache.tiers import Tier, make_tier
+from msaserve.kvcache.tiers import StoredPage, Tier, make_tier
 
 
 class CapacityError(RuntimeError):
@@ -66,9 +70,13 @@ class PageStore:
         write_through: bool = True,
         fsync: bool = False,
         tiers: Sequence[Tier] | None = None,
+        segment_allocator: SegmentAllocator | None = None,
     ) -> None:
+        """segment_allocator: the memory tier keeps its pages in a `PageArena` of segments from it
+        (pinned host memory for an engine in this process that copies pages to a GPU)."""
         if tiers is None:
-            tiers = [make_tier("memory", capacity_bytes=memory_bytes)]
+            arena = None if segment_allocator is None else PageArena(memory_bytes, segment_allocator)
+            tiers = [make_tier("memory", capacity_bytes=memory_bytes, arena=arena)]
             if disk_path is not None and disk_bytes > 0:
                 tiers.append(make_tier("disk", path=disk_path, capacity_bytes=disk_bytes, fsync=fsync))
         if not tiers:
@@ -146,6 +154,60 @@ class PageStore:
             ok.append(found)
         return ok
 
+    def lease(self, keys: Sequence[str]) -> list[StoredPage | None]:
+        """Zero-copy reads for a reader in this process: per key the stored page itself (its bytes
+        and checksum) or None on a miss. A page in the fastest tier is handed out unverified and
+        held (not overwritten, even if removed or replaced) until `release`: the reader verifies it
+        against `page.checksum` (off its critical path) and reports a bad one with `drop_corrupt`.
+        A page found only in a slower tier is verified here and promoted first, as `get` does."""
+        fastest, out = self.tiers[0], []
+        acquire = getattr(fastest, "acquire", fastest.get)
+        hits = hit_bytes = 0
+        for key in keys:
+            page = acquire(key)
+            if page is not None:
+                hits += 1
+                hit_bytes += page.payload.nbytes
+            else:
+                payload = self._get_below(key)
+                if payload is not None:  # promoted into the fastest tier if it fit, else its own array
+                    page = acquire(key) or StoredPage(payload, checksum(payload))
+            out.append(page)
+        self.stats.add(f"hits_{fastest.kind}", hits)
+        self.stats.add("bytes_read", hit_bytes)
+        return out
+
+    def release(self, pages: Iterable[StoredPage | None]) -> None:
+        """End the leases of `lease`'s pages."""
+        release = getattr(self.tiers[0], "release", None)
+        if release is not None:
+            for page in pages:
+                if page is not None:
+                    release(page)
+
+    def drop_corrupt(self, key: str, page: StoredPage) -> None:
+        """A leased page failed the reader's check: drop that copy (if still stored) and count it."""
+        fastest = self.tiers[0]
+        if getattr(fastest, "holds", lambda k, p: False)(key, page):
+            fastest.pop(key)
+        self.stats.add("corruptions")
+
+    def _get_below(self, key: str) -> Payload | None:
+        """`get` over the tiers after the fastest (a miss counts once)."""
+        for tier in self.tiers[1:]:
+            page = tier.get(key)
+            if page is None:
+                continue
+            if checksum(page.payload) == page.checksum:
+                self.stats.add(f"hits_{tier.kind}")
+                self.stats.add("bytes_read", page.payload.nbytes)
+                self._promote(key, page.payload, page.checksum)
+                return page.payload
+            tier.pop(key)
+            self.stats.add("corruptions")
+        self.stats.add("misses")
+        return None
+
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is held in some tier (not verified: a later get may still miss)."""
         return [any(key in tier for tier in self.tiers) for key in keys]
@@ -154,7 +216,7 @@ class PageStore:
     def put(self, key: str, data: Payload | bytes, pin: bool = False) -> None:
         """Store a page (copied: callers may reuse their buffer; object-store arguments are not
         held). pin=True also takes one pin on it."""
-        payload = as_payload(data).copy()
+        payload = as_payload(data)  # each tier keeps its own copy (memory) or writes it out (disk)
         page_checksum = checksum(payload)
         if pin:
             self._pins[key] = self._pins.get(key, 0) + 1
@@ -249,13 +311,18 @@ class PageStore:
             tier.pop(victim)
             self.stats.add(f"evictions_to_{lower.kind}")  # already there (write-through)
             return
-        page = tier.get(victim) if lower is not None else None
+        # Held while it moves: an arena slot freed by the pop is not reused before the copy below.
+        page = _acquire(tier, victim) if lower is not None else None
         tier.pop(victim)
-        if page is not None and self._make_room(level + 1, page.payload.nbytes, victim, also=cause):
-            lower.put(victim, page.payload, page.checksum)
-            self.stats.add(f"evictions_to_{lower.kind}")
-        elif not any(victim in other for other in self.tiers):
-            self.stats.add("evictions_dropped")
+        try:
+            if page is not None and self._make_room(level + 1, page.payload.nbytes, victim, also=cause):
+                lower.put(victim, page.payload, page.checksum)
+                self.stats.add(f"evictions_to_{lower.kind}")
+            elif not any(victim in other for other in self.tiers):
+                self.stats.add("evictions_dropped")
+        finally:
+            if page is not None:
+                _release(tier, page)
 
     def _victims(
         self, lru_keys, nbytes_of, need: int, exclude: str, also: str | None = None
@@ -271,3 +338,15 @@ class PageStore:
             if freed >= need:
                 return victims
         return None
+
+
+def _acquire(tier: Tier, key: str) -> StoredPage | None:
+    """The tier's page, held until `_release` where the tier can hold one (memory), else `get`."""
+    acquire = getattr(tier, "acquire", None)
+    return acquire(key) if acquire is not None else tier.get(key)
+
+
+def _release(tier: Tier, page: StoredPage) -> None:
+    release = getattr(tier, "release", None)
+    if release is not None:
+        release(page)

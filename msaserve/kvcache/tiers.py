@@ -17,6 +17,7 @@ from typing import Any, Protocol
 import numpy as np
 import xxhash
 
+from msaserve.kvcache.arena import PageArena, Slot
 from msaserve.kvcache.codec import Payload
 
 _DISK_MAGIC = b"MSAKVPG1"
@@ -24,10 +25,12 @@ _DISK_HEADER = struct.Struct("<8sQQI")  # magic, checksum, payload bytes, key by
 _SUFFIX = ".page"
 
 
-@dataclass
+@dataclass(eq=False)
 class StoredPage:
     payload: Payload
     checksum: int
+    slot: Slot | None = None
+    """Where the payload lives in the memory tier's arena (None: a plain array of its own)."""
 
 
 class Tier(Protocol):
@@ -71,16 +74,22 @@ def make_tier(kind: str, **kwargs: Any) -> Tier:
 
 @register_tier
 class MemoryTier:
-    """Pages in host memory, in LRU order (oldest first)."""
+    """Pages in host memory, in LRU order (oldest first). Each page is the tier's own copy: in a
+    slot of its `arena` when it has one (`arena.py`: segments allocated once, pinned when the
+    engine reading them is on a GPU), else (no arena, or no slot fits) in an array of its own.
+
+    `acquire` hands a reader the stored bytes themselves (zero-copy) and keeps them from being
+    overwritten until `release`, even if the page is removed or replaced meanwhile."""
 
     kind = "memory"
     durable = False
 
-    def __init__(self, capacity_bytes: int) -> None:
+    def __init__(self, capacity_bytes: int, arena: PageArena | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"memory capacity_bytes={capacity_bytes} must be ≥ 0")
         self.capacity_bytes = capacity_bytes
         self.bytes_used = 0
+        self.arena = arena
         self._pages: OrderedDict[str, StoredPage] = OrderedDict()
 
     def __contains__(self, key: str) -> bool:
@@ -90,8 +99,15 @@ class MemoryTier:
         return len(self._pages)
 
     def put(self, key: str, payload: Payload, page_checksum: int) -> None:
+        """Store a copy of payload (the caller may reuse its buffer)."""
         self.pop(key)
-        self._pages[key] = StoredPage(payload, page_checksum)
+        slot = None if self.arena is None else self.arena.allocate(payload.nbytes)
+        if slot is None:
+            stored = payload.copy()
+        else:
+            stored = self.arena.view(slot)
+            stored[:] = payload
+        self._pages[key] = StoredPage(stored, page_checksum, slot)
         self.bytes_used += payload.nbytes
 
     def get(self, key: str) -> StoredPage | None:
@@ -100,10 +116,28 @@ class MemoryTier:
             self._pages.move_to_end(key)
         return page
 
+    def acquire(self, key: str) -> StoredPage | None:
+        """`get`, and the page's bytes stay as they are until `release(page)` (unverified: the
+        reader checks them against `page.checksum`)."""
+        page = self.get(key)
+        if page is not None and page.slot is not None:
+            self.arena.acquire(page.slot)
+        return page
+
+    def release(self, page: StoredPage) -> None:
+        if page.slot is not None:
+            self.arena.release(page.slot)
+
+    def holds(self, key: str, page: StoredPage) -> bool:
+        """Whether `page` (from `acquire`) is still the stored copy of key (not replaced since)."""
+        return self._pages.get(key) is page
+
     def pop(self, key: str) -> StoredPage | None:
         page = self._pages.pop(key, None)
         if page is not None:
             self.bytes_used -= page.payload.nbytes
+            if page.slot is not None:
+                self.arena.free(page.slot)
         return page
 
     def nbytes(self, key: str) -> int:

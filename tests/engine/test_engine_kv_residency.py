@@ -187,3 +187,94 @@ def test_host_tier_refuses_a_service_whose_pages_are_not_its_pages(model):
     host = HostKV(c.num_layers, 8, page, torch.bfloat16, pin=False, source=source(torch.bfloat16))
     with pytest.raises(ValueError, match=r"allowed only this host tier's page \(16, 2, 16\) bfloat16"):
         host.reset(source(torch.float32))
+
+
+def test_background_read_of_the_stored_tail_never_overwrites_its_write_back(model, resident):
+    """The race of issue 30: a background service read of the stored (partial) tail page, still in
+    flight when the session fills that page and writes it back to the host tier, landed after the
+    write-back and replaced the full page with the service's partial one. The interleaving is forced:
+    the read of the tail page waits until the write-back is done."""
+    import threading
+
+    from msaserve.engine.kv.host_tier import ServiceSource
+
+    prompt, state, want = resident
+    identity = identity_for(model.config, "tiny@seed0", torch.float32)
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity)
+    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
+                                       tail=True)
+    session, covered = ResidentSession.adopt(client, client.get_session("long"), model.config,
+                                             budget_pages=12, max_pages=state.max_pages,
+                                             device=torch.device("cpu"), dtype=torch.float32)
+    tail = covered // model.config.page_size  # the partial page the session writes into next
+    host, written_back = session.host, threading.Event()
+    written: dict[int, torch.Tensor] = {}
+
+    class HeldSource(ServiceSource):
+        def read_into(self, items, dest, rows):
+            if any(page == tail for page, _ in items):
+                written_back.wait(timeout=5)  # in flight across the write-back
+            return super().read_into(items, dest, rows)
+
+    host.source = HeldSource(**vars(host.source))
+    write = host.write
+
+    def recording_write(layer, pages, kv):
+        write(layer, pages, kv)
+        if list(pages) == [tail]:
+            written[layer] = kv[0].clone()
+            if len(written) == model.config.num_layers:
+                written_back.set()
+
+    host.write = recording_write
+    host.prefetch([(tail, 0)], max_items=1)  # a background read of the tail page, held in flight
+    steps = (tail + 1) * model.config.page_size - PROMPT_LEN + 1  # past the tail page's last token
+    assert decode(model, session, want[0], PROMPT_LEN, steps) == want[: steps + 1]
+    written_back.set()
+    host.wait_all()
+    assert sorted(written) == list(range(model.config.num_layers))
+    for layer, kv in written.items():
+        assert torch.equal(host.data[layer, tail], kv), f"layer {layer}: the service's partial tail won"
+
+
+def test_adoption_from_arena_pages_copied_directly_decodes_identical_tokens(model, resident):
+    """The shards keep pages in arenas (pinned on CUDA; plain here): the index is copied from them
+    directly and verified beside the copy (`direct_index.py`), and the tokens are the resident's."""
+    from msaserve.kvcache.arena import numpy_segment
+
+    prompt, state, want = resident
+    identity = identity_for(model.config, "tiny@seed0", torch.float32)
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity,
+                                      segment_allocators={"index": numpy_segment, "kv": numpy_segment})
+    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
+                                       tail=True)
+    session, covered = ResidentSession.adopt(client, client.get_session("long"), model.config,
+                                             budget_pages=12, max_pages=state.max_pages,
+                                             device=torch.device("cpu"), dtype=torch.float32)
+    assert covered == PROMPT_LEN
+    arenas = [shard.stores["index"].memory.arena for shard in client.shards]
+    assert all(a.stats.slots_in_use > 0 and a.stats.retired_slots == 0 for a in arenas)
+    assert all(not shard._leases for shard in client.shards)  # the lease ended
+    assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=8) == want
+
+
+def test_a_corrupt_index_page_in_the_arena_ends_the_adoption_at_that_page(model, resident):
+    from msaserve.kvcache.arena import numpy_segment
+    from msaserve.kvcache.keys import index_key, shard_of_page
+
+    prompt, state, want = resident
+    identity = identity_for(model.config, "tiny@seed0", torch.float32)
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity,
+                                      segment_allocators={"index": numpy_segment})
+    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
+                                       tail=True)
+    record = client.get_session("long")
+    bad = 20
+    shard = client.shards[shard_of_page(record.page_hashes[bad], 2)]
+    shard.stores["index"].memory.get(index_key(client.model_key, record.page_hashes[bad])).payload[5] ^= 4
+    session, covered = ResidentSession.adopt(client, record, model.config, budget_pages=12,
+                                             max_pages=state.max_pages, device=torch.device("cpu"),
+                                             dtype=torch.float32)
+    assert covered == bad * model.config.page_size  # the caller recomputes from page 20 on
+    assert shard.stats()["index"]["corruptions"] == 1
+    assert session.host.source.readable == bad

@@ -1,10 +1,11 @@
 """Adopting a session on a replica that has never seen it: the index first, K/V on demand.
 
 1. `load_index` fetches the index-K of every stored page (all layers) into the caches; decode can
-   select blocks from then on. It reads packed (`load_packed`): the service writes verified pages
-   straight into pinned upload buffers, which are copied to the device while later groups are
-   read. Pages after the first missing or corrupt index page are not adopted: the caller
-   recomputes them from the record's token ids (never serving a bad page). The stored
+   select blocks from then on. From shards in this process it copies the stored pages to the
+   device directly, verified beside the copy (`direct_index.py`); from other processes it reads
+   packed (`load_packed`): verified pages written into pinned upload buffers, copied to the device
+   while later groups are read. Pages after the first missing or corrupt index page are not
+   adopted: the caller recomputes them from the record's token ids (never serving a bad page). The stored
    partial tail page, if any, also gets its K/V now: new tokens are written into it, so it must be
    resident before they are (a lazy import later would overwrite them).
 2. Each step, the wrapped indexer ops (`wrap_ops`) learn which pages layer l selected and fetch
@@ -33,6 +34,7 @@ import numpy as np
 import torch
 
 from msaserve.engine.kv import staging
+from msaserve.engine.kv.direct_index import index_to_device, load_index_leased
 from msaserve.engine.kv.pages import PageCodec
 from msaserve.kernels import AttentionOps
 from msaserve.kvcache.client import KVCacheClient, PackedFetch, PendingFetch, ServiceUnavailable
@@ -75,9 +77,10 @@ def load_packed(ring: staging.UploadRing, units: Sequence[PackedUnit], depth: in
                 uploaded.append(ring.upload(slot, len(fetch.items), row_bytes))
             chunk, device = uploaded[0], uploaded[0].device
             if n == len(fetch.items):
-                return chunk, _to_device(fetch.items, device)
+                return chunk, index_to_device(fetch.items, device)
             keep = np.flatnonzero(fetch.items < n)
-            return chunk.index_select(0, _to_device(keep, device)), _to_device(fetch.items[keep], device)
+            kept = chunk.index_select(0, index_to_device(keep, device))
+            return kept, index_to_device(fetch.items[keep], device)
 
         return rows
 
@@ -93,15 +96,6 @@ def load_packed(ring: staging.UploadRing, units: Sequence[PackedUnit], depth: in
         for _, _, fetch in started:  # an early exit: wait until no shard writes into the buffers
             with contextlib.suppress(Exception):  # the error that ended the load is already raised
                 fetch.result()
-
-
-def _to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
-    """A small host index array on `device`, without a stream sync on CUDA (a pageable copy would
-    wait for every queued upload and scatter: one host stall per group of a bulk load)."""
-    host = torch.from_numpy(np.ascontiguousarray(array))
-    if device.type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
 
 
 class PageLost(RuntimeError):
@@ -152,9 +146,45 @@ class LazyPageFetcher:
         """Load the index of every stored page; returns the number of tokens now covered
         (adopted pages × page size); the caller prefills the rest of the record's tokens.
 
-        Pages are read in groups of up to INDEX_GROUP_PAGES (one upload buffer each) with the next
-        groups' reads in flight while one is copied to the device and scattered (`load_packed`)."""
+        Shards in this process lease their pages and the device copies them straight from the
+        service's memory while a thread pool verifies the same bytes (`direct_index.py`). Shards in
+        other processes answer packed reads, in groups of up to INDEX_GROUP_PAGES (one upload buffer
+        each) with the next groups' reads in flight while one is copied to the device and scattered
+        (`load_packed`). Either way only the verified prefix is imported."""
         start = time.perf_counter()
+        device = self.caches[0].index_cache.device
+        # Shards in this process: straight from their memory — on CUDA only from arenas (pinned
+        # segments: plain pages would each need a pageable copy; packed reads are faster then).
+        in_process = self.client.transport.shares_memory
+        if in_process and (device.type != "cuda" or "index" in self.client.arena_stores()):
+            usable = self._load_index_leased()
+        else:
+            usable = self._load_index_packed()
+        self.num_pages = usable
+        self.resident = torch.zeros(len(self.caches), usable, dtype=torch.bool)
+        self.stats.index_seconds = time.perf_counter() - start
+        num_full = len(self.record.page_hashes)
+        if usable > num_full:  # the tail page came too
+            # Its K/V now, for every layer: it is the page the next tokens are written into, and a
+            # later lazy import would overwrite them (it is also always selected, being local).
+            try:
+                self.ensure_all_layers(num_full)
+            except PageLost:
+                self.num_pages = num_full  # recompute the tail's tokens instead
+                return num_full * self.record.page_size
+            return num_full * self.record.page_size + self.record.tail_tokens
+        return usable * self.record.page_size
+
+    def _load_index_leased(self) -> int:
+        """`direct_index.load_index_leased`: copied from the shards' memory, verified beside the copy."""
+        device = self.caches[0].index_cache.device
+        physical = torch.as_tensor(self.block_table[: len(self.hashes)], dtype=torch.long, device=device)
+        usable = load_index_leased(self.client, self.hashes, self.codec, self.caches, physical)
+        self.stats.index_bytes += usable * (self.codec.index_bytes + self.codec.scale_bytes)
+        return usable
+
+    def _load_index_packed(self) -> int:
+        """Packed reads into the upload ring (shards in other processes): see `load_index`."""
         device = self.caches[0].index_cache.device
         row_bytes = self.codec.index_bytes + self.codec.scale_bytes
         ring = staging.ring_for(device)
@@ -181,20 +211,7 @@ class LazyPageFetcher:
                             break  # the first missing or corrupt page: the caller recomputes from here
             except ServiceUnavailable:
                 pass  # keep the pages already imported (verified); the caller recomputes the rest
-        self.num_pages = usable
-        self.resident = torch.zeros(len(self.caches), usable, dtype=torch.bool)
-        self.stats.index_seconds = time.perf_counter() - start
-        num_full = len(self.record.page_hashes)
-        if usable > num_full:  # the tail page came too
-            # Its K/V now, for every layer: it is the page the next tokens are written into, and a
-            # later lazy import would overwrite them (it is also always selected, being local).
-            try:
-                self.ensure_all_layers(num_full)
-            except PageLost:
-                self.num_pages = num_full  # recompute the tail's tokens instead
-                return num_full * self.record.page_size
-            return num_full * self.record.page_size + self.record.tail_tokens
-        return usable * self.record.page_size
+        return usable
 
     def ensure_all_layers(self, logical_page: int) -> None:
         """Make one adopted page's K/V resident in every layer (one batched read)."""

@@ -30,11 +30,23 @@ class PageLostInService(RuntimeError):
 
 @dataclasses.dataclass
 class ServiceSource:
-    """An adopted session's pages in the KV cache service: logical page i is `hashes[i]`."""
+    """An adopted session's pages in the KV cache service: logical page i is `hashes[i]`.
+
+    Only the pages before `readable_pages` are read from it: from that page on the session writes
+    its own (the stored partial tail is refilled by the session and written back), and a service
+    read of such a page still in flight at the write-back would land after it and replace the
+    newer copy with the stored one. Pages before it are never written by the session, so no read
+    can race a write."""
 
     client: KVCacheClient
     hashes: list[int]
     session_id: str
+    readable_pages: int | None = None
+    """Pages the service provides (logical 0 .. readable_pages - 1); None: every stored page."""
+
+    @property
+    def readable(self) -> int:
+        return len(self.hashes) if self.readable_pages is None else min(self.readable_pages, len(self.hashes))
 
     def read_into(self, items: Sequence[tuple[int, int]], dest: np.ndarray,
                   rows: Sequence[int]) -> list[bool]:
@@ -129,6 +141,11 @@ class HostKV:
             if self.source is None:
                 raise PageLostInService(f"(pages {missing}, layer {layer}) are in neither the GPU working "
                                         "set nor the host tier, and the session has no service source")
+            unreadable = [p for p in missing if p >= self.source.readable]
+            if unreadable:
+                raise PageLostInService(f"session {self.source.session_id!r}: pages {unreadable} of layer "
+                                        f"{layer} are the session's own (from page {self.source.readable} "
+                                        "on) and were never written to the host tier")
             items = [(p, layer) for p in missing]
             self._log("demand", items)
             ok = self._read(self.source, items)
@@ -165,7 +182,7 @@ class HostKV:
         if queued > max_items // 2:
             return 0
         budget = max_items - queued
-        stored = len(self.source.hashes)
+        stored = self.source.readable  # never the pages the session writes itself (see ServiceSource)
         # Absent and not asked for yet, [L, stored pages]; set the wanted ones as we go.
         open_ = ~(self.present[:, :stored] | self._requested[:, :stored]).numpy()
         wanted: list[tuple[int, int]] = []

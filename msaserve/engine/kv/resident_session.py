@@ -163,6 +163,9 @@ class ResidentSession:
         fetcher = LazyPageFetcher(client, record, session.caches, list(range(max_pages)),
                                   kv_block_table=[p % ring for p in range(max_pages)])
         covered = fetcher.load_index()
+        # The service provides the pages before the first one the session writes (the stored tail's
+        # K/V came with the index; its host-tier copy is the session's write-back, never a read).
+        source.readable_pages = covered // c.page_size
         session._enter_page(covered // c.page_size, load=False)  # a loaded tail is already in its slot
         session.adopt_phases = dict(host_reset_s=t1 - t0, allocate_s=t2 - t1,
                                     index_s=time.perf_counter() - t2)

@@ -1,0 +1,241 @@
+"""Adoption's index load from shards in this process: copied to the device straight from the
+service's memory, verified beside the copy.
+
+Group by group of GROUP_PAGES logical pages (every group's lease asked for at once, so the shards
+answer later groups while the first is copied):
+- the shards lease the group's stored index pages (`KVCacheClient.lease_index_async`: the bytes
+  themselves, unverified, held unchanged until the lease ends);
+- the pages' bytes go to a device staging buffer: each run of pages that lie next to each other
+  in one arena segment (pages of a session written in order do) is one host→device copy, on a
+  side stream, from pinned memory when the engine gave the shards pinned segments
+  (`pinned_segments.py`); pages outside an arena are stacked and copied together;
+- meanwhile a thread pool checks every page's bytes — the same bytes the copy reads — against the
+  checksum stored with it (xxhash releases the GIL for buffers over 64 KiB, so the checks run in
+  parallel);
+- only the verified prefix is scattered into the caches: the first missing or bad page ends the
+  load there (the caller recomputes from its tokens) and is reported to its shard as corrupt.
+The leases end after every check and copy that reads the leased bytes has completed.
+"""
+
+import contextlib
+import dataclasses
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import numpy as np
+import torch
+import xxhash
+
+from msaserve.engine.kv.pages import PageCodec
+from msaserve.engine.kv.pinned_segments import segment_tensor
+from msaserve.kvcache.client import KVCacheClient, LeaseFetch, PageLease, ServiceUnavailable
+from msaserve.kvcache.codec import pack_pool
+from msaserve.models.cache import LayerKVCache
+
+GROUP_PAGES = 1024
+"""Logical pages per staging buffer (128 MiB of device memory at M3's 4-layer index page)."""
+VERIFY_PAGES = 32
+"""Pages per verification task."""
+
+
+def index_to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A small host index array on `device`, without a stream sync on CUDA (a pageable copy would
+    wait for every queued upload and scatter: one host stall per group of a bulk load)."""
+    host = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int64))
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+def _first_bad(views: Sequence[np.ndarray], checksums: Sequence[int]) -> int:
+    """Index of the first view whose xxh3_64 differs from its checksum, or -1."""
+    for i, (view, expected) in enumerate(zip(views, checksums, strict=True)):
+        if xxhash.xxh3_64_intdigest(view) != expected:
+            return i
+    return -1
+
+
+def runs_of(segment_of: np.ndarray, offsets: np.ndarray, row_bytes: int) -> tuple[np.ndarray, list]:
+    """Pages → (their order in the staging rows, runs). Pages in an arena come first, sorted by
+    (segment, offset), cut into runs of byte-adjacent pages: (first row, pages, segment, offset);
+    the pages outside an arena follow, one row each (not in the runs)."""
+    in_arena = np.flatnonzero(segment_of >= 0)
+    order = in_arena[np.lexsort((offsets[in_arena], segment_of[in_arena]))]
+    seg, off = segment_of[order], offsets[order]
+    runs = []
+    if len(order):
+        breaks = np.flatnonzero((np.diff(seg) != 0) | (np.diff(off) != row_bytes)) + 1
+        starts = np.concatenate([[0], breaks]).astype(np.int64)
+        ends = np.append(starts[1:], len(order))
+        runs = [(int(a), int(b - a), int(seg[a]), int(off[a])) for a, b in zip(starts, ends, strict=True)]
+    loose = np.flatnonzero(segment_of < 0)
+    return np.concatenate([order, loose]), runs
+
+
+class _Staging:
+    """Where a group's pages are read from by the scatter. On CUDA: two device buffers [group
+    pages, row bytes], filled by copies on a side stream (one per run), ordered against the
+    scatters that read them by events. On the CPU the runs are the chunks themselves (views of the
+    arena: no copy at all); pages outside an arena are stacked."""
+
+    def __init__(self, device: torch.device, rows: int, row_bytes: int) -> None:
+        self.device, self.cuda = device, device.type == "cuda"
+        self.buffers = [torch.empty(rows, row_bytes, dtype=torch.uint8, device=device)
+                        for _ in range(2 if self.cuda else 0)]
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        if self.cuda:  # the buffers' memory may still be in use by earlier work of the current stream
+            self.stream.wait_stream(torch.cuda.current_stream(device))
+        self.copied: list[torch.cuda.Event | None] = [None, None]
+        self.consumed: list[torch.cuda.Event | None] = [None, None]
+
+    def fill(self, slot: int, lease: PageLease, segments: list[torch.Tensor], items: np.ndarray,
+             row_bytes: int) -> list[tuple[np.ndarray, torch.Tensor]]:
+        """The pages `items` → pieces (the item of each row, chunk [rows, row_bytes])."""
+        order, runs = runs_of(lease.segment_of[items], lease.offsets[items], row_bytes)
+        in_runs = sum(count for _, count, _, _ in runs)
+        loose = items[order[in_runs:]]
+        sources = [segments[segment][offset : offset + count * row_bytes].view(count, row_bytes)
+                   for _, count, segment, offset in runs]
+        if len(loose):  # rare: pages outside an arena (it was full, or they came from disk)
+            sources.append(torch.from_numpy(np.stack([lease.views[i] for i in loose])))
+        if not self.cuda:
+            starts = [first for first, _, _, _ in runs]
+            ends = [*starts[1:], in_runs][: len(starts)]
+            pieces = [(items[order[a:b]], source)
+                      for a, b, source in zip(starts, ends, sources[: len(runs)], strict=True)]
+            return pieces + ([(loose, sources[-1])] if len(loose) else [])
+        buffer = self.buffers[slot]
+        with torch.cuda.stream(self.stream):
+            if self.consumed[slot] is not None:
+                self.stream.wait_event(self.consumed[slot])  # the scatter of its last group is done
+            first = 0
+            for source in sources:
+                buffer[first : first + len(source)].copy_(source, non_blocking=True)
+                first += len(source)
+            self.copied[slot] = torch.cuda.Event()
+            self.copied[slot].record(self.stream)
+        return [(items[order], buffer[: len(order)])]
+
+    def ready(self, slot: int) -> None:
+        """Work on the current stream from here on sees buffer `slot`'s copies."""
+        if self.cuda:
+            torch.cuda.current_stream(self.device).wait_event(self.copied[slot])
+
+    def consumed_by_current_stream(self, slot: int) -> None:
+        if self.cuda:
+            self.consumed[slot] = torch.cuda.Event()
+            self.consumed[slot].record()
+
+    def finish(self) -> None:
+        """Wait until no copy reads host memory any more (before the lease ends)."""
+        if self.cuda:
+            self.stream.synchronize()
+
+
+def _scatter(codec: PageCodec, caches: Sequence[LayerKVCache], physical: torch.Tensor,
+             pieces: list[tuple[np.ndarray, torch.Tensor]], bound: int) -> None:
+    """Scatter the pieces' rows whose item is below `bound` into the caches."""
+    for row_items, chunk in pieces:
+        keep = np.flatnonzero(row_items < bound)
+        if not len(keep):
+            continue
+        if len(keep) < len(row_items):
+            chunk = chunk.index_select(0, index_to_device(keep, chunk.device))
+        codec.scatter_index(caches, physical[index_to_device(row_items[keep], physical.device)],
+                            chunk.to(physical.device))
+
+
+@dataclasses.dataclass
+class _Group:
+    """One group of logical pages: its lease, its checks, where its pages were put."""
+
+    start: int
+    lease: PageLease
+    limit: int
+    """Pages of the group before its first missing one."""
+    checks: list[tuple[int, Future]]
+    """(first page of the group's lease, the check of VERIFY_PAGES pages from there)."""
+    pieces: list[tuple[np.ndarray, torch.Tensor]] = dataclasses.field(default_factory=list)
+
+
+def _begin(fetch: LeaseFetch, start: int, row_bytes: int) -> _Group:
+    """A group's lease arrived: its sizes checked, its pages' checks queued on the thread pool."""
+    lease = fetch.result()
+    limit = lease.first_missing()
+    for i in range(limit):
+        if lease.views[i].nbytes != row_bytes:
+            raise ValueError(f"index page {start + i} has {lease.views[i].nbytes} bytes; the reader's "
+                             f"layout needs {row_bytes} (a model identity mismatch)")
+    checksums = lease.checksums[:limit].tolist()
+    checks = [(a, pack_pool().submit(_first_bad, lease.views[a:b], checksums[a:b]))
+              for a in range(0, limit, VERIFY_PAGES) for b in [min(a + VERIFY_PAGES, limit)]]
+    return _Group(start, lease, limit, checks)
+
+
+def load_index_leased(client: KVCacheClient, hashes: Sequence[int], codec: PageCodec,
+                      caches: Sequence[LayerKVCache], physical: torch.Tensor,
+                      group_pages: int = GROUP_PAGES) -> int:
+    """Lease the index pages `hashes` (page i → cache page physical[i]) and scatter them into the
+    caches, up to the first missing or bad one; returns how many (the verified prefix).
+
+    One lease per group of pages, all asked for at once: the first group's pages are copied and
+    checked while the shards still answer the later leases. Every lease ends before this returns."""
+    row_bytes = codec.index_bytes + codec.scale_bytes
+    bounds = [(a, min(a + group_pages, len(hashes))) for a in range(0, len(hashes), group_pages)]
+    fetches = [client.lease_index_async(hashes[a:b]) for a, b in bounds]
+    device = caches[0].index_cache.device
+    staging = _Staging(device, min(group_pages, max(1, len(hashes))), row_bytes)
+    groups: list[_Group] = []
+    usable, bad = 0, None
+
+    def fill(g: int) -> None:  # group g's lease, checks and copies (into buffer g % 2)
+        try:
+            group = _begin(fetches[g], bounds[g][0], row_bytes)
+        except ServiceUnavailable:
+            return  # a shard did not answer: the load ends before this group
+        groups.append(group)
+        segments = [segment_tensor(segment) for segment in group.lease.segments]
+        group.pieces = staging.fill(g % 2, group.lease, segments, np.arange(group.limit), row_bytes)
+
+    try:
+        for g in range(min(2, len(bounds))):
+            fill(g)
+        for g in range(len(bounds)):
+            if g >= len(groups):
+                break  # its lease did not come (ServiceUnavailable)
+            group = groups[g]
+            intact = group.limit
+            for a, check in group.checks:
+                first_bad = check.result()
+                if first_bad >= 0:
+                    bad, intact = (g, a + first_bad), a + first_bad
+                    break
+            staging.ready(g % 2)
+            _scatter(codec, caches, physical[group.start :], group.pieces, intact)
+            staging.consumed_by_current_stream(g % 2)
+            group.pieces = []
+            usable += intact
+            if intact < bounds[g][1] - bounds[g][0]:
+                break  # the first bad or missing page: the caller recomputes from here
+            if g + 2 < len(bounds) and len(groups) == g + 2:
+                fill(g + 2)
+    finally:
+        _end(groups, fetches, staging, bad)
+    return usable
+
+
+def _end(groups: list[_Group], fetches: list[LeaseFetch], staging: _Staging,
+         bad: tuple[int, int] | None) -> None:
+    """No thread or copy reads leased bytes any more, then every lease ends (the bad page reported)."""
+    checks = [check for group in groups for _, check in group.checks]
+    for check in checks:
+        check.cancel()
+    for check in checks:
+        with contextlib.suppress(Exception):
+            if not check.cancelled():
+                check.result()
+    staging.finish()
+    for g, fetch in enumerate(fetches):
+        with contextlib.suppress(Exception):  # a lease that failed has nothing to end
+            lease = groups[g].lease if g < len(groups) else fetch.result()
+            lease.release(corrupt=[bad[1]] if bad is not None and bad[0] == g else None)

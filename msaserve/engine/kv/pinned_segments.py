@@ -1,0 +1,36 @@
+"""Pinned host memory for the arenas of KV cache shards in this process (`kvcache/arena.py`).
+
+The service imports no torch; the engine that runs it in-process hands its shards this allocator,
+so that the index pages it adopts can be copied to the GPU straight from the service's memory
+(`direct_index.py`). A segment is the numpy view of a pinned tensor, which holds that tensor
+(`ndarray.base`): the reader gets the pinned tensor back from it (one made with `torch.from_numpy`
+would not be known to torch as pinned), and the memory goes when the arena does.
+"""
+
+import numpy as np
+import torch
+
+
+def pinned_segment(nbytes: int) -> np.ndarray:
+    """A segment allocator (`kvcache.arena.SegmentAllocator`): nbytes of pinned host memory."""
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+
+
+def segment_tensor(segment: np.ndarray) -> torch.Tensor:
+    """The host tensor over a segment's bytes: the pinned tensor it is a view of, or (a segment of
+    plain memory) a tensor sharing its memory."""
+    base = segment.base
+    if isinstance(base, torch.Tensor) and base.dtype == torch.uint8 and base.numel() == segment.nbytes \
+            and base.data_ptr() == segment.ctypes.data:
+        return base
+    return torch.from_numpy(segment)
+
+
+def segment_allocators(device: torch.device | str, stores: tuple[str, ...] = ("index",)) -> dict | None:
+    """What to give in-process shards (`KVCacheClient.in_process(..., segment_allocators=)`) for an
+    engine on `device`: pinned arenas for `stores` on CUDA (the index store by default: the
+    adoption copies index pages to the GPU from there; K/V pages reach the GPU through the
+    session's own pinned host tier), None elsewhere (plain pages, as before)."""
+    if torch.device(device).type != "cuda":
+        return None
+    return {store: pinned_segment for store in stores}

@@ -1,0 +1,96 @@
+"""A reader's side of zero-copy reads (`KVCacheClient.lease_index_async`): the shards' answers
+(`views.PageViews`) merged into request order, and the end of the lease.
+
+    lease = client.lease_index_async(page_hashes).result()
+    try:
+        ...  # copy lease.views[i] (or runs of lease.segments) and check each against lease.checksums[i]
+    finally:
+        lease.release(corrupt=[items that failed the check])
+
+Until `release` the shards keep every leased page's bytes as they are (an arena slot is not
+reused even if the page is evicted or replaced), so what the reader checks is what it copies.
+"""
+
+from typing import Any
+
+import numpy as np
+
+from msaserve.kvcache.transport import Transport
+from msaserve.kvcache.views import PageViews
+
+
+class PageLease:
+    def __init__(self, transport: Transport, shards: list[Any], size: int,
+                 replies: list[tuple[int, list[int], PageViews]]) -> None:
+        """replies: (shard index, request positions, that shard's PageViews) per shard called."""
+        self._transport, self._shards = transport, shards
+        self.views: list[np.ndarray | None] = [None] * size
+        self.checksums = np.zeros(size, np.uint64)
+        self.segment_of = np.full(size, -1, np.int64)
+        """[n] index into `segments` of each page's bytes, -1 where not in an arena (or missing)."""
+        self.offsets = np.zeros(size, np.int64)
+        self.segments: list[np.ndarray] = []
+        """Every leased shard's arena segments, one list (`segment_of` indexes it)."""
+        self._parts = [(shard, np.asarray(positions, np.int64), views.lease_id)
+                       for shard, positions, views in replies]
+        for _, positions, views in replies:
+            pos = np.asarray(positions, np.int64)
+            for p, view in zip(positions, views.views, strict=True):
+                self.views[p] = view
+            self.checksums[pos] = views.checksums
+            in_arena = views.segment_of >= 0
+            self.segment_of[pos] = np.where(in_arena, views.segment_of + len(self.segments), -1)
+            self.offsets[pos] = views.offsets
+            self.segments.extend(views.segments)
+        self.released = False
+
+    def __len__(self) -> int:
+        return len(self.views)
+
+    def first_missing(self) -> int:
+        """The first item the service has no page for (len(self) if none)."""
+        return next((i for i, view in enumerate(self.views) if view is None), len(self.views))
+
+    def release(self, corrupt: list[int] | None = None) -> None:
+        """End the lease on every shard (once); `corrupt`: items whose bytes failed the check —
+        the shards drop those copies and count them as corruptions."""
+        if self.released:
+            return
+        self.released = True
+        bad = np.zeros(len(self.views), bool)
+        if corrupt:
+            bad[np.asarray(corrupt, np.int64)] = True
+        calls = []
+        for shard, positions, lease_id in self._parts:
+            mine = np.flatnonzero(bad[positions]).tolist()
+            calls.append(self._transport.submit(self._shards[shard], "release_lease", lease_id, mine))
+        self._transport.gather(calls)
+
+
+class LeaseFetch:
+    """Leases in flight; `result()` waits for every shard and merges their answers."""
+
+    def __init__(self, transport: Transport, shards: list[Any], size: int,
+                 futures: list[tuple[int, list[int], Any]]) -> None:
+        self._transport, self._shards, self._size, self._futures = transport, shards, size, futures
+        self._lease: PageLease | None = None
+        self._error: Exception | None = None
+
+    def result(self, timeout_s: float | None = None) -> PageLease:
+        """The merged lease (the same object on every call). If a shard did not answer, the leases
+        the others gave are ended and its error is raised."""
+        if self._error is not None:
+            raise self._error
+        if self._lease is None:
+            parts, error = [], None
+            for shard, positions, future in self._futures:
+                try:
+                    parts.append((shard, positions, self._transport.gather([future], timeout_s)[0]))
+                except Exception as e:  # re-raised below, once the others' leases have ended
+                    error = error or e
+            if error is not None:
+                self._error = error
+                PageLease(self._transport, self._shards, self._size, parts).release()
+                raise error
+            self._lease = PageLease(self._transport, self._shards, self._size, parts)
+        return self._lease

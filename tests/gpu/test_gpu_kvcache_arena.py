@@ -1,0 +1,56 @@
+"""Adoption's index load on CUDA straight from the shards' pinned arenas (`engine/kv/direct_index.py`):
+runs of adjacent pages copied on a side stream, the verified prefix scattered, every byte equal."""
+
+import numpy as np
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from msaserve.engine.kv.direct_index import load_index_leased, runs_of
+from msaserve.engine.kv.pages import PageCodec, identity_for
+from msaserve.engine.kv.pinned_segments import segment_allocators, segment_tensor
+from msaserve.kvcache.client import KVCacheClient
+from msaserve.kvcache.config import ServiceConfig
+from msaserve.kvcache.keys import index_key, shard_of_page
+from msaserve.models.cache import allocate_caches
+from msaserve.models.presets import get_preset
+
+PAGES = 700
+
+
+@pytest.mark.parametrize("index_dtype", [None, torch.float8_e4m3fn])
+@pytest.mark.parametrize("corrupt", [None, 513])
+def test_leased_index_load_from_pinned_arenas_matches_every_byte(index_dtype, corrupt):
+    config = get_preset("m3-proxy", num_layers=2)
+    identity = identity_for(config, "m3-proxy-L2", torch.bfloat16, index_dtype)
+    codec = PageCodec(identity)
+    row = codec.index_bytes + codec.scale_bytes
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=4, memory_bytes=256 << 20, index_fraction=0.5),
+                                      identity, segment_allocators=segment_allocators("cuda"))
+    rng = np.random.default_rng(0)
+    hashes = [int(h) for h in rng.integers(1, 2**62, PAGES)]
+    payloads = rng.integers(0, 256, (PAGES, row), dtype=np.uint8)
+    client.put_pages([(h, None, payloads[i]) for i, h in enumerate(hashes)])
+    if corrupt is not None:
+        shard = client.shards[shard_of_page(hashes[corrupt], 4)]
+        shard.stores["index"].memory.get(index_key(client.model_key, hashes[corrupt])).payload[100] ^= 1
+    lease = client.lease_index_async(hashes).result()
+    assert all(segment_tensor(s).is_pinned() for s in lease.segments)
+    assert len(runs_of(lease.segment_of, lease.offsets, row)[1]) == 4  # one run per shard
+    lease.release()
+    caches = allocate_caches(config, PAGES, "cuda", torch.bfloat16, index_dtype)
+    usable = load_index_leased(client, hashes, codec, caches, torch.arange(PAGES, device="cuda"),
+                               group_pages=128)
+    want = PAGES if corrupt is None else corrupt
+    assert usable == want
+    ix = torch.stack([c.index_cache for c in caches], dim=1).contiguous().view(torch.uint8)
+    got = ix.reshape(PAGES, -1).cpu().numpy()
+    assert np.array_equal(got[:want], payloads[:want, : codec.index_bytes])
+    assert not got[want:].any()
+    assert all(stats["open_leases"] == 0 for stats in client.stats())
+    if codec.scale_bytes:
+        scales = torch.stack([c.index_scale for c in caches], dim=1).contiguous().view(torch.uint8)
+        got_scales = scales.reshape(PAGES, -1).cpu().numpy()
+        assert np.array_equal(got_scales[:want], payloads[:want, codec.index_bytes :])
