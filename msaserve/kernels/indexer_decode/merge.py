@@ -28,9 +28,13 @@ from msaserve.kernels.triton_common import EMPTY_ID_BASE, INTERPRET, check, pow2
 
 SplitMerge = Literal["serial", "packed", "tree", "auto"]
 SPLIT_MERGES: tuple[SplitMerge, ...] = ("serial", "packed", "tree", "auto")
-# "auto": the tree above this many splits (batch 1 and 8 at the M3 shape on 132 SMs: 264 and 33),
-# one packed launch at or below it (batch 32: 9 splits), where a second launch costs more than it saves.
-TREE_MIN_SPLITS = 17
+# "auto", from the H200 table (benchmarks/results/decode_merges.json, git 272ed63, µs as CUDA graphs,
+# serial / packed / tree): 256 splits (batch 1, 128K) 19.3 / 13.2 / 11.4, (1M) 19.6 / 18.9 / 18.8;
+# 32–33 splits (batch 8) 11.2 / 16.6 / 19.1 and 16.4 / 16.6 / 16.6; 9 splits (batch 32) 18.6 / 13.1 /
+# 13.7 and 17.1 / 16.5 / 17.4. So the tree from TREE_MIN_SPLITS splits, the old serial launch from
+# PACKED_MAX_SPLITS + 1 below that, the packed launch for the fewest.
+TREE_MIN_SPLITS = 128
+PACKED_MAX_SPLITS = 16
 
 # Below every packed key of a real candidate: the lowest, -FLT_MAX's, is -2139095040 · 2³² + …
 EMPTY_KEY = tl.constexpr(-(1 << 63) + 1)
@@ -191,7 +195,8 @@ def merge_splits(cand_val: torch.Tensor, cand_id: torch.Tensor, out: torch.Tenso
     num_q, top_k = out.shape[1], out.shape[3]
     num_rows = num_q * heads_per_key
     if method == "auto":
-        method = "tree" if splits >= TREE_MIN_SPLITS else "packed"
+        method = ("tree" if splits >= TREE_MIN_SPLITS else "packed" if splits <= PACKED_MAX_SPLITS
+                  else "serial")
     if method == "serial":
         rows_per_program = nr if INTERPRET else 1
         _merge_splits_kernel[(batch, key_heads, triton.cdiv(num_rows, rows_per_program))](
