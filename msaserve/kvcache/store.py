@@ -101,7 +101,13 @@ class PageStore:
     # ---- reads -------------------------------------------------------------------------------
     def get(self, key: str) -> Payload | None:
         """The page's bytes (read-only array when served from disk), or None on a miss."""
-        for level, tier in enumerate(self.tiers):
+        return self._find(key, 0)
+
+    def _find(self, key: str, first_level: int) -> Payload | None:
+        """`get` over the tiers from `first_level` on: the first verified copy (promoted from a
+        slower tier), a bad copy dropped and counted; a miss counts once."""
+        for level in range(first_level, len(self.tiers)):
+            tier = self.tiers[level]
             page = tier.get(key)
             if page is None:
                 continue
@@ -161,17 +167,16 @@ class PageStore:
         against `page.checksum` (off its critical path) and reports a bad one with `drop_corrupt`.
         A page found only in a slower tier is verified here and promoted first, as `get` does."""
         fastest, out = self.tiers[0], []
-        acquire = getattr(fastest, "acquire", fastest.get)
         hits = hit_bytes = 0
         for key in keys:
-            page = acquire(key)
+            page = _acquire(fastest, key)
             if page is not None:
                 hits += 1
                 hit_bytes += page.payload.nbytes
             else:
-                payload = self._get_below(key)
+                payload = self._find(key, 1)
                 if payload is not None:  # promoted into the fastest tier if it fit, else its own array
-                    page = acquire(key) or StoredPage(payload, checksum(payload))
+                    page = _acquire(fastest, key) or StoredPage(payload, checksum(payload))
             out.append(page)
         self.stats.add(f"hits_{fastest.kind}", hits)
         self.stats.add("bytes_read", hit_bytes)
@@ -179,11 +184,9 @@ class PageStore:
 
     def release(self, pages: Iterable[StoredPage | None]) -> None:
         """End the leases of `lease`'s pages."""
-        release = getattr(self.tiers[0], "release", None)
-        if release is not None:
-            for page in pages:
-                if page is not None:
-                    release(page)
+        for page in pages:
+            if page is not None:
+                _release(self.tiers[0], page)
 
     def drop_corrupt(self, key: str, page: StoredPage) -> None:
         """A leased page failed the reader's check: drop that copy (if still stored) and count it."""
@@ -191,22 +194,6 @@ class PageStore:
         if getattr(fastest, "holds", lambda k, p: False)(key, page):
             fastest.pop(key)
         self.stats.add("corruptions")
-
-    def _get_below(self, key: str) -> Payload | None:
-        """`get` over the tiers after the fastest (a miss counts once)."""
-        for tier in self.tiers[1:]:
-            page = tier.get(key)
-            if page is None:
-                continue
-            if checksum(page.payload) == page.checksum:
-                self.stats.add(f"hits_{tier.kind}")
-                self.stats.add("bytes_read", page.payload.nbytes)
-                self._promote(key, page.payload, page.checksum)
-                return page.payload
-            tier.pop(key)
-            self.stats.add("corruptions")
-        self.stats.add("misses")
-        return None
 
     def contains(self, keys: Sequence[str]) -> list[bool]:
         """Whether each key is held in some tier (not verified: a later get may still miss)."""
