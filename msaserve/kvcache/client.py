@@ -24,7 +24,7 @@ import numpy as np
 from msaserve.kvcache.arena import SegmentAllocator
 from msaserve.kvcache.codec import Payload, copy_rows
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.keys import ModelIdentity, shard_of_page, shard_of_session
+from msaserve.kvcache.keys import ModelIdentity, shard_of_page, shard_of_session, shards_of_pages
 from msaserve.kvcache.leases import LeaseFetch, PageLease
 from msaserve.kvcache.session_records import SessionRecord
 from msaserve.kvcache.shard import KVCacheShard, PageUpload
@@ -408,13 +408,9 @@ class KVCacheClient:
             for i, h in enumerate(hashes):
                 groups[shard_of_page(h, num_shards)].append(i)
             return groups
-        try:  # vectorised (a million-token session's index is 8,192 pages)
-            shards = np.fromiter(hashes, np.uint64, len(hashes)) % np.uint64(num_shards)
-        except OverflowError:  # not 64-bit hashes: one at a time
-            shards = np.array([shard_of_page(h, num_shards) for h in hashes], np.uint64)
+        shards = shards_of_pages(hashes, num_shards)  # vectorised (a 1M-token index is 8,192 pages)
         order = np.argsort(shards, kind="stable")
         found, starts = np.unique(shards[order], return_index=True)
         ends = [*starts[1:], len(order)]
         groups = {int(s): order[a:b].tolist() for s, a, b in zip(found, starts, ends, strict=True)}
-        first = {s: positions[0] for s, positions in groups.items()}  # in order of first appearance
-        return dict(sorted(groups.items(), key=lambda kv: first[kv[0]]))
+        return dict(sorted(groups.items(), key=lambda kv: kv[1][0]))  # in order of first appearance

@@ -5,8 +5,10 @@ not the model, so every key also carries the model identity: two models never sh
 """
 
 import json
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import xxhash
 
 
@@ -61,6 +63,15 @@ def index_key(model_key: str, page_hash: int) -> str:
 
 def shard_of_page(page_hash: int, num_shards: int) -> int:
     return page_hash % num_shards
+
+
+def shards_of_pages(page_hashes: Sequence[int], num_shards: int) -> np.ndarray:
+    """`shard_of_page` of many hashes at once → int64 [n] (one numpy pass for 64-bit hashes)."""
+    try:
+        hashes = np.fromiter(page_hashes, np.uint64, len(page_hashes))
+    except OverflowError:  # not unsigned 64-bit: one at a time
+        return np.array([shard_of_page(h, num_shards) for h in page_hashes], np.int64)
+    return (hashes % np.uint64(num_shards)).astype(np.int64)
 
 
 def shard_of_session(session_id: str, num_shards: int) -> int:

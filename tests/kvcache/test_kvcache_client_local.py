@@ -150,3 +150,21 @@ def test_session_head_and_tokens_are_the_record_split_in_two(tmp_path):
         client.get_session("nobody")
     with pytest.raises(SessionNotFound):
         client.get_session_tokens_async("nobody").result()
+
+
+def test_many_pages_route_as_one_page_does():
+    """The vectorised routing of large requests (≥ 256 hashes) gives every page the shard
+    `shard_of_page` gives it, groups in order of first appearance, positions ascending."""
+    import random
+
+    from msaserve.kvcache.keys import shards_of_pages
+
+    rng = random.Random(0)
+    hashes = [rng.getrandbits(64) for _ in range(700)]
+    assert shards_of_pages(hashes, 5).tolist() == [shard_of_page(h, 5) for h in hashes]
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=5), MODEL)
+    groups = client._by_shard(hashes)
+    expected: dict[int, list[int]] = {}
+    for i, h in enumerate(hashes):
+        expected.setdefault(shard_of_page(h, 5), []).append(i)
+    assert list(groups.items()) == list(expected.items())
