@@ -19,7 +19,8 @@ and every byte read are left out: the real ceiling is lower still.
 --gemm-tflops: the bf16 GEMM rate measured on the same H200 (`bench_msa.py`'s ceiling, 789.6 in the
 f686f7e run that measured the production figure): the ceiling again at what a GEMM reaches there.
 
-Runs on the CPU in seconds; writes `kernels.production_prefill_ceiling` to DIR/kernels.json.
+Runs on the CPU in seconds; writes `kernels.production_prefill_ceiling` to DIR/production_ceiling.json
+(its own file: bench_msa.py rewrites kernels.json whole).
 """
 
 import argparse
@@ -89,10 +90,8 @@ def main() -> int:
                      "(indexer + sparse attention at the M3 shape; top-k and bytes left out, so the real "
                      "ceiling is lower); lengths by msa_production's rule",
              "table": sorted(rep, key=lambda r: -r["weight"])[:20]}
-    path = args.out / "kernels.json"
-    data = json.loads(path.read_text()) if path.exists() else {}
-    data["kernels.production_prefill_ceiling"] = entry
-    path.write_text(json.dumps(data, indent=1) + "\n")
+    path = args.out / "production_ceiling.json"
+    path.write_text(json.dumps({"kernels.production_prefill_ceiling": entry}, indent=1) + "\n")
     print(f"{'case':>10} {'batch':>6} {'total_q':>8} {'max_kv':>8} {'weight':>7} {'useful/real':>12} "
           f"{'floor_ms':>9} {'ceiling TFLOP/s':>16}")
     for r in entry["table"]:
