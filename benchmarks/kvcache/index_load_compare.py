@@ -17,6 +17,7 @@ from msaserve.engine.kv import direct_index
 from msaserve.engine.kv.adoption import LazyPageFetcher
 from msaserve.engine.kv.pages import PageCodec, identity_for
 from msaserve.engine.kv.pinned_segments import segment_allocators, segment_tensor
+from msaserve.kernels.checksum import xxh3_64_rows
 from msaserve.kvcache.arena import numpy_segment
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.codec import PACK_THREADS, pack_pool
@@ -108,6 +109,12 @@ def parts(args, device, client, hashes, codec) -> dict[str, float]:
         staging.finish()
 
     out[f"host→device copies ({len(runs)} runs)"], _ = median_ms(device, copy, args.repeats)
+    if device.type == "cuda":  # the load's check on CUDA: the same digests from the copied rows
+        def verify_device() -> None:
+            for g, items in enumerate(groups):
+                xxh3_64_rows(staging.buffers[g % 2][: len(items)])
+
+        out["verify on the GPU (xxh3 kernel)"], _ = median_ms(device, verify_device, args.repeats)
     lease.release()
     return out
 
@@ -171,7 +178,7 @@ def report(args, device, codec, results: dict[str, float], breakdown: dict[str, 
     print(f"\n{meta['workload']}; {meta['hardware']}; results → {out}")
     print(f"{'index load':<44}{'ms':>9}{'GB/s':>8}")
     for label, ms in [("packed (copy into pinned ring + verify)", results["packed"]),
-                      ("leased (arena → device, verified beside)", results["leased"]),
+                      ("leased (arena → device, checked there)", results["leased"]),
                       *[(f"  {k if k.startswith('packed') else 'leased part: ' + k}", v)
                         for k, v in breakdown.items()]]:
         print(f"{label:<44}{ms:>9.1f}{gib * 2**30 / 1e9 / (ms / 1e3):>8.1f}")

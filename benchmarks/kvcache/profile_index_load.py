@@ -8,8 +8,9 @@ load under cProfile.
 `--layers` 4: M3's index page, 128 KiB; 8,192 pages = 1 GiB) from 4 in-process shards —
 **packed** (the shards copy each page into a pinned upload buffer and verify the copy; before
 issue 30's arena) and **leased** (the shards' memory tier keeps the pages in arenas, pinned on
-CUDA; the device copies runs of them straight from there while a thread pool verifies the same
-bytes, `engine/kv/direct_index.py`) — median of `--repeats`, every page checked equal afterwards;
+CUDA; the device copies runs of them straight from there and checks them on the GPU — on the CPU
+a thread pool verifies the same bytes — `engine/kv/direct_index.py`) — median of `--repeats`,
+every page checked equal afterwards;
 then the leased load's parts alone. Prints a table; writes benchmarks/results/kvcache_index_load.json
 (`kvcache_index_load_cpu.json` with `kvcache.index_load_cpu_*` keys off CUDA).
 

@@ -21,12 +21,11 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 
-import numpy as np
 import torch
 import xxhash
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from adopt import git_revision, hardware, merge_results  # noqa: E402
+from adopt import git_revision, hardware, merge_results
 
 ROOT = Path(__file__).resolve().parents[2]
 PAGE = 128 << 10

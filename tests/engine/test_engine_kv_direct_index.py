@@ -3,6 +3,7 @@ pages copied straight from the service's arena, each verified against its stored
 the verified prefix imported, the lease ended."""
 
 import numpy as np
+import pytest
 import torch
 
 from msaserve.engine.kv.direct_index import load_index_leased, runs_of
@@ -58,17 +59,35 @@ def test_pages_come_straight_from_the_arena_in_runs_verified_into_their_cache_pa
         assert stats["index"]["arena_segments"] == 1
 
 
-def test_a_corrupt_arena_page_ends_the_load_there_and_is_dropped_by_its_shard():
+@pytest.mark.parametrize("check_on", ["host", "device"])
+def test_a_corrupt_arena_page_ends_the_load_there_and_is_dropped_by_its_shard(check_on):
+    """On the host the checks come before the scatter: nothing past the bad page is imported. On
+    the device (CUDA's default; here the same code with the host's digests) the scatter does not
+    wait: pages past it may be written, but the load counts only the verified prefix."""
     config, client, codec, hashes, payloads = stored()
     bad = 21
     shard = client.shards[shard_of_page(hashes[bad], 3)]
     store = shard.stores["index"]
     store.memory.get(index_key(client.model_key, hashes[bad])).payload[7] ^= 0x10
     caches = allocate_caches(config, PAGES, "cpu", torch.float32)
-    assert load_index_leased(client, hashes, codec, caches, torch.arange(PAGES), group_pages=16) == bad
+    usable = load_index_leased(client, hashes, codec, caches, torch.arange(PAGES), group_pages=16,
+                               check_on=check_on)
+    assert usable == bad
     assert np.array_equal(index_pages(codec, caches, range(bad)), payloads[:bad])
-    assert not index_pages(codec, caches, range(bad, PAGES)).any()  # nothing after it imported
+    if check_on == "host":
+        assert not index_pages(codec, caches, range(bad, PAGES)).any()  # nothing after it imported
     assert store.stats.corruptions == 1 and client.get_index([hashes[bad]]) == [None]
+    assert all(stats["open_leases"] == 0 for stats in client.stats())
+
+
+def test_the_device_check_passes_intact_pages_and_rejects_an_unknown_place():
+    config, client, codec, hashes, payloads = stored()
+    caches = allocate_caches(config, PAGES, "cpu", torch.float32)
+    assert load_index_leased(client, hashes, codec, caches, torch.arange(PAGES), group_pages=16,
+                             check_on="device") == PAGES
+    assert np.array_equal(index_pages(codec, caches, range(PAGES)), payloads)
+    with pytest.raises(ValueError, match="check_on is 'gpu'"):
+        load_index_leased(client, hashes, codec, caches, torch.arange(PAGES), check_on="gpu")
 
 
 def test_pages_outside_an_arena_and_a_missing_page_take_the_same_path():

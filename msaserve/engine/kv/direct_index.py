@@ -9,11 +9,18 @@ answer later groups while the first is copied):
   in one arena segment (pages of a session written in order do) is one host→device copy, on a
   side stream, from pinned memory when the engine gave the shards pinned segments
   (`pinned_segments.py`); pages outside an arena are stacked and copied together;
-- meanwhile a thread pool checks every page's bytes — the same bytes the copy reads — against the
-  checksum stored with it (xxhash releases the GIL for buffers over 64 KiB, so the checks run in
-  parallel);
-- only the verified prefix is scattered into the caches: the first missing or bad page ends the
-  load there (the caller recomputes from its tokens) and is reported to its shard as corrupt.
+- every page's bytes are checked against the checksum stored with it (xxh3_64):
+  - on CUDA, on the GPU, from the bytes the copy wrote (`kernels.checksum`, no host sync until the
+    end): the check covers host memory and the link too, and costs the host nothing. Checking on the
+    host was the load's bound: 1 GiB took 72.5 ms with 8 threads on the H200's host (host memory
+    bound near 16 GB/s; more threads were no faster) against 20 ms for the copies
+    (`benchmarks/kvcache/verify_threads.py`). The scatter does not wait for the check: a bad page's
+    bytes may land in cache pages at or past the first bad one, which the load does not count and
+    the caller recomputes (it prefills every token from there, and frees the pages it does not keep);
+  - elsewhere, by a thread pool on the same bytes the copy reads, and only the verified prefix is
+    scattered;
+- the first missing or bad page ends the load there (the caller recomputes from its tokens) and is
+  reported to its shard as corrupt.
 The leases end after every check and copy that reads the leased bytes has completed.
 """
 
@@ -28,6 +35,7 @@ import xxhash
 
 from msaserve.engine.kv.pages import PageCodec
 from msaserve.engine.kv.pinned_segments import segment_tensor
+from msaserve.kernels.checksum import kernel_takes, xxh3_64_rows
 from msaserve.kvcache.client import KVCacheClient, LeaseFetch, PageLease, ServiceUnavailable
 from msaserve.kvcache.codec import pack_pool
 from msaserve.models.cache import LayerKVCache
@@ -154,43 +162,68 @@ class _Group:
     limit: int
     """Pages of the group before its first missing one."""
     checks: list[tuple[int, Future]]
-    """(first page of the group's lease, the check of VERIFY_PAGES pages from there)."""
+    """(first page of the group's lease, the check of VERIFY_PAGES pages from there); empty when
+    the device checks the group."""
     pieces: list[tuple[np.ndarray, torch.Tensor]] = dataclasses.field(default_factory=list)
+    first_bad: torch.Tensor | None = None
+    """Device check: the group's first bad page on the device (`limit` if none), not yet read."""
 
 
-def _begin(fetch: LeaseFetch, start: int, row_bytes: int) -> _Group:
-    """A group's lease arrived: its sizes checked, its pages' checks queued on the thread pool."""
+def _begin(fetch: LeaseFetch, start: int, row_bytes: int, on_host: bool) -> _Group:
+    """A group's lease arrived: its sizes checked, its pages' checks queued on the thread pool
+    (`on_host`; else the device checks them after the copy, `_check_on_device`)."""
     lease = fetch.result()
     limit = lease.first_missing()
     for i in range(limit):
         if lease.views[i].nbytes != row_bytes:
             raise ValueError(f"index page {start + i} has {lease.views[i].nbytes} bytes; the reader's "
                              f"layout needs {row_bytes} (a model identity mismatch)")
+    if not on_host:
+        return _Group(start, lease, limit, [])
     checksums = lease.checksums[:limit].tolist()
     checks = [(a, pack_pool().submit(_first_bad, lease.views[a:b], checksums[a:b]))
               for a in range(0, limit, VERIFY_PAGES) for b in [min(a + VERIFY_PAGES, limit)]]
     return _Group(start, lease, limit, checks)
 
 
+def _check_on_device(group: _Group) -> None:
+    """Queue the device check of the group's copied rows (after `ready`, before `consumed`): its
+    first page whose xxh3_64 differs from the stored checksum, as a device scalar."""
+    firsts = []
+    for row_items, chunk in group.pieces:
+        digests = xxh3_64_rows(chunk)
+        expected = index_to_device(group.lease.checksums[row_items].view(np.int64), chunk.device)
+        items = index_to_device(row_items, chunk.device)
+        firsts.append(torch.where(digests != expected, items, torch.full_like(items, group.limit)).min())
+    group.first_bad = torch.stack(firsts).min()
+
+
 def load_index_leased(client: KVCacheClient, hashes: Sequence[int], codec: PageCodec,
                       caches: Sequence[LayerKVCache], physical: torch.Tensor,
-                      group_pages: int = GROUP_PAGES) -> int:
+                      group_pages: int = GROUP_PAGES, check_on: str | None = None) -> int:
     """Lease the index pages `hashes` (page i → cache page physical[i]) and scatter them into the
     caches, up to the first missing or bad one; returns how many (the verified prefix).
 
     One lease per group of pages, all asked for at once: the first group's pages are copied and
-    checked while the shards still answer the later leases. Every lease ends before this returns."""
+    checked while the shards still answer the later leases. Every lease ends before this returns.
+    check_on: "device" (the default on CUDA where the checksum kernel takes the page size) or
+    "host" (the default elsewhere)."""
     row_bytes = codec.index_bytes + codec.scale_bytes
+    device = caches[0].index_cache.device
+    if check_on is None:
+        check_on = "device" if device.type == "cuda" and kernel_takes(row_bytes) else "host"
+    if check_on not in ("device", "host"):
+        raise ValueError(f"check_on is {check_on!r}: allowed 'device', 'host' or None (by device)")
+    on_device = check_on == "device"
     bounds = [(a, min(a + group_pages, len(hashes))) for a in range(0, len(hashes), group_pages)]
     fetches = [client.lease_index_async(hashes[a:b]) for a, b in bounds]
-    device = caches[0].index_cache.device
     staging = _Staging(device, min(group_pages, max(1, len(hashes))), row_bytes)
     groups: list[_Group] = []
     usable, bad = 0, None
 
     def fill(g: int) -> None:  # group g's lease, checks and copies (into buffer g % 2)
         try:
-            group = _begin(fetches[g], bounds[g][0], row_bytes)
+            group = _begin(fetches[g], bounds[g][0], row_bytes, on_host=not on_device)
         except ServiceUnavailable:
             return  # a shard did not answer: the load ends before this group
         groups.append(group)
@@ -211,6 +244,8 @@ def load_index_leased(client: KVCacheClient, hashes: Sequence[int], codec: PageC
                     bad, intact = (g, a + first_bad), a + first_bad
                     break
             staging.ready(g % 2)
+            if on_device and group.limit:
+                _check_on_device(group)
             _scatter(codec, caches, physical[group.start :], group.pieces, intact)
             staging.consumed_by_current_stream(g % 2)
             group.pieces = []
@@ -219,9 +254,24 @@ def load_index_leased(client: KVCacheClient, hashes: Sequence[int], codec: PageC
                 break  # the first bad or missing page: the caller recomputes from here
             if g + 2 < len(bounds) and len(groups) == g + 2:
                 fill(g + 2)
+        if on_device:
+            usable, bad = _device_verdict(groups, usable)
     finally:
         _end(groups, fetches, staging, bad)
     return usable
+
+
+def _device_verdict(groups: list[_Group], usable: int) -> tuple[int, tuple[int, int] | None]:
+    """The device checks' answer (one host sync for the whole load): the verified prefix, and
+    (group, page of its lease) of the first bad page if any."""
+    checked = [(g, group) for g, group in enumerate(groups) if group.first_bad is not None]
+    if not checked:
+        return usable, None
+    firsts = torch.stack([group.first_bad for _, group in checked]).tolist()
+    for (g, group), first in zip(checked, firsts, strict=True):
+        if first < group.limit:
+            return group.start + first, (g, first)
+    return usable, None
 
 
 def _end(groups: list[_Group], fetches: list[LeaseFetch], staging: _Staging,
