@@ -41,12 +41,13 @@ AVALANCHE = 0x165667919E3779F9
 STRIPE, BLOCK = 64, 1024  # bytes; 16 stripes per block with the 192-byte secret
 
 # Layout of the constants tensor (int64 words, uint64 bits):
-C_STRIPE_KEYS = 0  # [16 stripes × 8 lanes] secret words of each stripe of a block
-C_SCRAMBLE = 128  # [8] secret words at byte 128 (scramble)
-C_LAST = 136  # [8] secret words at byte 121 (the last stripe)
-C_MERGE = 144  # [8] secret words at byte 11 (the final merge)
-C_INIT = 152  # [8] the accumulators' initial values
-C_PRIME32_1, C_AVALANCHE, C_START = 160, 161, 162  # C_START: len · PRIME64_1 (mod 2^64)
+C_STRIPE_KEYS = tl.constexpr(0)  # [16 stripes × 8 lanes] secret words of each stripe of a block
+C_SCRAMBLE = tl.constexpr(128)  # [8] secret words at byte 128 (scramble)
+C_LAST = tl.constexpr(136)  # [8] secret words at byte 121 (the last stripe)
+C_MERGE = tl.constexpr(144)  # [8] secret words at byte 11 (the final merge)
+C_INIT = tl.constexpr(152)  # [8] the accumulators' initial values
+C_PRIME32_1, C_AVALANCHE = tl.constexpr(160), tl.constexpr(161)
+C_START = tl.constexpr(162)  # len · PRIME64_1 (mod 2^64)
 C_SIZE = 163
 
 
