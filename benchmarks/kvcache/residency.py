@@ -17,11 +17,12 @@ Keys: `kvcache.adopt_vs_reprefill` (issue 30's done-when figure) is the MSA re-p
 the sparse-resident adoption's first token; adopt.py's adoption into fully resident caches writes
 `kvcache.full_kv_adopt_vs_reprefill`.
 
-The TPOT penalties are against an **eager** resident decode (14 ms per token for m3-mini, 4 layers,
-1M tokens on the H200 at 4195171): the engine replaying CUDA graphs decodes the same model at 1M
-tokens in about 3.4 ms, and a sparse-resident session cannot be graph-captured yet (its ops say
-`graph_capturable=False`), so against the graph-replayed engine the penalties would be several
-times larger than the ratios written here.
+The `..._penalty_*pct` keys compare **eager** decodes (~15 ms per token for m3-mini, 4 layers, 1M
+tokens on the H200: launch bound). On CUDA each budget runs again with both sides replayed as CUDA
+graphs (`ResidentGraph` here, `engine/kv/resident_graph.SparseDecodeGraph` for the session: the
+engine's decode mode, ~3 ms per token), written as `..._penalty_*pct_graphs` against
+`kvcache.residency_tpot_resident_graph_ms`; `--no-graphs` skips them. Adoption's TPOT stays eager:
+its first steps go through the host while the host tier fills, which a graph cannot replay.
 
     python benchmarks/kvcache/residency.py                        # H200
     python benchmarks/kvcache/residency.py --device cpu --quick   # CPU smoke run at small sizes
@@ -47,12 +48,14 @@ from msaserve.engine.kv.host_tier import HostKV  # noqa: E402
 from msaserve.engine.kv.pages import identity_for  # noqa: E402
 from msaserve.engine.kv.persist import SessionWriter  # noqa: E402
 from msaserve.engine.kv.pinned_segments import segment_allocators  # noqa: E402
+from msaserve.engine.kv.resident_graph import WARMUP_STEPS, SparseDecodeGraph  # noqa: E402
 from msaserve.engine.kv.resident_session import ResidentSession, allocate_resident_caches  # noqa: E402
 from msaserve.kernels import get_ops  # noqa: E402
 from msaserve.kvcache.client import KVCacheClient  # noqa: E402
 from msaserve.kvcache.config import ServiceConfig  # noqa: E402
 from msaserve.models.cache import allocate_caches  # noqa: E402
 from msaserve.models.loader import load_model  # noqa: E402
+from msaserve.models.metadata import AttentionMetadata  # noqa: E402
 from msaserve.models.presets import M3_MINI_SMALL  # noqa: E402
 
 
@@ -93,6 +96,64 @@ def resident_decode(replica: Replica, first: int, start: int, steps: int) -> tup
             sync(replica.device)
             times.append(time.perf_counter() - t0)
     return tokens[1:], times
+
+
+class ResidentGraph:
+    """The fully resident replica's decode step (identity block table: slot = position), the
+    forward, logits and greedy token captured as one CUDA graph after WARMUP_STEPS eager steps
+    through the same static buffers — as `SparseDecodeGraph` does for a sparse-resident session."""
+
+    def __init__(self, replica: Replica) -> None:
+        self.replica, device = replica, replica.device
+        self.token = torch.zeros(1, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(1, dtype=torch.int64, device=device)
+        self.seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+        self.meta = AttentionMetadata(
+            positions=self.positions, slot_mapping=self.positions,
+            block_tables=torch.arange(replica.state.max_pages, device=device, dtype=torch.int32)[None],
+            seq_lens=self.seq_lens, cu_seqlens_q=torch.tensor([0, 1], device=device, dtype=torch.int32),
+            max_query_len=1, decode_query_len=1,
+            logits_indices=torch.zeros(1, dtype=torch.long, device=device))
+        self.graph, self.next_token, self.steps = None, None, 0
+
+    def _body(self) -> torch.Tensor:
+        r = self.replica
+        hidden = r.model(self.token, self.meta, r.state.caches, ops=r.ops)
+        return torch.argmax(r.model.compute_logits(hidden)[0])
+
+    @torch.inference_mode()
+    def step(self, token: int, position: int) -> int:
+        self.token.fill_(token)
+        self.positions.fill_(position)
+        self.seq_lens.fill_(position + 1)
+        self.steps += 1
+        if self.steps <= WARMUP_STEPS:
+            return int(self._body())
+        if self.graph is None:
+            torch.cuda.synchronize()
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.next_token = self._body()
+        self.graph.replay()
+        return int(self.next_token)
+
+
+def graphed_decode(stepper, device, first: int, start: int, steps: int) -> tuple[list[int], list[float]]:
+    """Greedy decode through a graph stepper (`ResidentGraph`, `SparseDecodeGraph`) → (tokens after
+    `first`, step times; the first WARMUP_STEPS + 1 steps are the eager ones and the capture)."""
+    tokens, times = [first], []
+    for step in range(steps):
+        sync(device)
+        t0 = time.perf_counter()
+        tokens.append(stepper.step(tokens[-1], start + step))
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    return tokens[1:], times
+
+
+def replayed(times: list[float]) -> float:
+    """Median step time over the replays (after the eager warm-up steps and the capture)."""
+    return statistics.median(times[WARMUP_STEPS + 1 :])
 
 
 def budget_pages_for(config, pages: int, fraction: float) -> int:
@@ -187,6 +248,13 @@ def run(args: argparse.Namespace) -> dict:
     want, resident_times = resident_decode(replica, first, args.context, steps)
     tpot_resident = statistics.median(resident_times[1:])
     log(f"resident TPOT {tpot_resident * 1e3:.2f} ms")
+    graphs = device.type == "cuda" and not args.no_graphs
+    tpot_resident_graph = None
+    if graphs:  # the same steps again, replayed (they rewrite the same K/V at the same slots)
+        got, times = graphed_decode(ResidentGraph(replica), device, first, args.context, args.steps)
+        tpot_resident_graph = replayed(times)
+        log(f"resident TPOT, CUDA graph {tpot_resident_graph * 1e3:.2f} ms, tokens equal "
+            f"{got == want[: args.steps]}")
 
     results = dict(
         config=config,
@@ -194,6 +262,7 @@ def run(args: argparse.Namespace) -> dict:
         pages=pages,
         reprefill_s=reprefill_s,
         tpot_resident=tpot_resident,
+        tpot_resident_graph=tpot_resident_graph,
         budgets={},
         adoption={},
     )
@@ -223,6 +292,19 @@ def run(args: argparse.Namespace) -> dict:
             f"{stats.host_steps} layer-steps through the host"
         )
         session = None
+        if graphs:  # a fresh session at the same budget, its steps replayed as one CUDA graph
+            session = ResidentSession.offload(config, caches, args.context, budget, max_pages, host=host)
+            stepper = SparseDecodeGraph(session, model, ops)
+            got, times = graphed_decode(stepper, device, first, args.context, args.steps)
+            stats = session.stats
+            results["budgets"][fraction].update(
+                tpot_graph=replayed(times), match_graph=got == want[: args.steps],
+                pages_per_step_graph=stats.pages_fetched / args.steps,
+                bytes_per_step_graph=stats.bytes_fetched / args.steps, replays=stepper.replays)
+            log(f"budget {fraction:.0%}, CUDA graph: TPOT {replayed(times) * 1e3:.2f} ms, "
+                f"{stats.pages_fetched / args.steps:.1f} pages/step, "
+                f"tokens equal {got == want[: args.steps]}, {stepper.replays} replays")
+            session = stepper = None
     replica = caches = None
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -312,9 +394,9 @@ def report(args: argparse.Namespace, r: dict) -> None:
     )
     shape = f"{args.preset} (quick shapes)" if args.quick else args.preset
     label = (
-        f"{shape}, {r['config'].num_layers} layers, {args.context} tokens, eager decode (no CUDA graphs) "
-        f"on both sides (the engine's CUDA-graph decode of m3-mini at 1M is ~3.4 ms), in-process KV cache "
-        f"shards ({args.shards})"
+        f"{shape}, {r['config'].num_layers} layers, {args.context} tokens, eager decode on both sides "
+        f"(keys without _graph), and both sides replayed as CUDA graphs (keys with _graph/_graphs: the "
+        f"engine's decode mode), in-process KV cache shards ({args.shards})"
     )
     base = r["tpot_resident"]
     ten = r["budgets"].get(0.10)
@@ -354,6 +436,19 @@ def report(args: argparse.Namespace, r: dict) -> None:
             f"({b['bytes_per_step'] / 2**20:.1f} MiB) moved per step; tokens equal: {b['match']}; "
             f"{b['host_steps']} layer-steps with a host sync",
         )
+    graph_base = r.get("tpot_resident_graph")
+    if graph_base:
+        entries["kvcache.residency_tpot_resident_graph_ms"] = dict(
+            value=round(graph_base * 1e3, 3), unit="ms",
+            note="fully resident decode replayed as a CUDA graph (forward, logits, greedy token)")
+        for fraction, b in r["budgets"].items():
+            if "tpot_graph" in b:
+                entries[f"kvcache.sparse_residency_tpot_penalty_{round(fraction * 100)}pct_graphs"] = dict(
+                    value=round(b["tpot_graph"] / graph_base, 3), unit="x resident TPOT (both CUDA graphs)",
+                    note=f"sparse {b['tpot_graph'] * 1e3:.3f} ms vs resident {graph_base * 1e3:.3f} ms per "
+                    f"step, both replayed as CUDA graphs; {b['pages_per_step_graph']:.1f} pages "
+                    f"({b['bytes_per_step_graph'] / 2**20:.1f} MiB) moved per step through the UVA view; "
+                    f"tokens equal: {b['match_graph']}; {b['replays']} replays")
     if ten is not None:
         entries["kvcache.sparse_residency_bytes_per_step_10pct"] = dict(
             value=round(ten["bytes_per_step"]), unit="bytes",
@@ -383,6 +478,13 @@ def report(args: argparse.Namespace, r: dict) -> None:
             f"{name:<34}{b['tpot'] * 1e3:>9.2f}{b['tpot'] / base:>11.2f}{b['bytes_per_step'] / 2**20:>10.1f}"
             f"{b['match']!s:>10}"
         )
+    if graph_base:
+        print(f"{'resident, CUDA graph':<34}{graph_base * 1e3:>9.2f}{1:>11.2f}{0:>10.1f}{'-':>10}")
+        for fraction, b in r["budgets"].items():
+            if "tpot_graph" in b:
+                name = f"sparse {fraction:.0%}, CUDA graph"
+                print(f"{name:<34}{b['tpot_graph'] * 1e3:>9.2f}{b['tpot_graph'] / graph_base:>11.2f}"
+                      f"{b['bytes_per_step_graph'] / 2**20:>10.1f}{b['match_graph']!s:>10}")
     for prefetch, a in r["adoption"].items():
         name = f"adopted 10%, prefetch {prefetch} (ttft {a['ttft'] * 1e3:.0f} ms)"
         print(
@@ -420,6 +522,8 @@ def main() -> None:
         help="(page, layer) background service reads queued (default: every page)"
     )
     parser.add_argument("--output", default=None)
+    parser.add_argument("--no-graphs", action="store_true",
+                        help="skip the CUDA-graph runs (resident and each budget replayed as graphs)")
     args = parser.parse_args()
     args.num_layers = args.num_layers or (4 if args.preset == "m3-mini" else 2)
     args.context = args.context or (8192 if args.quick else 1 << 20)

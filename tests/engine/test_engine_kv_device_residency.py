@@ -12,6 +12,7 @@ from reference_decode import SequenceState
 
 from msaserve.engine.kv.device_working_set import DeviceWorkingSet
 from msaserve.engine.kv.residency import WorkingSet
+from msaserve.engine.kv.resident_graph import SparseDecodeGraph
 from msaserve.engine.kv.resident_session import ResidentSession
 from msaserve.kernels import get_ops
 from msaserve.kernels.page_gather import gather_pages_naive, host_view
@@ -100,12 +101,15 @@ def test_m3_sparse_resident_session_decodes_the_resident_tokens(m3):
     assert session.stats.pages_fetched > steps and session.stats.evictions > 0
 
 
-def test_admit_triton_matches_the_reference_tables_and_slots():
+@pytest.mark.parametrize("step_on_device", [False, True])
+def test_admit_triton_matches_the_reference_tables_and_slots(step_on_device):
     """The one-program admission (interpreted) against the tensor-op reference, step by step, on
-    selections with repeats and -1, through evictions."""
+    selections with repeats and -1, through evictions; the step given as an int (reference) and as
+    an int or a one-element tensor (the form a captured CUDA graph reads at replay) to the kernel."""
     (module,) = import_interpreted("msaserve.kernels.residency.triton")
     num_slots, ring, max_pages = 20, 3, 70
     tables = []
+    step_tensor = torch.zeros(1, dtype=torch.int64)
     for _ in range(2):
         page_in = torch.full((num_slots + 1,), -1, dtype=torch.int64)
         page_in[1] = 50  # the write page in its ring slot
@@ -117,9 +121,40 @@ def test_admit_triton_matches_the_reference_tables_and_slots():
     for step in range(1, 30):
         selected = torch.randint(-1, 51, (1, 1, 4, 4), generator=gen)
         want = admit_naive(selected, *tables[0], step, ring)
-        got = module.admit_triton(selected, *tables[1], step, ring)
+        step_tensor.fill_(step)
+        got = module.admit_triton(selected, *tables[1], step_tensor if step_on_device else step, ring)
         hit = want[0] >= 0
         assert torch.equal(got[0], want[0]) and torch.equal(got[1][hit], want[1][hit]), step
         for a, b in zip(tables[0], tables[1], strict=True):
             assert torch.equal(a[:-1], b[:-1]), step  # the spare entries take any value
     assert tables[1][3][1] > 0  # evictions happened
+
+
+def test_the_graph_steps_body_decodes_the_resident_tokens_from_static_buffers(m3):
+    """`SparseDecodeGraph`'s step (on CUDA captured once and replayed; here its body run eagerly
+    through the same static buffers and device step number) gives the fully resident tokens,
+    across a page boundary, with evictions; a session whose steps need the host is refused."""
+    prompt_len, steps = 300, 24
+    prompt = torch.randint(3, 512, (prompt_len,), generator=torch.Generator().manual_seed(6)).tolist()
+    with torch.inference_mode():
+        state = SequenceState(m3, prompt_len + steps + 1)
+        want = [int(torch.argmax(m3.compute_logits(state.prefill(prompt, chunk_size=64)[-1:])[0]))]
+        session = ResidentSession.offload(m3.config, state.caches, prompt_len, budget_pages=2 + 2 * 4 + 1,
+                                          max_pages=state.max_pages)
+        for step in range(steps):
+            hidden = state.forward([want[-1]], prompt_len + step, decode=True)
+            want.append(int(torch.argmax(m3.compute_logits(hidden)[0])))
+    graphed = SparseDecodeGraph(session, m3, get_ops("msa", "cpu"))
+    assert not graphed.capture
+    got = [want[0]]
+    for step in range(steps):
+        got.append(graphed.step(got[-1], prompt_len + step))
+    assert got == want
+    assert int(session.step_number) == steps and session.stats.evictions > 0
+    with torch.inference_mode():  # as an adopted session whose pages are still in the service
+        session.host.present[:, 0] = False
+    session._host_complete = False
+    with pytest.raises(ValueError, match="goes through the host"):
+        graphed.step(got[-1], prompt_len + steps)
+    with pytest.raises(ValueError, match="capture=True on cpu"):
+        SparseDecodeGraph(session, m3, get_ops("msa", "cpu"), capture=True)

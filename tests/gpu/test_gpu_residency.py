@@ -80,3 +80,27 @@ def test_sparse_resident_decode_needs_no_host_sync_and_keeps_the_tokens():
             got.append(int(torch.argmax(model.compute_logits(hidden)[0])))
     assert got == tokens
     assert session.stats.pages_fetched > 16
+
+
+def test_sparse_resident_decode_replayed_as_a_cuda_graph_keeps_the_tokens():
+    """`SparseDecodeGraph`: two eager warm-up steps, one capture, then replays — across page
+    boundaries (tiny's pages are 16 tokens) and evictions — give the fully resident tokens."""
+    from msaserve.engine.kv.resident_graph import WARMUP_STEPS, SparseDecodeGraph
+
+    model = init_random_weights(MSATransformer(get_preset("tiny"), "msa"), seed=0).cuda().eval()
+    prompt = torch.randint(3, 512, (600,), generator=torch.Generator().manual_seed(4)).tolist()
+    ops, steps = get_ops("msa", torch.device("cuda")), 40
+    with torch.inference_mode():
+        state = SequenceState(model, 600 + steps + 1)
+        tokens = [int(torch.argmax(model.compute_logits(state.prefill(prompt, chunk_size=128)[-1:])[0]))]
+        session = ResidentSession.offload(model.config, state.caches, 600, budget_pages=10,
+                                          max_pages=state.max_pages)
+        for step in range(steps):
+            hidden = state.forward([tokens[-1]], 600 + step, True)
+            tokens.append(int(torch.argmax(model.compute_logits(hidden)[0])))
+    graphed, got = SparseDecodeGraph(session, model, ops), [tokens[0]]
+    for step in range(steps):
+        got.append(graphed.step(got[-1], 600 + step))
+    assert got == tokens
+    assert graphed.graph is not None and graphed.replays == steps - WARMUP_STEPS
+    assert session.stats.pages_fetched > steps and session.stats.evictions > 0

@@ -62,7 +62,8 @@ class DeviceWorkingSet:
         self.slot_of[:, page] = slot
         return slot
 
-    def admit(self, layer: int, selected: torch.Tensor, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def admit(self, layer: int, selected: torch.Tensor,
+              step: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """selected [.., Hkv, K] block ids of `layer` (-1 unused), on the device → (dst_slots,
         src_pages) [M]: the misses' slots and pages, -1 / any elsewhere. The tables say the pages
         are resident from now on: copy them in before anything reads them."""

@@ -101,6 +101,9 @@ class ResidentSession:
         self.write_page = -1
         self.last_selected: list[list[int]] = [[] for _ in self.caches]
         self._stats = ResidencyStats()
+        self.step_number = torch.zeros(1, dtype=torch.int64, device=self.device)
+        """The current step's number on the device: the admission reads it there (a captured
+        step replays with the number of its replay, `resident_graph.py`)."""
         self._host_complete = False
         self.adopt_phases: dict[str, float] = {}
         """Seconds of `adopt`'s phases (host_reset_s, allocate_s, index_s: the whole index and a stored
@@ -196,9 +199,9 @@ class ResidentSession:
                 if self.host.present[layer, page]:
                     self.pools[layer][slot].copy_(self.host.data[layer, page], non_blocking=True)
         self.write_page = page
-        self._check_host_complete()
+        self.check_host_complete()
 
-    def _check_host_complete(self) -> None:
+    def check_host_complete(self) -> None:
         """Whether the host tier holds every page before the write page (then steps need no host
         sync). Checked as soon as the write page is placed — an offloaded session is complete from
         its first step, before any `decode_metadata` — and at every step while it is not (background
@@ -206,19 +209,26 @@ class ResidentSession:
         if not self._host_complete:
             self._host_complete = bool(self.host.present[:, : self.write_page].all())
 
-    def decode_metadata(self, position: int) -> AttentionMetadata:
-        """The metadata of a one-token decode step at `position` (the session's tokens so far)."""
+    def advance(self, position: int) -> int:
+        """Start the decode step of the token at `position` (the session's tokens so far): on a
+        page boundary the filled page is written back and the new one takes its ring slot; the
+        step number advances (host and device) → the K/V slot of the new token in the pool."""
         page = position // self.page_size
         if page != self.write_page:
             if page != self.write_page + 1:
                 raise ValueError(f"position={position} is invalid: allowed the next token of page "
                                  f"{self.write_page} or the first of page {self.write_page + 1}")
             self._enter_page(page, load=False)
-        self._check_host_complete()
+        self.check_host_complete()
+        self._stats.steps += 1
+        self.step_number.fill_(self._stats.steps)
+        return (page % self.ring) * self.page_size + position % self.page_size
+
+    def decode_metadata(self, position: int) -> AttentionMetadata:
+        """The metadata of a one-token decode step at `position` (the session's tokens so far)."""
+        kv_slot = self.advance(position)
         device = self.device
         positions = torch.tensor([position], device=device)
-        kv_slot = (page % self.ring) * self.page_size + position % self.page_size
-        self._stats.steps += 1
         return AttentionMetadata(
             positions=positions, slot_mapping=positions.clone(),
             kv_slot_mapping=torch.tensor([kv_slot], device=device),
@@ -240,7 +250,7 @@ class ResidentSession:
         set before anything reads them (stream order). Host tier complete: the device admits and
         fills the misses with no host sync. Else the host reads the misses (one sync) and makes
         them present first (service reads)."""
-        dst, src = self.working.admit(layer, selected, self._stats.steps)
+        dst, src = self.working.admit(layer, selected, self.step_number)
         if not self.synced_steps:
             gather_pages(self.pools[layer], dst, self._host_src[layer], src)
             return

@@ -14,8 +14,10 @@ from msaserve.kernels.residency.naive import admit_naive
 
 
 def admit(selected: torch.Tensor, slot_of: torch.Tensor, page_in: torch.Tensor, last_used: torch.Tensor,
-          counters: torch.Tensor, step: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """selected [.., Hkv, K] block ids (-1 unused) → (dst_slots [M] int64, -1: no copy; src_pages [M])."""
+          counters: torch.Tensor, step: int | torch.Tensor, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """selected [.., Hkv, K] block ids (-1 unused) → (dst_slots [M] int64, -1: no copy; src_pages [M]).
+    step: the step number, or a one-element int64 tensor on the device holding it (read there, so a
+    captured CUDA graph replays with the step of its replay)."""
     if selected.device.type == "cuda":
         from msaserve.kernels.residency.triton import admit_triton
 

@@ -13,7 +13,8 @@ USED_NOW = 1 << 40
 """Key of a slot selected in this step (above every step number: never a victim)."""
 
 
-def victim_order(page_in: torch.Tensor, last_used: torch.Tensor, step: int, ring: int) -> torch.Tensor:
+def victim_order(page_in: torch.Tensor, last_used: torch.Tensor, step: int | torch.Tensor,
+                 ring: int) -> torch.Tensor:
     """→ [num_slots - ring] selection slots, best victim first."""
     num_slots = page_in.numel() - 1
     general = torch.arange(ring, num_slots, device=page_in.device)
@@ -25,7 +26,10 @@ def victim_order(page_in: torch.Tensor, last_used: torch.Tensor, step: int, ring
 
 
 def admit_naive(selected: torch.Tensor, slot_of: torch.Tensor, page_in: torch.Tensor, last_used: torch.Tensor,
-                counters: torch.Tensor, step: int, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+                counters: torch.Tensor, step: int | torch.Tensor,
+                ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(step, torch.Tensor):
+        step = step.reshape(())  # a 0-dim tensor works wherever the int does, with no host read
     max_pages, num_slots = slot_of.numel() - 1, page_in.numel() - 1
     pages = selected.reshape(-1).long()
     valid = pages >= 0

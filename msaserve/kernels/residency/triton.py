@@ -13,8 +13,9 @@ from msaserve.kernels.residency.naive import FREE, USED_NOW
 
 @triton.jit
 def _admit_kernel(selected, slot_of, page_in, last_used, counters, dst_out, src_out, scratch,
-                  step, ring, num_slots, max_pages, M, MP: tl.constexpr, GP: tl.constexpr,
+                  step_ptr, ring, num_slots, max_pages, M, MP: tl.constexpr, GP: tl.constexpr,
                   FREE_KEY: tl.constexpr, USED_KEY: tl.constexpr):
+    step = tl.load(step_ptr)
     offs = tl.arange(0, MP)
     pages = tl.load(selected + offs, mask=offs < M, other=-1).to(tl.int64)
     valid = pages >= 0
@@ -57,7 +58,7 @@ def _admit_kernel(selected, slot_of, page_in, last_used, counters, dst_out, src_
 
 
 def admit_triton(selected: torch.Tensor, slot_of: torch.Tensor, page_in: torch.Tensor,
-                 last_used: torch.Tensor, counters: torch.Tensor, step: int,
+                 last_used: torch.Tensor, counters: torch.Tensor, step: int | torch.Tensor,
                  ring: int) -> tuple[torch.Tensor, torch.Tensor]:
     for name, t, dtype in (("slot_of", slot_of, torch.int32), ("page_in", page_in, torch.int64),
                            ("last_used", last_used, torch.int64), ("counters", counters, torch.int64)):
@@ -65,12 +66,19 @@ def admit_triton(selected: torch.Tensor, slot_of: torch.Tensor, page_in: torch.T
             raise ValueError(f"{name} is {t.dtype}, contiguous={t.is_contiguous()}: "
                              f"allowed contiguous {dtype}")
     flat = selected.reshape(-1).contiguous()
+    if isinstance(step, torch.Tensor):
+        if step.dtype != torch.int64 or step.numel() != 1 or step.device != flat.device:
+            raise ValueError(f"step is {step.dtype} {tuple(step.shape)} on {step.device}: allowed an int or "
+                             f"one int64 element on {flat.device}")
+        step_ptr = step
+    else:
+        step_ptr = torch.full((1,), step, dtype=torch.int64, device=flat.device)
     m, num_slots = flat.numel(), page_in.numel() - 1
     gp = triton.next_power_of_2(max(num_slots - ring, 1))
     dst = torch.empty(m, dtype=torch.int64, device=flat.device)
     src = torch.empty(m, dtype=torch.int64, device=flat.device)
     scratch = torch.empty(gp, dtype=torch.int64, device=flat.device)
-    _admit_kernel[(1,)](flat, slot_of, page_in, last_used, counters, dst, src, scratch, step, ring, num_slots,
-                        slot_of.numel() - 1, m, MP=triton.next_power_of_2(m), GP=gp, FREE_KEY=FREE,
+    _admit_kernel[(1,)](flat, slot_of, page_in, last_used, counters, dst, src, scratch, step_ptr, ring,
+                        num_slots, slot_of.numel() - 1, m, MP=triton.next_power_of_2(m), GP=gp, FREE_KEY=FREE,
                         USED_KEY=USED_NOW, num_warps=8 if gp >= 2048 else 4)
     return dst, src
