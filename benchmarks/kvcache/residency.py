@@ -3,7 +3,7 @@
 `m3-mini` (MiniMax-M3's block at its real widths, random weights: Hq 64, Hkv 4, D 128, P 128,
 top-16, MoE; `--preset m3-proxy` for the earlier figures' model), a 1,048,576-token session.
 Replica A prefills it (the re-prefill baseline, MSA kernels) and decodes with everything resident
-(the TPOT baseline, eager: neither side replays CUDA graphs). Then:
+(the TPOT baseline: eager, and on CUDA again replayed as a CUDA graph). Then:
 - **budgets**: the session is offloaded (`ResidentSession.offload`: index on the GPU, K/V in a
   pinned host tier) and decodes with a K/V working set of 5 / 10 / 25 % of its pages: TPOT
   against resident, pages and bytes moved per step, tokens against A's;
