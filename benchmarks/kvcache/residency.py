@@ -270,7 +270,8 @@ def run(args: argparse.Namespace) -> dict:
         budget = budget_pages_for(config, pages, fraction)
         sync(device)
         t0 = time.perf_counter()
-        session = ResidentSession.offload(config, caches, args.context, budget, max_pages, host=host)
+        session = ResidentSession.offload(config, caches, args.context, budget, max_pages, host=host,
+                                          per_head=args.per_head)
         sync(device)
         offload_s = time.perf_counter() - t0
         got, times = sparse_decode(model, ops, session, first, args.context, args.steps)
@@ -292,17 +293,22 @@ def run(args: argparse.Namespace) -> dict:
             f"{stats.host_steps} layer-steps through the host"
         )
         session = None
-        if graphs:  # a fresh session at the same budget, its steps replayed as one CUDA graph
-            session = ResidentSession.offload(config, caches, args.context, budget, max_pages, host=host)
+        for per_head in (args.per_head, not args.per_head) if graphs else ():
+            # a fresh session at the same budget, its steps replayed as one CUDA graph; the other
+            # granularity too, for the comparison
+            mode = "head" if per_head else "page"
+            session = ResidentSession.offload(config, caches, args.context, budget, max_pages, host=host,
+                                              per_head=per_head)
             stepper = SparseDecodeGraph(session, model, ops)
             got, times = graphed_decode(stepper, device, first, args.context, args.steps)
             stats = session.stats
-            results["budgets"][fraction].update(
-                tpot_graph=replayed(times), match_graph=got == want[: args.steps],
-                pages_per_step_graph=stats.pages_fetched / args.steps,
-                bytes_per_step_graph=stats.bytes_fetched / args.steps, replays=stepper.replays)
-            log(f"budget {fraction:.0%}, CUDA graph: TPOT {replayed(times) * 1e3:.2f} ms, "
-                f"{stats.pages_fetched / args.steps:.1f} pages/step, "
+            results["budgets"][fraction][f"graph_{mode}"] = dict(
+                tpot=replayed(times), match=got == want[: args.steps],
+                pages_per_step=stats.pages_fetched / args.steps,
+                bytes_per_step=stats.bytes_fetched / args.steps, replays=stepper.replays)
+            log(f"budget {fraction:.0%}, CUDA graph, per {mode}: TPOT {replayed(times) * 1e3:.2f} ms, "
+                f"{stats.pages_fetched / args.steps:.1f} columns or pages/step, "
+                f"{stats.bytes_fetched / args.steps / 2**20:.1f} MiB/step, "
                 f"tokens equal {got == want[: args.steps]}, {stepper.replays} replays")
             session = stepper = None
     replica = caches = None
@@ -346,7 +352,7 @@ def adopt_and_decode(
     token_ids = client.get_session_tokens_async("bench")
     record_s = time.perf_counter() - t0
     session, covered = ResidentSession.adopt(
-        client, record, config, budget, max_pages, device, dtype, host=host
+        client, record, config, budget, max_pages, device, dtype, host=host, per_head=args.per_head
     )
     sync(device)
     index_s = time.perf_counter() - t0
@@ -395,8 +401,9 @@ def report(args: argparse.Namespace, r: dict) -> None:
     shape = f"{args.preset} (quick shapes)" if args.quick else args.preset
     label = (
         f"{shape}, {r['config'].num_layers} layers, {args.context} tokens, eager decode on both sides "
-        f"(keys without _graph), and both sides replayed as CUDA graphs (keys with _graph/_graphs: the "
-        f"engine's decode mode), in-process KV cache shards ({args.shards})"
+        f"(keys without _graph; working set per {'head' if args.per_head else 'page'}), and both sides "
+        f"replayed as CUDA graphs (keys with _graph/_graphs: the engine's decode mode), in-process KV "
+        f"cache shards ({args.shards})"
     )
     base = r["tpot_resident"]
     ten = r["budgets"].get(0.10)
@@ -437,18 +444,24 @@ def report(args: argparse.Namespace, r: dict) -> None:
             f"{b['host_steps']} layer-steps with a host sync",
         )
     graph_base = r.get("tpot_resident_graph")
+    mode = "head" if args.per_head else "page"
     if graph_base:
         entries["kvcache.residency_tpot_resident_graph_ms"] = dict(
             value=round(graph_base * 1e3, 3), unit="ms",
             note="fully resident decode replayed as a CUDA graph (forward, logits, greedy token)")
         for fraction, b in r["budgets"].items():
-            if "tpot_graph" in b:
-                entries[f"kvcache.sparse_residency_tpot_penalty_{round(fraction * 100)}pct_graphs"] = dict(
-                    value=round(b["tpot_graph"] / graph_base, 3), unit="x resident TPOT (both CUDA graphs)",
-                    note=f"sparse {b['tpot_graph'] * 1e3:.3f} ms vs resident {graph_base * 1e3:.3f} ms per "
-                    f"step, both replayed as CUDA graphs; {b['pages_per_step_graph']:.1f} pages "
-                    f"({b['bytes_per_step_graph'] / 2**20:.1f} MiB) moved per step through the UVA view; "
-                    f"tokens equal: {b['match_graph']}; {b['replays']} replays")
+            for run_mode in ("head", "page"):
+                g = b.get(f"graph_{run_mode}")
+                if g is None:
+                    continue
+                suffix = "_graphs" if run_mode == mode else f"_graphs_per_{run_mode}"
+                unit_moved = "(page, KV head) columns" if run_mode == "head" else "pages"
+                entries[f"kvcache.sparse_residency_tpot_penalty_{round(fraction * 100)}pct{suffix}"] = dict(
+                    value=round(g["tpot"] / graph_base, 3), unit="x resident TPOT (both CUDA graphs)",
+                    note=f"working set per {run_mode}; sparse {g['tpot'] * 1e3:.3f} ms vs resident "
+                    f"{graph_base * 1e3:.3f} ms per step, both replayed as CUDA graphs; "
+                    f"{g['pages_per_step']:.1f} {unit_moved} ({g['bytes_per_step'] / 2**20:.1f} MiB) moved "
+                    f"per step through the UVA view; tokens equal: {g['match']}; {g['replays']} replays")
     if ten is not None:
         entries["kvcache.sparse_residency_bytes_per_step_10pct"] = dict(
             value=round(ten["bytes_per_step"]), unit="bytes",
@@ -481,10 +494,12 @@ def report(args: argparse.Namespace, r: dict) -> None:
     if graph_base:
         print(f"{'resident, CUDA graph':<34}{graph_base * 1e3:>9.2f}{1:>11.2f}{0:>10.1f}{'-':>10}")
         for fraction, b in r["budgets"].items():
-            if "tpot_graph" in b:
-                name = f"sparse {fraction:.0%}, CUDA graph"
-                print(f"{name:<34}{b['tpot_graph'] * 1e3:>9.2f}{b['tpot_graph'] / graph_base:>11.2f}"
-                      f"{b['bytes_per_step_graph'] / 2**20:>10.1f}{b['match_graph']!s:>10}")
+            for run_mode in ("head", "page"):
+                g = b.get(f"graph_{run_mode}")
+                if g is not None:
+                    name = f"sparse {fraction:.0%}, CUDA graph, per {run_mode}"
+                    print(f"{name:<34}{g['tpot'] * 1e3:>9.2f}{g['tpot'] / graph_base:>11.2f}"
+                          f"{g['bytes_per_step'] / 2**20:>10.1f}{g['match']!s:>10}")
     for prefetch, a in r["adoption"].items():
         name = f"adopted 10%, prefetch {prefetch} (ttft {a['ttft'] * 1e3:.0f} ms)"
         print(
@@ -522,9 +537,13 @@ def main() -> None:
         help="(page, layer) background service reads queued (default: every page)"
     )
     parser.add_argument("--output", default=None)
+    parser.add_argument("--granularity", choices=["head", "page"], default="head",
+                        help="the sparse-resident working set's unit for the eager and adoption runs "
+                        "(the graph runs measure both)")
     parser.add_argument("--no-graphs", action="store_true",
                         help="skip the CUDA-graph runs (resident and each budget replayed as graphs)")
     args = parser.parse_args()
+    args.per_head = args.granularity == "head"
     args.num_layers = args.num_layers or (4 if args.preset == "m3-mini" else 2)
     args.context = args.context or (8192 if args.quick else 1 << 20)
     args.chunk = args.chunk or (1024 if args.quick else 32768)

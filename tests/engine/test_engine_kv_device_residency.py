@@ -15,7 +15,7 @@ from msaserve.engine.kv.residency import WorkingSet
 from msaserve.engine.kv.resident_graph import SparseDecodeGraph
 from msaserve.engine.kv.resident_session import ResidentSession
 from msaserve.kernels import get_ops
-from msaserve.kernels.page_gather import gather_pages_naive, host_view
+from msaserve.kernels.page_gather import gather_head_pages_naive, gather_pages_naive, host_view
 from msaserve.kernels.residency import admit_naive
 from msaserve.models.minimax_m3.model import M3ForCausalLM
 from msaserve.models.minimax_m3.random_weights import init_m3_random_weights
@@ -68,6 +68,23 @@ def test_page_gather_triton_matches_the_reference():
     assert torch.equal(want[4], src[7]) and torch.equal(want[0], src[9]) and not want[1].any()
 
 
+def test_head_page_gather_triton_matches_the_reference():
+    """Per-head miss fill: head h's K and V columns of a [2, P, H, D] page into a head-major slot."""
+    (module,) = import_interpreted("msaserve.kernels.page_gather.triton")
+    module.BLOCK = 64  # several programs per column under the interpreter
+    src = torch.randn(10, 2, 16, 4, 8)
+    want, got = torch.zeros(6, 2, 4, 16, 8), torch.zeros(6, 2, 4, 16, 8)
+    dst_slots = torch.tensor([[4, -1, 0], [-1, 2, 4], [1, -1, -1], [5, 3, -1]])
+    src_pages = torch.tensor([[7, 1, 9], [0, 3, 2], [8, 0, 0], [6, 5, 1]])
+    gather_head_pages_naive(want, dst_slots, src, src_pages)
+    module.gather_head_pages_triton(got, dst_slots, src, src_pages)
+    assert torch.equal(got, want)
+    assert torch.equal(want[4, :, 0], src[7, :, :, 0]) and torch.equal(want[4, :, 1], src[2, :, :, 1])
+    assert not want[4, :, 2:].any()  # the other heads' columns of slot 4 untouched
+    with pytest.raises(ValueError, match="allowed two \\[4, M\\] tensors"):
+        module.gather_head_pages_triton(got, dst_slots[:2], src, src_pages[:2])
+
+
 def test_host_view_refuses_what_it_cannot_map():
     assert host_view(torch.zeros(4), torch.device("cpu")) is None
     assert host_view(torch.zeros(4), torch.device("cuda")) is None  # not pinned
@@ -79,7 +96,8 @@ def m3() -> M3ForCausalLM:
     return init_m3_random_weights(M3ForCausalLM(config), seed=0).eval()
 
 
-def test_m3_sparse_resident_session_decodes_the_resident_tokens(m3):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_m3_sparse_resident_session_decodes_the_resident_tokens(m3, per_head):
     """Before M3 attention wrote K/V through kv_slot_mapping it wrote them at the logical slot,
     past the small K/V pool: this failed."""
     prompt_len, steps = 300, 20  # page 16 (P 16) at 320 is entered while decoding
@@ -88,7 +106,7 @@ def test_m3_sparse_resident_session_decodes_the_resident_tokens(m3):
         state = SequenceState(m3, prompt_len + steps + 1)
         want = [int(torch.argmax(m3.compute_logits(state.prefill(prompt, chunk_size=64)[-1:])[0]))]
         session = ResidentSession.offload(m3.config, state.caches, prompt_len, budget_pages=2 + 2 * 4 + 1,
-                                          max_pages=state.max_pages)
+                                          max_pages=state.max_pages, per_head=per_head)
         for step in range(steps):
             hidden = state.forward([want[-1]], prompt_len + step, decode=True)
             want.append(int(torch.argmax(m3.compute_logits(hidden)[0])))
@@ -130,7 +148,8 @@ def test_admit_triton_matches_the_reference_tables_and_slots(step_on_device):
     assert tables[1][3][1] > 0  # evictions happened
 
 
-def test_the_graph_steps_body_decodes_the_resident_tokens_from_static_buffers(m3):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_the_graph_steps_body_decodes_the_resident_tokens_from_static_buffers(m3, per_head):
     """`SparseDecodeGraph`'s step (on CUDA captured once and replayed; here its body run eagerly
     through the same static buffers and device step number) gives the fully resident tokens,
     across a page boundary, with evictions; a session whose steps need the host is refused."""
@@ -140,7 +159,7 @@ def test_the_graph_steps_body_decodes_the_resident_tokens_from_static_buffers(m3
         state = SequenceState(m3, prompt_len + steps + 1)
         want = [int(torch.argmax(m3.compute_logits(state.prefill(prompt, chunk_size=64)[-1:])[0]))]
         session = ResidentSession.offload(m3.config, state.caches, prompt_len, budget_pages=2 + 2 * 4 + 1,
-                                          max_pages=state.max_pages)
+                                          max_pages=state.max_pages, per_head=per_head)
         for step in range(steps):
             hidden = state.forward([want[-1]], prompt_len + step, decode=True)
             want.append(int(torch.argmax(m3.compute_logits(hidden)[0])))

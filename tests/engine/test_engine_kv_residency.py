@@ -69,11 +69,14 @@ def decode(model, session: ResidentSession, first_token: int, start: int, steps:
     return tokens
 
 
-def test_offloaded_session_decodes_identical_tokens_with_a_small_working_set(model, resident):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_offloaded_session_decodes_identical_tokens_with_a_small_working_set(model, resident, per_head):
+    """Per head (`per_head`), each KV head keeps its own columns of the slots, filled from its
+    column of the host tier's pages, and attends over them as a one-head sequence."""
     _, state, want = resident
     max_pages = state.max_pages
     session = ResidentSession.offload(model.config, state.caches, PROMPT_LEN, budget_pages=10,
-                                      max_pages=max_pages)
+                                      max_pages=max_pages, per_head=per_head)
     assert session.caches[0].k_cache.shape[0] == 10 and session.caches[0].index_cache.shape[0] == max_pages
     # Every page is in the host tier from the offload on: the first step already needs no host sync
     # (was True until the first decode_metadata: tests/gpu/test_gpu_residency.py failed on the H200).
@@ -84,8 +87,11 @@ def test_offloaded_session_decodes_identical_tokens_with_a_small_working_set(mod
     assert stats.pages_fetched > STEPS  # pages really came in from the host tier...
     assert stats.evictions > 0  # ...and went out again
     assert stats.pages_written_back == model.config.num_layers  # page 37 filled at position 608
-    for layer in range(model.config.num_layers):
-        assert len(session.working.resident_pages(layer)) <= 10
+    for row in range(session.working.num_layers):  # per head: a row per (layer, KV head)
+        assert len(session.working.resident_pages(row)) <= 10
+    if per_head:  # a fetch moves one head's column: 1/Hkv of a page
+        column = session.host.page_bytes // model.config.num_kv_heads
+        assert stats.bytes_fetched == stats.pages_fetched * column
 
 
 def test_budget_below_one_selection_is_refused(model, resident):
@@ -137,7 +143,9 @@ def test_working_set_keeps_the_write_ring_and_recently_selected_pages():
         working.admit([20, 21, 22, 23, 24], step=4)
 
 
-def test_adopted_session_filled_in_the_background_stops_syncing_and_keeps_the_tokens(model, resident):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_adopted_session_filled_in_the_background_stops_syncing_and_keeps_the_tokens(model, resident,
+                                                                                       per_head):
     """With a prefetch window over every stored page, the worker thread fills the host tier; from
     the step it holds every page on, the misses are admitted and copied with no host round trip."""
     prompt, state, want = resident
@@ -147,7 +155,7 @@ def test_adopted_session_filled_in_the_background_stops_syncing_and_keeps_the_to
                                        tail=True)
     session, _ = ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=12,
                                        max_pages=state.max_pages, device=torch.device("cpu"),
-                                       dtype=torch.float32)
+                                       dtype=torch.float32, per_head=per_head)
     session.prefetch(10_000)
     session.host.wait_all()
     assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=10_000) == want
@@ -156,12 +164,13 @@ def test_adopted_session_filled_in_the_background_stops_syncing_and_keeps_the_to
     assert all(kind == "prefetch" for kind, _ in session.host.service_log)
 
 
-def test_without_a_host_view_the_host_reads_the_misses_and_the_tokens_stay(model, resident):
+@pytest.mark.parametrize("per_head", [False, True])
+def test_without_a_host_view_the_host_reads_the_misses_and_the_tokens_stay(model, resident, per_head):
     """The fallback where no UVA view of the pinned tier can be made (on CUDA): each layer's
-    misses are read on the host (one sync) and copied page by page."""
+    misses are read on the host (one sync) and copied page by page (per head, column by column)."""
     _, state, want = resident
     session = ResidentSession.offload(model.config, state.caches, PROMPT_LEN, budget_pages=10,
-                                      max_pages=state.max_pages)
+                                      max_pages=state.max_pages, per_head=per_head)
     session._host_src = None
     assert session.synced_steps
     assert decode(model, session, want[0], PROMPT_LEN, STEPS) == want

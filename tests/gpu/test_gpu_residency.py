@@ -32,6 +32,20 @@ def test_host_view_aliases_pinned_memory_and_the_gather_reads_it():
     assert torch.equal(view[11], torch.ones_like(view[11]))
 
 
+def test_head_page_gather_compiled_reads_pinned_memory_through_the_view():
+    from msaserve.kernels.page_gather import gather_head_pages, gather_head_pages_naive
+
+    host = torch.randn(12, 2, 128, 4, 128).to(torch.bfloat16).pin_memory()
+    view = host_view(host, torch.device("cuda"))
+    dst_slots = torch.tensor([[3, -1, 0], [-1, 2, 3], [1, -1, -1], [5, 4, -1]], device="cuda")
+    src_pages = torch.tensor([[11, 2, 4], [0, 7, 9], [8, 0, 0], [6, 5, 1]], device="cuda")
+    got = torch.zeros(6, 2, 4, 128, 128, dtype=torch.bfloat16, device="cuda")
+    want = got.cpu()
+    gather_head_pages(got, dst_slots, view, src_pages)
+    gather_head_pages_naive(want, dst_slots.cpu(), host, src_pages.cpu())
+    assert torch.equal(got.cpu(), want) and torch.equal(want[3, :, 0], host[11, :, :, 0])
+
+
 def test_admit_compiled_matches_the_reference():
     num_slots, ring, max_pages = 300, 3, 1000
     tables = [(torch.full((max_pages + 1,), -1, dtype=torch.int32, device="cuda"),
@@ -82,7 +96,8 @@ def test_sparse_resident_decode_needs_no_host_sync_and_keeps_the_tokens():
     assert session.stats.pages_fetched > 16
 
 
-def test_sparse_resident_decode_replayed_as_a_cuda_graph_keeps_the_tokens():
+@pytest.mark.parametrize("per_head", [False, True])
+def test_sparse_resident_decode_replayed_as_a_cuda_graph_keeps_the_tokens(per_head):
     """`SparseDecodeGraph`: two eager warm-up steps, one capture, then replays — across page
     boundaries (tiny's pages are 16 tokens) and evictions — give the fully resident tokens."""
     from msaserve.engine.kv.resident_graph import WARMUP_STEPS, SparseDecodeGraph
@@ -94,7 +109,7 @@ def test_sparse_resident_decode_replayed_as_a_cuda_graph_keeps_the_tokens():
         state = SequenceState(model, 600 + steps + 1)
         tokens = [int(torch.argmax(model.compute_logits(state.prefill(prompt, chunk_size=128)[-1:])[0]))]
         session = ResidentSession.offload(model.config, state.caches, 600, budget_pages=10,
-                                          max_pages=state.max_pages)
+                                          max_pages=state.max_pages, per_head=per_head)
         for step in range(steps):
             hidden = state.forward([tokens[-1]], 600 + step, True)
             tokens.append(int(torch.argmax(model.compute_logits(hidden)[0])))

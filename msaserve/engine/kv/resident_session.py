@@ -31,7 +31,7 @@ from msaserve.engine.kv.adoption import LazyPageFetcher
 from msaserve.engine.kv.device_working_set import DeviceWorkingSet
 from msaserve.engine.kv.host_tier import HostKV, ServiceSource
 from msaserve.kernels import AttentionOps
-from msaserve.kernels.page_gather import gather_pages, host_view
+from msaserve.kernels.page_gather import gather_head_pages, gather_pages, host_view
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.session_records import SessionRecord
 from msaserve.models.cache import LayerKVCache
@@ -45,7 +45,7 @@ class ResidencyStats:
     fetches: int = 0
     """(layer, step) pairs that copied pages in."""
     pages_fetched: int = 0
-    """(page, layer) K/V pages copied host → GPU."""
+    """(page, layer) K/V pages copied host → GPU; per head, (page, layer, KV head) columns."""
     bytes_fetched: int = 0
     pages_written_back: int = 0
     evictions: int = 0
@@ -58,20 +58,27 @@ class ResidencyStats:
 
 def allocate_resident_caches(
     config: MSAConfig, max_pages: int, budget_pages: int, device: torch.device, dtype: torch.dtype,
-    index_dtype: torch.dtype | None = None,
+    index_dtype: torch.dtype | None = None, per_head: bool = False,
 ) -> tuple[list[LayerKVCache], list[torch.Tensor]]:
     """→ (caches, pools). Per layer: K and V of budget_pages, views of one pool
-    [budget_pages, 2, P, Hkv, D] (a page moves in one copy); index cache [max_pages, P, HkI, DI]."""
+    [budget_pages, 2, P, Hkv, D] (a page moves in one copy), or head-major [budget_pages, 2, Hkv, P, D]
+    with `per_head` (each KV head's column of a slot holds a page of its own); index cache
+    [max_pages, P, HkI, DI]. The K and V caches are [budget_pages, P, Hkv, D] views either way."""
     index_dtype = index_dtype or dtype
     fp8 = index_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     c = config
-    pool_shape = (budget_pages, 2, c.page_size, c.num_kv_heads, c.head_dim)
+    pool_shape = ((budget_pages, 2, c.num_kv_heads, c.page_size, c.head_dim) if per_head
+                  else (budget_pages, 2, c.page_size, c.num_kv_heads, c.head_dim))
     index_shape = (max_pages, c.page_size, c.num_index_heads, c.index_head_dim)
     pools = [torch.zeros(pool_shape, device=device, dtype=dtype) for _ in range(c.num_layers)]
+
+    def view(pool: torch.Tensor, kv: int) -> torch.Tensor:  # strided: the kernels take any strides
+        return pool[:, kv].permute(0, 2, 1, 3) if per_head else pool[:, kv]
+
     caches = [
         LayerKVCache(
-            k_cache=pool[:, 0],  # strided views: the kernels take any page stride
-            v_cache=pool[:, 1],
+            k_cache=view(pool, 0),
+            v_cache=view(pool, 1),
             index_cache=torch.zeros(index_shape, device=device, dtype=index_dtype),
             index_scale=torch.ones(index_shape[:3], device=device, dtype=torch.float32) if fp8 else None,
         )
@@ -82,9 +89,13 @@ def allocate_resident_caches(
 
 class ResidentSession:
     def __init__(self, config: MSAConfig, max_pages: int, budget_pages: int, host: HostKV,
-                 device: torch.device, dtype: torch.dtype, index_dtype: torch.dtype | None = None) -> None:
+                 device: torch.device, dtype: torch.dtype, index_dtype: torch.dtype | None = None,
+                 per_head: bool = False) -> None:
         """budget_pages: K/V pages per layer on the GPU (≥ ring + Hkv·top_k, so one step's
-        selection always fits); max_pages: pages the session may reach (its index is all there)."""
+        selection always fits); max_pages: pages the session may reach (its index is all there).
+        per_head: each KV head keeps its own working set in its column of the slots (a miss moves
+        that head's K and V of the page, 1/Hkv of it; `budget_pages` then holds Hkv times as many
+        (page, head) columns); else a slot holds a whole page (every head's K/V)."""
         self.config, self.max_pages, self.device, self.host = config, max_pages, torch.device(device), host
         self.ring = max(2, config.n_local + 1)
         least = self.ring + config.num_kv_heads * config.top_k
@@ -92,9 +103,20 @@ class ResidentSession:
             raise ValueError(f"budget_pages={budget_pages} is invalid: allowed {least} (ring {self.ring} + "
                              f"Hkv·top_k) ≤ budget_pages ≤ max_pages={max_pages}")
         self.page_size, self.budget_pages = config.page_size, budget_pages
+        self.per_head, self.heads = per_head, config.num_kv_heads
         self.caches, self.pools = allocate_resident_caches(config, max_pages, budget_pages, self.device,
-                                                           dtype, index_dtype)
-        self.working = DeviceWorkingSet(len(self.caches), budget_pages, self.ring, max_pages, self.device)
+                                                           dtype, index_dtype, per_head)
+        # The working set's rows: one per layer, or one per (layer, KV head) — row layer·Hkv + head.
+        rows = len(self.caches) * (self.heads if per_head else 1)
+        self.working = DeviceWorkingSet(rows, budget_pages, self.ring, max_pages, self.device)
+        # Per head, the sparse attention reads each head's column of a slot as a page of its own:
+        # the head-major pool [S, 2, H, P, D] viewed as S·2·H one-head pages [P, 1, D], where K of
+        # (slot, head) is page slot·2H + head and V the page H further on.
+        h = self.heads
+        self._columns = [(pool.view(-1, config.page_size, 1, config.head_dim)[:-h],
+                          pool.view(-1, config.page_size, 1, config.head_dim)[h:])
+                         for pool in self.pools] if per_head else []
+        self._head_ids = torch.arange(h, dtype=torch.int32, device=self.device)[:, None]
         self.index_table = torch.arange(max_pages, dtype=torch.int32, device=self.device)[None]
         self._layer_of_index = {c.index_cache.data_ptr(): layer for layer, c in enumerate(self.caches)}
         self._layer_of_kv = {c.k_cache.data_ptr(): layer for layer, c in enumerate(self.caches)}
@@ -115,7 +137,7 @@ class ResidentSession:
     # ---- building one -------------------------------------------------------------------------
     @classmethod
     def offload(cls, config: MSAConfig, caches: Sequence[LayerKVCache], num_tokens: int, budget_pages: int,
-                max_pages: int, host: HostKV | None = None) -> "ResidentSession":
+                max_pages: int, host: HostKV | None = None, per_head: bool = False) -> "ResidentSession":
         """A session held fully resident in `caches` (logical page = physical page) → sparse
         resident: its index copied, every page's K/V to the (pinned) host tier, the page being
         written to its ring slot. host: a host tier already holding these pages (benchmarks
@@ -131,7 +153,7 @@ class ResidentSession:
                     end = min(pages, start + 1024)
                     host.write(layer, range(start, end), torch.stack([src.k_cache[start:end],
                                                                       src.v_cache[start:end]], dim=1))
-        session = cls(config, max_pages, budget_pages, host, device, dtype, first.index_cache.dtype)
+        session = cls(config, max_pages, budget_pages, host, device, dtype, first.index_cache.dtype, per_head)
         for src, dst in zip(caches, session.caches, strict=True):
             dst.index_cache[:pages] = src.index_cache[:pages]
             if src.index_scale is not None:
@@ -142,7 +164,7 @@ class ResidentSession:
     @classmethod
     def adopt(cls, client: KVCacheClient, record: SessionRecord, config: MSAConfig, budget_pages: int,
               max_pages: int, device: torch.device, dtype: torch.dtype,
-              index_dtype: torch.dtype | None = None, host: HostKV | None = None,
+              index_dtype: torch.dtype | None = None, host: HostKV | None = None, per_head: bool = False,
               ) -> tuple["ResidentSession", int]:
         """Adopt a stored session: the whole index now, K/V pages as they are selected (read from
         the service into the pinned host tier, then into the working set) → (session, tokens
@@ -158,7 +180,7 @@ class ResidentSession:
         else:
             host.reset(source)
         t1 = time.perf_counter()
-        session = cls(config, max_pages, budget_pages, host, device, dtype, index_dtype)
+        session = cls(config, max_pages, budget_pages, host, device, dtype, index_dtype, per_head)
         t2 = time.perf_counter()
         ring = session.ring
         # Index of every page at its logical page; the stored tail's K/V (it is written into
@@ -181,9 +203,19 @@ class ResidentSession:
         w = self.working
         self._stats.pages_fetched = int(w.fetched.sum())
         self._stats.fetches = int(w.fetch_events.sum())
-        self._stats.bytes_fetched = self._stats.pages_fetched * self.host.page_bytes
+        # Per head a fetch moves one head's column of a page.
+        self._stats.bytes_fetched = self._stats.pages_fetched * self.host.page_bytes // (
+            self.heads if self.per_head else 1)
         self._stats.evictions = int(w.evictions.sum())
         return self._stats
+
+    def _as_pages(self, slots: torch.Tensor) -> torch.Tensor:
+        """Pool slots [n, 2, ...] → [n, 2, P, Hkv, D], the layout of the host tier and the service."""
+        return slots.permute(0, 1, 3, 2, 4).contiguous() if self.per_head else slots
+
+    def _as_slot(self, page: torch.Tensor) -> torch.Tensor:
+        """A page [2, P, Hkv, D] → the layout of a pool slot."""
+        return page.permute(0, 2, 1, 3) if self.per_head else page
 
     def _enter_page(self, page: int, load: bool) -> None:
         """Page `page` starts receiving tokens: write the page filled before it back to the host
@@ -191,13 +223,14 @@ class ResidentSession:
         if self.write_page >= 0:
             slot = self.write_page % self.ring
             for layer in range(len(self.caches)):
-                self.host.write(layer, [self.write_page], self.pools[layer][slot : slot + 1])
+                self.host.write(layer, [self.write_page], self._as_pages(self.pools[layer][slot : slot + 1]))
             self._stats.pages_written_back += len(self.caches)
         slot = self.working.place_write_page(page)
         if load:
             for layer in range(len(self.caches)):
                 if self.host.present[layer, page]:
-                    self.pools[layer][slot].copy_(self.host.data[layer, page], non_blocking=True)
+                    self.pools[layer][slot].copy_(self._as_slot(self.host.data[layer, page]),
+                                                  non_blocking=True)
         self.write_page = page
         self.check_host_complete()
 
@@ -247,29 +280,48 @@ class ResidentSession:
 
     def make_resident(self, layer: int, selected: torch.Tensor) -> None:
         """selected [.., Hkv, K] block ids of `layer` (-1 unused) → those pages are in the working
-        set before anything reads them (stream order). Host tier complete: the device admits and
-        fills the misses with no host sync. Else the host reads the misses (one sync) and makes
-        them present first (service reads)."""
-        dst, src = self.working.admit(layer, selected, self.step_number)
+        set before anything reads them (stream order): per head, that head's column of them. Host
+        tier complete: the device admits and fills the misses with no host sync. Else the host
+        reads the misses (one sync) and makes them present first (service reads)."""
+        if self.per_head:
+            h = self.heads
+            admitted = [self.working.admit(layer * h + head, selected[..., head : head + 1, :],
+                                           self.step_number) for head in range(h)]
+            dst = torch.stack([d for d, _ in admitted])  # [Hkv, K]
+            src = torch.stack([p for _, p in admitted])
+        else:
+            dst, src = self.working.admit(layer, selected, self.step_number)
         if not self.synced_steps:
-            gather_pages(self.pools[layer], dst, self._host_src[layer], src)
+            self._fill(layer, dst, src)
             return
         self._stats.host_steps += 1
-        flat = torch.cat([selected.reshape(-1).long(), dst]).tolist()
+        flat = torch.cat([selected.reshape(-1).long(), dst.reshape(-1)]).tolist()
         chosen, slots = flat[: dst.numel()], flat[dst.numel():]
         self.last_selected[layer] = list(dict.fromkeys(p for p in chosen if p >= 0))
-        missed = [(p, s) for p, s in zip(chosen, slots, strict=True) if s >= 0]
+        missed = [(i, p, s) for i, (p, s) in enumerate(zip(chosen, slots, strict=True)) if s >= 0]
         if not missed:
             return
-        pages = [p for p, _ in missed]
+        pages = list(dict.fromkeys(p for _, p, _ in missed))
         self.host.ensure(layer, pages)
         if self._host_src is not None:
-            gather_pages(self.pools[layer], dst, self._host_src[layer], src)
-        else:  # CUDA without a UVA view: one asynchronous copy per page from the pinned tier
-            for page, slot in missed:
-                self.pools[layer][slot].copy_(self.host.data[layer, page], non_blocking=True)
+            self._fill(layer, dst, src)
+        else:  # CUDA without a UVA view: one asynchronous copy per miss from the pinned tier
+            for i, page, slot in missed:
+                if self.per_head:
+                    head = i // selected.shape[-1]
+                    self.pools[layer][slot, :, head].copy_(self.host.data[layer, page, :, :, head],
+                                                           non_blocking=True)
+                else:
+                    self.pools[layer][slot].copy_(self.host.data[layer, page], non_blocking=True)
         if len(self._stats.fetch_log) < 10_000:
             self._stats.fetch_log.append((self._stats.steps, layer, tuple(pages)))
+
+    def _fill(self, layer: int, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Copy the misses (dst slots, src pages; per head [Hkv, K]) in from the host tier."""
+        if self.per_head:
+            gather_head_pages(self.pools[layer], dst, self._host_src[layer], src)
+        else:
+            gather_pages(self.pools[layer], dst, self._host_src[layer], src)
 
     def wrap_ops(self, ops: AttentionOps) -> AttentionOps:
         """The model's ops for this session's decode steps: the indexer makes its selection
@@ -280,9 +332,24 @@ class ResidentSession:
             self.make_resident(self._layer_of_index[index_cache.data_ptr()], selected)
             return selected
 
-        def sparse_decode(q, k_cache, v_cache, block_tables, *args, **kwargs):
-            table = self.working.table(self._layer_of_kv[k_cache.data_ptr()])
-            return ops.sparse_decode(q, k_cache, v_cache, table, *args, **kwargs)
+        def sparse_decode(q, k_cache, v_cache, block_tables, seq_lens, selected, *args, **kwargs):
+            layer = self._layer_of_kv[k_cache.data_ptr()]
+            if not self.per_head:
+                table = self.working.table(layer)
+                return ops.sparse_decode(q, k_cache, v_cache, table, seq_lens, selected, *args, **kwargs)
+            # Per head: each KV head as a one-head sequence of its own over its columns (pages of
+            # the head-major pool), its table mapping logical pages to them.
+            batch, num_q, num_q_heads, dim = q.shape
+            if batch * num_q != 1:
+                raise ValueError(f"q is {tuple(q.shape)}: a sparse-resident session decodes one token")
+            h = self.heads
+            rows = self.working.slot_of[layer * h : (layer + 1) * h, : self.max_pages]  # [Hkv, max_pages]
+            table = torch.where(rows >= 0, rows * (2 * h) + self._head_ids, 0).to(torch.int32)
+            k_columns, v_columns = self._columns[layer]
+            out = ops.sparse_decode(
+                q.reshape(h, 1, num_q_heads // h, dim), k_columns, v_columns, table,
+                seq_lens.reshape(1).expand(h).contiguous(), selected.reshape(h, 1, 1, -1), *args, **kwargs)
+            return out.reshape(batch, num_q, num_q_heads, dim)
 
         def refuse(*args, **kwargs):
             raise ValueError("a sparse-resident session runs one token per step (decode); prefill it "

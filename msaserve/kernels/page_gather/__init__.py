@@ -10,7 +10,7 @@ compute stream, after the indexer that chose them and before the attention that 
 
 import torch
 
-from msaserve.kernels.page_gather.naive import gather_pages_naive
+from msaserve.kernels.page_gather.naive import gather_head_pages_naive, gather_pages_naive
 from msaserve.kernels.page_gather.uva import host_view
 
 
@@ -29,4 +29,21 @@ def gather_pages(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
         gather_pages_naive(dst, dst_slots, src, src_pages)
 
 
-__all__ = ["gather_pages", "gather_pages_naive", "host_view"]
+def gather_head_pages(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
+                      src_pages: torch.Tensor) -> None:
+    """The head-granular miss fill: dst [S, 2, H, P, D] (a pool of head-major slots), src
+    [N, 2, P, H, D] (pages as the caches and the host tier hold them); dst_slots, src_pages [H, M]
+    (-1 in dst_slots: skip): dst[dst_slots[h, i], :, h] = src[src_pages[h, i], :, :, h], i.e. only
+    head h's K and V of the page — a quarter of it at Hkv 4. Triton on CUDA (no host sync; src may
+    be pinned host memory through `host_view`), the naive reference elsewhere."""
+    if dst.dtype != src.dtype:
+        raise ValueError(f"dst is {dst.dtype} and src {src.dtype}: allowed one dtype")
+    if dst.device.type == "cuda":
+        from msaserve.kernels.page_gather.triton import gather_head_pages_triton
+
+        gather_head_pages_triton(dst, dst_slots, src, src_pages)
+    else:
+        gather_head_pages_naive(dst, dst_slots, src, src_pages)
+
+
+__all__ = ["gather_head_pages", "gather_head_pages_naive", "gather_pages", "gather_pages_naive", "host_view"]

@@ -7,3 +7,15 @@ def gather_pages_naive(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Te
                        src_pages: torch.Tensor) -> None:
     take = dst_slots >= 0
     dst[dst_slots[take].to(dst.device)] = src[src_pages[take].to(src.device)].to(dst.device)
+
+
+def gather_head_pages_naive(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
+                            src_pages: torch.Tensor) -> None:
+    """dst [S, 2, H, P, D] (head-major slots), src [N, 2, P, H, D] (pages as the caches hold them);
+    dst_slots, src_pages [H, M]: for every (h, i) with dst_slots[h, i] ≥ 0, head h's K and V of page
+    src_pages[h, i] go to slot dst_slots[h, i]: dst[slot, :, h] = src[page, :, :, h]."""
+    heads = torch.arange(dst_slots.shape[0], device=dst_slots.device)[:, None].expand_as(dst_slots)
+    take = dst_slots >= 0
+    slots, pages, h = dst_slots[take], src_pages[take], heads[take]
+    columns = src[pages.to(src.device), :, :, h.to(src.device)]  # [n, 2, P, D]
+    dst[slots.to(dst.device), :, h.to(dst.device)] = columns.to(dst.device)

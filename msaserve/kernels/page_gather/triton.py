@@ -37,3 +37,42 @@ def gather_pages_triton(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.T
         return
     grid = (dst_slots.numel(), triton.cdiv(page_elems, BLOCK))
     _gather_pages_kernel[grid](dst, src, dst_slots, src_pages, page_elems, BLOCK=BLOCK)
+
+
+@triton.jit
+def _gather_head_pages_kernel(dst, src, dst_slots, src_pages, M, P: tl.constexpr, D: tl.constexpr,
+                              ds0, ds1, ds2, ds3, ss0, ss1, ss2, ss3, BLOCK_P: tl.constexpr):
+    """Program (i, kv, chunk): rows chunk·BLOCK_P.. of entry i's head column (K or V) → its slot."""
+    i = tl.program_id(0)
+    kv = tl.program_id(1)
+    chunk = tl.program_id(2)
+    slot = tl.load(dst_slots + i).to(tl.int64)
+    if slot >= 0:
+        head = (i // M).to(tl.int64)
+        page = tl.load(src_pages + i).to(tl.int64)
+        rows = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
+        cols = tl.arange(0, D)
+        mask = (rows < P)[:, None]
+        x = tl.load(src + page * ss0 + kv * ss1 + rows[:, None] * ss2 + head * ss3 + cols[None, :], mask=mask)
+        tl.store(dst + slot * ds0 + kv * ds1 + head * ds2 + rows[:, None] * ds3 + cols[None, :], x, mask=mask)
+
+
+def gather_head_pages_triton(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
+                             src_pages: torch.Tensor) -> None:
+    """dst [S, 2, H, P, D], src [N, 2, P, H, D] (last dim contiguous); dst_slots, src_pages [H, M]."""
+    _, two, heads, page_size, dim = dst.shape
+    if src.shape[1:] != (two, page_size, heads, dim) or dst.stride(-1) != 1 or src.stride(-1) != 1:
+        raise ValueError(f"dst {tuple(dst.shape)} and src {tuple(src.shape)}: allowed dst [S, 2, H, P, D] "
+                         "and src [N, 2, P, H, D] with a contiguous last dim")
+    if dst_slots.shape != src_pages.shape or dst_slots.dim() != 2 or dst_slots.shape[0] != heads:
+        raise ValueError(f"dst_slots {tuple(dst_slots.shape)} and src_pages {tuple(src_pages.shape)}: "
+                         f"allowed two [{heads}, M] tensors")
+    m = dst_slots.shape[1]
+    if m == 0:
+        return
+    block_p = min(page_size, max(1, BLOCK // dim))
+    grid = (heads * m, two, triton.cdiv(page_size, block_p))
+    _gather_head_pages_kernel[grid](dst, src, dst_slots.contiguous(), src_pages.contiguous(), m,
+                                    P=page_size, D=dim, ds0=dst.stride(0), ds1=dst.stride(1),
+                                    ds2=dst.stride(2), ds3=dst.stride(3), ss0=src.stride(0),
+                                    ss1=src.stride(1), ss2=src.stride(2), ss3=src.stride(3), BLOCK_P=block_p)
