@@ -537,9 +537,9 @@ def main() -> None:
         help="(page, layer) background service reads queued (default: every page)"
     )
     parser.add_argument("--output", default=None)
-    parser.add_argument("--granularity", choices=["head", "page"], default="head",
+    parser.add_argument("--granularity", choices=["page", "head"], default="page",
                         help="the sparse-resident working set's unit for the eager and adoption runs "
-                        "(the graph runs measure both)")
+                        "(the graph runs measure both; `head`: ResidentSession(per_head=True))")
     parser.add_argument("--no-graphs", action="store_true",
                         help="skip the CUDA-graph runs (resident and each budget replayed as graphs)")
     args = parser.parse_args()
