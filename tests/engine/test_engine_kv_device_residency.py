@@ -173,7 +173,8 @@ def test_the_graph_steps_body_decodes_the_resident_tokens_from_static_buffers(m3
     with torch.inference_mode():  # as an adopted session whose pages are still in the service
         session.host.present[:, 0] = False
     session._host_complete = False
+    strict = SparseDecodeGraph(session, m3, get_ops("msa", "cpu"), eager_host_steps=False)
     with pytest.raises(ValueError, match="goes through the host"):
-        graphed.step(got[-1], prompt_len + steps)
+        strict.step(got[-1], prompt_len + steps)
     with pytest.raises(ValueError, match="capture=True on cpu"):
         SparseDecodeGraph(session, m3, get_ops("msa", "cpu"), capture=True)

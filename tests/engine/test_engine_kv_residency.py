@@ -13,6 +13,7 @@ from reference_decode import SequenceState
 from msaserve.engine.kv.pages import identity_for
 from msaserve.engine.kv.persist import SessionWriter
 from msaserve.engine.kv.residency import ResidencyBudgetError, WorkingSet
+from msaserve.engine.kv.resident_graph import SparseDecodeGraph
 from msaserve.engine.kv.resident_session import ResidentSession
 from msaserve.kernels import get_ops
 from msaserve.kvcache.client import KVCacheClient
@@ -287,3 +288,29 @@ def test_a_corrupt_index_page_in_the_arena_ends_the_adoption_at_that_page(model,
     assert covered == bad * model.config.page_size  # the caller recomputes from page 20 on
     assert shard.stats()["index"]["corruptions"] == 1
     assert session.host.source.readable == bad
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_an_adopted_session_decodes_through_the_graph_stepper_from_its_first_token(model, resident, per_head):
+    """`SparseDecodeGraph` on an adopted session: its first steps go through the host (eagerly, on
+    the plain path) while the host tier fills; once it holds every page the steps are sync-free
+    (on CUDA: replayed). The tokens are the fully resident ones throughout."""
+    prompt, state, want = resident
+    identity = identity_for(model.config, "tiny@seed0", torch.float32)
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity)
+    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
+                                       tail=True)
+    session, covered = ResidentSession.adopt(client, client.get_session("long"), model.config,
+                                             budget_pages=12, max_pages=state.max_pages,
+                                             device=torch.device("cpu"), dtype=torch.float32,
+                                             per_head=per_head)
+    assert covered == PROMPT_LEN and session.synced_steps
+    stepper = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
+    got = [want[0]]
+    for step in range(STEPS):
+        got.append(stepper.step(got[-1], PROMPT_LEN + step))
+        session.prefetch(10_000)
+        if step == 1:
+            session.host.wait_all()
+    assert got == want
+    assert stepper.host_steps >= 1 and stepper.steps >= STEPS - 2 and not session.synced_steps

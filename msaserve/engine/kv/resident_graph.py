@@ -11,10 +11,13 @@ eager, a step of m3-mini at 1M tokens is launch bound (~15 ms against ~3 ms repl
 `SparseDecodeGraph(session, model, ops).step(token, position)` → the greedy next token. Its inputs
 live in static buffers, filled before each replay; the page-boundary work (`ResidentSession.advance`:
 the filled page written back, the new page placed in its ring slot) runs outside the graph. The
-first `WARMUP_STEPS` steps run eagerly through the same buffers (Triton's first-call compilation
-and autotuning must not happen under capture); the next step is captured and replayed, and every
-later step replays. Off CUDA (or `capture=False`) every step runs eagerly through the same
-buffers, which is what the CPU tests check against the plain path.
+first `WARMUP_STEPS` sync-free steps run eagerly through the same buffers (Triton's first-call
+compilation and autotuning must not happen under capture); the next one is captured and replayed,
+and every later one replays. A step that must go through the host (an adopted session whose host
+tier is still filling) runs eagerly on the plain path (`eager_host_steps=True`, the default) or is
+refused; so an adopted session decodes from its first token and switches to replays as soon as its
+host tier holds every page. Off CUDA (or `capture=False`) every step runs eagerly, which is what
+the CPU tests check against the plain path.
 """
 
 import torch
@@ -29,7 +32,7 @@ WARMUP_STEPS = 2
 
 class SparseDecodeGraph:
     def __init__(self, session: ResidentSession, model: MSATransformer, ops: AttentionOps,
-                 capture: bool | None = None) -> None:
+                 capture: bool | None = None, eager_host_steps: bool = True) -> None:
         self.session, self.model = session, model
         self.capture = session.device.type == "cuda" if capture is None else capture
         if self.capture and session.device.type != "cuda":
@@ -48,10 +51,14 @@ class SparseDecodeGraph:
             max_query_len=1, decode_query_len=1,
             logits_indices=torch.zeros(1, dtype=torch.long, device=device),
         )
+        self.eager_host_steps = eager_host_steps
         self.graph: torch.cuda.CUDAGraph | None = None
         self.next_token: torch.Tensor | None = None
         self.steps = 0
+        """Sync-free steps run (the warm-up counts them)."""
         self.replays = 0
+        self.host_steps = 0
+        """Steps that went through the host, eagerly (see `eager_host_steps`)."""
 
     def _body(self) -> torch.Tensor:
         hidden = self.model(self.token, self.meta, self.session.caches, ops=self.ops)
@@ -63,9 +70,15 @@ class SparseDecodeGraph:
         session = self.session
         session.check_host_complete()
         if session.synced_steps:
-            raise ValueError("a step of this session goes through the host (its host tier lacks pages, "
-                             "or there is no UVA view): decode it with decode_metadata until "
-                             "synced_steps is False")
+            if not self.eager_host_steps:
+                raise ValueError("a step of this session goes through the host (its host tier lacks "
+                                 "pages, or there is no UVA view): decode it with decode_metadata until "
+                                 "synced_steps is False, or allow eager_host_steps")
+            self.host_steps += 1
+            meta = session.decode_metadata(position)
+            hidden = self.model(torch.tensor([token], device=session.device), meta, session.caches,
+                                ops=self.ops)
+            return int(torch.argmax(self.model.compute_logits(hidden)[0]))
         kv_slot = session.advance(position)
         self.token.fill_(token)
         self.positions.fill_(position)
