@@ -96,12 +96,10 @@ def m3() -> M3ForCausalLM:
     return init_m3_random_weights(M3ForCausalLM(config), seed=0).eval()
 
 
-@pytest.mark.parametrize("per_head", [False, True])
-def test_m3_sparse_resident_session_decodes_the_resident_tokens(m3, per_head):
-    """Before M3 attention wrote K/V through kv_slot_mapping it wrote them at the logical slot,
-    past the small K/V pool: this failed."""
-    prompt_len, steps = 300, 20  # page 16 (P 16) at 320 is entered while decoding
-    prompt = torch.randint(3, 512, (prompt_len,), generator=torch.Generator().manual_seed(5)).tolist()
+def resident_then_offloaded(m3, prompt_len: int, steps: int, seed: int, per_head: bool):
+    """→ (the fully resident greedy tokens after a random prompt, a sparse-resident session
+    offloaded from the prompt's caches with a working set of one selection plus one page)."""
+    prompt = torch.randint(3, 512, (prompt_len,), generator=torch.Generator().manual_seed(seed)).tolist()
     with torch.inference_mode():
         state = SequenceState(m3, prompt_len + steps + 1)
         want = [int(torch.argmax(m3.compute_logits(state.prefill(prompt, chunk_size=64)[-1:])[0]))]
@@ -110,6 +108,16 @@ def test_m3_sparse_resident_session_decodes_the_resident_tokens(m3, per_head):
         for step in range(steps):
             hidden = state.forward([want[-1]], prompt_len + step, decode=True)
             want.append(int(torch.argmax(m3.compute_logits(hidden)[0])))
+    return want, session
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_m3_sparse_resident_session_decodes_the_resident_tokens(m3, per_head):
+    """Before M3 attention wrote K/V through kv_slot_mapping it wrote them at the logical slot,
+    past the small K/V pool: this failed."""
+    prompt_len, steps = 300, 20  # page 16 (P 16) at 320 is entered while decoding
+    want, session = resident_then_offloaded(m3, prompt_len, steps, 5, per_head)
+    with torch.inference_mode():
         ops, got = session.wrap_ops(get_ops("msa", "cpu")), [want[0]]
         for step in range(steps):
             hidden = m3(torch.tensor([got[-1]]), session.decode_metadata(prompt_len + step), session.caches,
@@ -154,15 +162,7 @@ def test_the_graph_steps_body_decodes_the_resident_tokens_from_static_buffers(m3
     through the same static buffers and device step number) gives the fully resident tokens,
     across a page boundary, with evictions; a session whose steps need the host is refused."""
     prompt_len, steps = 300, 24
-    prompt = torch.randint(3, 512, (prompt_len,), generator=torch.Generator().manual_seed(6)).tolist()
-    with torch.inference_mode():
-        state = SequenceState(m3, prompt_len + steps + 1)
-        want = [int(torch.argmax(m3.compute_logits(state.prefill(prompt, chunk_size=64)[-1:])[0]))]
-        session = ResidentSession.offload(m3.config, state.caches, prompt_len, budget_pages=2 + 2 * 4 + 1,
-                                          max_pages=state.max_pages, per_head=per_head)
-        for step in range(steps):
-            hidden = state.forward([want[-1]], prompt_len + step, decode=True)
-            want.append(int(torch.argmax(m3.compute_logits(hidden)[0])))
+    want, session = resident_then_offloaded(m3, prompt_len, steps, 6, per_head)
     graphed = SparseDecodeGraph(session, m3, get_ops("msa", "cpu"))
     assert not graphed.capture
     got = [want[0]]

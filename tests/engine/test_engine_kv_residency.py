@@ -70,6 +70,15 @@ def decode(model, session: ResidentSession, first_token: int, start: int, steps:
     return tokens
 
 
+def stored_session(model, prompt, state, want) -> KVCacheClient:
+    """A client of 2 in-process shards holding the resident session as "long" (tail included)."""
+    identity = identity_for(model.config, "tiny@seed0", torch.float32)
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity)
+    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
+                                       tail=True)
+    return client
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_offloaded_session_decodes_identical_tokens_with_a_small_working_set(model, resident, per_head):
     """Per head (`per_head`), each KV head keeps its own columns of the slots, filled from its
@@ -104,10 +113,7 @@ def test_budget_below_one_selection_is_refused(model, resident):
 
 def test_adopted_session_fetches_selected_pages_first_and_decodes_identical_tokens(model, resident):
     prompt, state, want = resident
-    identity = identity_for(model.config, "tiny@seed0", torch.float32)
-    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity)
-    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
-                                       tail=True)
+    client = stored_session(model, prompt, state, want)
     record = client.get_session("long")
     session, covered = ResidentSession.adopt(client, record, model.config, budget_pages=12,
                                              max_pages=state.max_pages, device=torch.device("cpu"),
@@ -150,10 +156,7 @@ def test_adopted_session_filled_in_the_background_stops_syncing_and_keeps_the_to
     """With a prefetch window over every stored page, the worker thread fills the host tier; from
     the step it holds every page on, the misses are admitted and copied with no host round trip."""
     prompt, state, want = resident
-    identity = identity_for(model.config, "tiny@seed0", torch.float32)
-    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity)
-    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
-                                       tail=True)
+    client = stored_session(model, prompt, state, want)
     session, _ = ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=12,
                                        max_pages=state.max_pages, device=torch.device("cpu"),
                                        dtype=torch.float32, per_head=per_head)
@@ -209,10 +212,7 @@ def test_background_read_of_the_stored_tail_never_overwrites_its_write_back(mode
     from msaserve.engine.kv.host_tier import ServiceSource
 
     prompt, state, want = resident
-    identity = identity_for(model.config, "tiny@seed0", torch.float32)
-    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity)
-    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
-                                       tail=True)
+    client = stored_session(model, prompt, state, want)
     session, covered = ResidentSession.adopt(client, client.get_session("long"), model.config,
                                              budget_pages=12, max_pages=state.max_pages,
                                              device=torch.device("cpu"), dtype=torch.float32)
@@ -296,10 +296,7 @@ def test_an_adopted_session_decodes_through_the_graph_stepper_from_its_first_tok
     the plain path) while the host tier fills; once it holds every page the steps are sync-free
     (on CUDA: replayed). The tokens are the fully resident ones throughout."""
     prompt, state, want = resident
-    identity = identity_for(model.config, "tiny@seed0", torch.float32)
-    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity)
-    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
-                                       tail=True)
+    client = stored_session(model, prompt, state, want)
     session, covered = ResidentSession.adopt(client, client.get_session("long"), model.config,
                                              budget_pages=12, max_pages=state.max_pages,
                                              device=torch.device("cpu"), dtype=torch.float32,
