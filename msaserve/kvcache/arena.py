@@ -13,7 +13,8 @@ order lie next to each other, so a run of them is one host→device copy.
 - A slot that a reader holds (`acquire`: a zero-copy read in flight) is not reused when the tier
   frees it: it retires, and becomes free when the last reader `release`s it. So the bytes a reader
   verifies are the bytes it copies.
-- `allocate` returns None when no slot fits (the tier then keeps that page in plain memory).
+- `allocate` returns None when no slot fits, or the allocator cannot give a new segment (the tier
+  then keeps that page in plain memory).
 
 Not thread-safe: the shard's one worker thread (or Ray actor) makes every call.
 """
@@ -56,6 +57,8 @@ class ArenaStats:
     reused_slots: int = 0
     retired_slots: int = field(default=0)
     """Slots freed by the tier but still held by a reader."""
+    failed_segments: int = 0
+    """Segments the allocator could not give (the pages went to plain memory)."""
 
 
 class PageArena:
@@ -133,7 +136,11 @@ class PageArena:
         nbytes = min(max(self.segment_bytes, size), room)
         if nbytes < size:
             return False
-        segment = self._allocate(nbytes)
+        try:
+            segment = self._allocate(nbytes)
+        except (OSError, MemoryError):  # e.g. a shared-memory directory without room for it
+            self.stats.failed_segments += 1
+            return False
         if segment.dtype != np.uint8 or segment.ndim != 1 or segment.nbytes != nbytes:
             raise ValueError(f"the arena's segment allocator returned {segment.dtype} {segment.shape}; "
                              f"allowed a 1-D uint8 array of {nbytes} bytes")

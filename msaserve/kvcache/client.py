@@ -155,6 +155,7 @@ class KVCacheClient:
         self.model = model
         self.model_key = model.key
         self.transport = transport or RayTransport()
+        self._shared_arena_stores: frozenset[str] | None = None
 
     @classmethod
     def connect(cls, config: ServiceConfig, model: ModelIdentity) -> "KVCacheClient":
@@ -206,22 +207,44 @@ class KVCacheClient:
         return self._packed("get_index_packed", hashes, hashes, out)
 
     def arena_stores(self) -> frozenset[str]:
-        """The stores ("index", "kv") whose pages every shard keeps in an arena in this process
-        (leased pages then lie in segments the caller allocated, e.g. pinned memory); empty for
-        shards in other processes."""
+        """The stores ("index", "kv") whose pages every shard keeps in an arena this process can
+        read in place: shards in this process (leased pages then lie in segments the caller
+        allocated, e.g. pinned memory), or shards in other processes whose shared segment files it
+        maps (`shared_arena_stores`)."""
         if not self.transport.shares_memory:
-            return frozenset()
+            return self.shared_arena_stores()
         return frozenset.intersection(*(frozenset(getattr(s, "arena_stores", ())) for s in self.shards))
+
+    def shared_arena_stores(self) -> frozenset[str]:
+        """The stores every shard offers to readers in other processes (`lease_index_shared`:
+        ServiceConfig.shared_index_arena), asked once."""
+        if self._shared_arena_stores is None:
+            try:
+                answers = self._every_shard("shared_arena_stores")
+            except Exception:  # shards from before the method: none offered
+                answers = [frozenset()]
+            self._shared_arena_stores = frozenset.intersection(*map(frozenset, answers))
+        return self._shared_arena_stores
+
+    def forget_shared_arenas(self) -> None:
+        """Stop leasing from shards in other processes (their files could not be mapped here: the
+        shards run on another node); packed reads from then on."""
+        self._shared_arena_stores = frozenset()
 
     def lease_index_async(self, page_hashes: Sequence[int]) -> LeaseFetch:
         """Zero-copy index reads (`leases.py`): the shards' stored pages themselves, unverified —
-        the reader checks each against its checksum and must `release()` the lease. Only for
-        shards in this process (`transport.shares_memory`); others answer `get_index_packed_async`."""
-        if not self.transport.shares_memory:
-            raise ValueError("lease_index_async needs shards in this process (transport.shares_memory); "
-                             "shards in other processes answer get_index_packed_async")
+        the reader checks each against its checksum and must `release()` the lease. Shards in this
+        process answer with views of their memory; shards in other processes on the node with
+        where the pages lie in their shared segment files, which this process maps
+        (`shared_arena_stores`); others answer only `get_index_packed_async`."""
+        shared = self.transport.shares_memory
+        if not shared and "index" not in self.shared_arena_stores():
+            raise ValueError("lease_index_async needs shards in this process (transport.shares_memory) or "
+                             "shards offering shared index arenas (ServiceConfig.shared_index_arena); "
+                             "others answer get_index_packed_async")
+        method = "lease_index" if shared else "lease_index_shared"
         hashes = list(page_hashes)
-        futures = [(s, pos, self.transport.submit(self.shards[s], "lease_index", self.model_key,
+        futures = [(s, pos, self.transport.submit(self.shards[s], method, self.model_key,
                                                   [hashes[i] for i in pos]))
                    for s, pos in self._by_shard(hashes).items()]
         return LeaseFetch(self.transport, self.shards, len(hashes), futures)

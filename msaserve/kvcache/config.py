@@ -66,6 +66,14 @@ class ServiceConfig:
     """Session records kept over all shards; past it the least recently updated unpinned ones go."""
     actor_name_prefix: str = "msaserve_kvcache_shard"
     namespace: str = "msaserve"
+    shared_index_arena: bool = False
+    """Keep the index store's pages in shared-memory segment files (`shared_segments.py`), so that
+    an engine in another process on the node leases them zero-copy (`lease_index_shared`); shards
+    run as Ray actors (`start_shards`) turn it on."""
+    shared_directory: str | None = None
+    """Where those files go (None: /dev/shm, else the temp directory)."""
+    lease_ttl_s: float = 120.0
+    """A lease not ended within this long is ended by the shard (a reader that died mid-read)."""
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_shards <= 1024:
@@ -82,6 +90,8 @@ class ServiceConfig:
             )
         if not 0.0 < self.index_fraction < 1.0:
             raise ValueError(f"kvcache index_fraction={self.index_fraction} must be in (0, 1)")
+        if not self.lease_ttl_s > 0:
+            raise ValueError(f"kvcache lease_ttl_s={self.lease_ttl_s} must be > 0")
 
     @classmethod
     def from_settings(cls, kvcache_config: KVCacheConfig, **overrides) -> "ServiceConfig":

@@ -11,28 +11,37 @@ Until `release` the shards keep every leased page's bytes as they are (an arena 
 reused even if the page is evicted or replaced), so what the reader checks is what it copies.
 """
 
+import contextlib
 from typing import Any
 
 import numpy as np
 
 from msaserve.kvcache.transport import Transport
-from msaserve.kvcache.views import PageViews
+from msaserve.kvcache.views import PageViews, SharedPageViews
 
 
 class PageLease:
     def __init__(self, transport: Transport, shards: list[Any], size: int,
                  replies: list[tuple[int, list[int], PageViews]]) -> None:
-        """replies: (shard index, request positions, that shard's PageViews) per shard called."""
+        """replies: (shard index, request positions, that shard's PageViews — or SharedPageViews
+        from a shard in another process, mapped here) per shard called."""
         self._transport, self._shards = transport, shards
+        self._parts = [(shard, np.asarray(positions, np.int64), views.lease_id)
+                       for shard, positions, views in replies]
+        self.released = False
         self.views: list[np.ndarray | None] = [None] * size
+        try:  # a shard's files this process cannot map (another node): end every lease, re-raise
+            replies = [(shard, positions, views.mapped() if isinstance(views, SharedPageViews) else views)
+                       for shard, positions, views in replies]
+        except OSError:
+            self.release()
+            raise
         self.checksums = np.zeros(size, np.uint64)
         self.segment_of = np.full(size, -1, np.int64)
         """[n] index into `segments` of each page's bytes, -1 where not in an arena (or missing)."""
         self.offsets = np.zeros(size, np.int64)
         self.segments: list[np.ndarray] = []
         """Every leased shard's arena segments, one list (`segment_of` indexes it)."""
-        self._parts = [(shard, np.asarray(positions, np.int64), views.lease_id)
-                       for shard, positions, views in replies]
         for _, positions, views in replies:
             pos = np.asarray(positions, np.int64)
             for p, view in zip(positions, views.views, strict=True):
@@ -42,7 +51,6 @@ class PageLease:
             self.segment_of[pos] = np.where(in_arena, views.segment_of + len(self.segments), -1)
             self.offsets[pos] = views.offsets
             self.segments.extend(views.segments)
-        self.released = False
 
     def __len__(self) -> int:
         return len(self.views)
@@ -90,7 +98,12 @@ class LeaseFetch:
                     error = error or e
             if error is not None:
                 self._error = error
-                PageLease(self._transport, self._shards, self._size, parts).release()
+                with contextlib.suppress(OSError):  # (mapping failed: its leases are ended too)
+                    PageLease(self._transport, self._shards, self._size, parts).release()
                 raise error
-            self._lease = PageLease(self._transport, self._shards, self._size, parts)
+            try:
+                self._lease = PageLease(self._transport, self._shards, self._size, parts)
+            except OSError as e:  # the shards' files cannot be mapped here: the leases are ended
+                self._error = e
+                raise
         return self._lease

@@ -10,6 +10,7 @@ import dataclasses
 import functools
 import time
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 
 import numpy as np
 
@@ -18,9 +19,10 @@ from msaserve.kvcache.codec import Payload, as_payload
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.keys import index_key, kv_key
 from msaserve.kvcache.session_records import SessionRecord, SessionStore
+from msaserve.kvcache.shared_segments import SharedSegments
 from msaserve.kvcache.store import PageStore
 from msaserve.kvcache.tiers import StoredPage
-from msaserve.kvcache.views import PageViews
+from msaserve.kvcache.views import PageViews, SharedPageViews
 
 PageUpload = tuple[int, Sequence[Payload] | None, Payload | None]
 """(page hash, K+V payload per layer or None, index-K payload for all layers or None)."""
@@ -38,6 +40,12 @@ class KVCacheShard:
         self.config = config
         self.shard_id = shard_id
         root = config.shard_dir(shard_id)
+        self.shared_segments: SharedSegments | None = None
+        if config.shared_index_arena and "index" not in allocators:
+            directory = None if config.shared_directory is None else Path(config.shared_directory)
+            prefix = f"msaserve-{config.namespace}-{config.actor_name(shard_id)}"
+            self.shared_segments = SharedSegments(prefix, directory)
+            allocators["index"] = self.shared_segments
 
         def store(name: str, index: bool) -> PageStore:
             return PageStore(
@@ -52,7 +60,9 @@ class KVCacheShard:
         self.arena_stores = frozenset(allocators)
         """Stores whose memory tier keeps its pages in an arena (`arena.py`)."""
         self._leases: dict[int, tuple[str, list[str], list[StoredPage | None]]] = {}
+        self._lease_started: dict[int, float] = {}
         self._next_lease = 0
+        self.expired_leases = 0
         self.sessions = SessionStore(None if root is None else root / "sessions", fsync=config.fsync,
                                      max_sessions=config.max_sessions_per_shard)
         self.metrics = None
@@ -140,8 +150,31 @@ class KVCacheShard:
         themselves, unverified, held until `release_lease`."""
         return self._lease("index", [index_key(model_key, h) for h in page_hashes])
 
+    def lease_index_shared(self, model_key: str, page_hashes: Sequence[int]) -> SharedPageViews:
+        """`lease_index` for a reader in another process on the node: where the pages lie in this
+        shard's shared segment files (`shared_segments.py`), which the reader maps; held until
+        `release_lease` (or `ServiceConfig.lease_ttl_s`). Needs `shared_index_arena`."""
+        if self.shared_segments is None:
+            raise ValueError(f"shard {self.shard_id}: lease_index_shared needs "
+                             "ServiceConfig.shared_index_arena")
+        views = self.lease_index(model_key, page_hashes)
+        nbytes = np.array([-1 if v is None else v.nbytes for v in views.views], np.int64)
+        loose = {i: np.array(v) for i, v in enumerate(views.views)
+                 if v is not None and views.segment_of[i] < 0}
+        return SharedPageViews(views.lease_id, views.checksums, str(self.shared_segments.directory),
+                               list(self.shared_segments.names), views.segment_of, views.offsets, nbytes,
+                               loose)
+
+    def shared_arena_stores(self) -> frozenset[str]:
+        """The stores a reader in another process can lease from (`lease_index_shared`)."""
+        return frozenset({"index"}) if self.shared_segments is not None else frozenset()
+
     def release_lease(self, lease_id: int, corrupt: Sequence[int] = ()) -> None:
-        """End a lease; `corrupt`: positions whose bytes failed the reader's check (dropped, counted)."""
+        """End a lease; `corrupt`: positions whose bytes failed the reader's check (dropped, counted).
+        A lease the shard already ended (expired) is a no-op."""
+        if lease_id not in self._leases:
+            return
+        self._lease_started.pop(lease_id, None)
         store_name, keys, pages = self._leases.pop(lease_id)
         store = self.stores[store_name]
         for i in corrupt:
@@ -150,12 +183,21 @@ class KVCacheShard:
         store.release(pages)
         self._publish()
 
+    def _expire_leases(self) -> None:
+        """End the leases older than `lease_ttl_s` (their readers died or forgot them)."""
+        deadline = time.monotonic() - self.config.lease_ttl_s
+        for lease_id in [i for i, started in self._lease_started.items() if started < deadline]:
+            self.release_lease(lease_id)
+            self.expired_leases += 1
+
     def _lease(self, store_name: str, keys: list[str]) -> PageViews:
         start = time.perf_counter()
+        self._expire_leases()
         store = self.stores[store_name]
         pages = store.lease(keys)
         lease_id, self._next_lease = self._next_lease, self._next_lease + 1
         self._leases[lease_id] = (store_name, keys, pages)
+        self._lease_started[lease_id] = time.monotonic()
         arena = getattr(store.memory, "arena", None)
         views, checksums, segment_of, offsets = [], [], [], []
         for page in pages:
@@ -259,8 +301,10 @@ class KVCacheShard:
             if arena is not None:  # page memory: segments reserved, slots a reader still holds
                 out[name].update(arena_reserved_bytes=arena.stats.reserved_bytes,
                                  arena_segments=arena.stats.segments,
-                                 arena_retired_slots=arena.stats.retired_slots)
+                                 arena_retired_slots=arena.stats.retired_slots,
+                                 arena_failed_segments=arena.stats.failed_segments)
         out["open_leases"] = len(self._leases)
+        out["expired_leases"] = self.expired_leases
         return out
 
     def ping(self) -> int:

@@ -8,7 +8,7 @@ shard keeps those bytes as they are. Where a page lies in the arena (segment, of
 reader copy a run of adjacent pages to a device as one copy.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -28,3 +28,40 @@ class PageViews:
     """[n] int64: the segment index of each page's bytes, -1 where they are not in the arena."""
     offsets: np.ndarray
     """[n] int64: byte offset of each page in its segment (0 where not in the arena)."""
+
+
+@dataclass
+class SharedPageViews:
+    """A shard in another process's answer to a lease (`KVCacheShard.lease_index_shared`): where
+    each page's stored bytes lie in its shared segment files, not the bytes. `mapped()` on the
+    reader's side maps the files and gives the same `PageViews` an in-process shard gives."""
+
+    lease_id: int
+    checksums: np.ndarray
+    """[n] uint64, as PageViews."""
+    directory: str
+    segment_names: list[str]
+    """The shard's segment files, in arena order (`segment_of` indexes this list)."""
+    segment_of: np.ndarray
+    offsets: np.ndarray
+    nbytes: np.ndarray
+    """[n] int64: each page's size, -1 where the shard has no page."""
+    loose: dict[int, np.ndarray] = field(default_factory=dict)
+    """Pages held outside the arena (it was full, or read back from disk): their bytes, copied."""
+
+    def mapped(self) -> PageViews:
+        from msaserve.kvcache.shared_segments import map_segment
+
+        used = set(self.segment_of[self.segment_of >= 0].tolist())  # map only the files read
+        segments = [map_segment(self.directory, name) if i in used else np.empty(0, np.uint8)
+                    for i, name in enumerate(self.segment_names)]
+        views: list[np.ndarray | None] = []
+        for i, (segment, offset, size) in enumerate(zip(self.segment_of.tolist(), self.offsets.tolist(),
+                                                        self.nbytes.tolist(), strict=True)):
+            if size < 0:
+                views.append(None)
+            elif segment < 0:
+                views.append(self.loose[i])
+            else:
+                views.append(segments[segment][offset : offset + size])
+        return PageViews(self.lease_id, views, self.checksums, segments, self.segment_of, self.offsets)

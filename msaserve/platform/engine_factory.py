@@ -29,7 +29,8 @@ def build_engine(config: ServeConfig, engine_config: EngineConfig) -> AsyncEngin
     from msaserve.kvcache.config import ServiceConfig
 
     model, tokenizer = load_engine_model(engine_config)
-    service = ServiceConfig.from_settings(config.kvcache)
+    # Shared index arenas: an engine on the shards' node leases index pages in place (adoption).
+    service = ServiceConfig.from_settings(config.kvcache, shared_index_arena=True)
     shards = start_shards(service, detached=True)
     kv_dtype, index_dtype = cache_dtypes(engine_config)
     identity = identity_for(model.config, config.model.resolved_name(), kv_dtype, index_dtype)
@@ -53,7 +54,7 @@ def _group_engine(config: ServeConfig, engine_config: EngineConfig):
     from msaserve.kvcache.client import KVCacheClient, start_shards
     from msaserve.kvcache.config import ServiceConfig
 
-    shards = start_shards(ServiceConfig.from_settings(config.kvcache), detached=True)
+    shards = start_shards(ServiceConfig.from_settings(config.kvcache, shared_index_arena=True), detached=True)
     kv_dtype, index_dtype = cache_dtypes(engine_config)
 
     def store(model_config) -> ServiceSwapStore:

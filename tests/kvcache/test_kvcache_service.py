@@ -114,6 +114,31 @@ def test_round_trip_and_shard_routing(shared):
             assert only.has_pages([h]) == [shard_of_page(h, 3) == shard]
 
 
+def test_an_engine_process_leases_index_pages_from_shard_actors_in_place(ray_cluster, tmp_path):
+    """Shard actors keep their index arenas in shared-memory files (`shared_index_arena`, as the
+    platform starts them): this process maps them and reads the leased pages in place, through Ray
+    only for the lease's where-is-it answer and its end."""
+    config = ServiceConfig(num_shards=2, memory_bytes=8 << 20, actor_name_prefix=f"arena{next(_names)}",
+                           shared_index_arena=True, shared_directory=str(tmp_path))
+    shards = start_shards(config)
+    try:
+        client = KVCacheClient(shards, MODEL)
+        assert client.arena_stores() == {"index"}
+        hashes = [7000 + i for i in range(12)]
+        upload(client, hashes)
+        lease = client.lease_index_async([*hashes, 999]).result()
+        assert (lease.segment_of[:-1] >= 0).all() and lease.views[-1] is None
+        for i, h in enumerate(hashes):
+            np.testing.assert_array_equal(lease.views[i], index(h))
+        assert any(p.name.startswith("msaserve-") for p in tmp_path.iterdir())  # the arenas' files
+        assert sum(ray.get([a.stats.remote() for a in shards])[i]["open_leases"] for i in range(2)) == 2
+        lease.release()
+        assert all(stats["open_leases"] == 0 for stats in ray.get([a.stats.remote() for a in shards]))
+    finally:
+        for shard in shards:
+            ray.kill(shard)
+
+
 def test_two_clients_share_a_prefix_page_by_hash(shared):
     config, shards = shared
     replica_a = KVCacheClient(shards, MODEL)

@@ -26,6 +26,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -47,6 +48,8 @@ INDEX_GROUP_PAGES = 512
 
 PackedUnit = tuple[int, int, Callable[[np.ndarray], PackedFetch]]
 """One read of a bulk load: (row bytes, rows, start(out [rows, row bytes]) → its PackedFetch)."""
+
+logger = logging.getLogger(__name__)
 
 
 def load_packed(ring: staging.UploadRing, units: Sequence[PackedUnit], depth: int = 2
@@ -153,11 +156,19 @@ class LazyPageFetcher:
         (`load_packed`). Either way only the verified prefix is imported."""
         start = time.perf_counter()
         device = self.caches[0].index_cache.device
-        # Shards in this process: straight from their memory — on CUDA only from arenas (pinned
-        # segments: plain pages would each need a pageable copy; packed reads are faster then).
+        # Straight from the shards' memory where this process can read it in place: shards in this
+        # process (on CUDA only from arenas: pinned segments; plain pages would each need a
+        # pageable copy, and packed reads are faster then), or shards in other processes on the
+        # node whose index arenas are shared segment files this process maps. A shard on another
+        # node has files this process cannot map: packed reads then, from here on.
         in_process = self.client.transport.shares_memory
-        if in_process and (device.type != "cuda" or "index" in self.client.arena_stores()):
-            usable = self._load_index_leased()
+        if "index" in self.client.arena_stores() or (in_process and device.type != "cuda"):
+            try:
+                usable = self._load_index_leased()
+            except OSError as error:
+                logger.warning("index pages not leasable from this process (%s); packed reads instead", error)
+                self.client.forget_shared_arenas()
+                usable = self._load_index_packed()
         else:
             usable = self._load_index_packed()
         self.num_pages = usable

@@ -227,7 +227,7 @@ def load_index_leased(client: KVCacheClient, hashes: Sequence[int], codec: PageC
         except ServiceUnavailable:
             return  # a shard did not answer: the load ends before this group
         groups.append(group)
-        segments = [segment_tensor(segment) for segment in group.lease.segments]
+        segments = [segment_tensor(segment, device) for segment in group.lease.segments]
         group.pieces = staging.fill(g % 2, group.lease, segments, np.arange(group.limit), row_bytes)
 
     try:

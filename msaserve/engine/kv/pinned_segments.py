@@ -16,14 +16,35 @@ def pinned_segment(nbytes: int) -> np.ndarray:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
 
-def segment_tensor(segment: np.ndarray) -> torch.Tensor:
+_REGISTERED: dict[int, bool] = {}
+"""Address of a segment this process asked CUDA to page-lock → whether it could."""
+
+
+def segment_tensor(segment: np.ndarray, device: torch.device | str | None = None) -> torch.Tensor:
     """The host tensor over a segment's bytes: the pinned tensor it is a view of, or (a segment of
-    plain memory) a tensor sharing its memory."""
+    plain memory) a tensor sharing its memory. With a CUDA `device`, a segment of plain memory —
+    a shard's shared segment file mapped into this process (`kvcache/shared_segments.py`) — is
+    page-locked in place first (`cudaHostRegister`, once per segment), so copies from it are
+    asynchronous DMA; where that fails it stays pageable (copies still correct, slower)."""
     base = segment.base
     if isinstance(base, torch.Tensor) and base.dtype == torch.uint8 and base.numel() == segment.nbytes \
             and base.data_ptr() == segment.ctypes.data:
         return base
-    return torch.from_numpy(segment)
+    tensor = torch.from_numpy(segment)
+    if device is not None and torch.device(device).type == "cuda" and segment.nbytes:
+        _register(tensor)
+    return tensor
+
+
+def _register(tensor: torch.Tensor) -> bool:
+    address = tensor.data_ptr()
+    if address not in _REGISTERED:
+        try:
+            error = torch.cuda.cudart().cudaHostRegister(address, tensor.numel(), 0)
+            _REGISTERED[address] = int(error) == 0
+        except (RuntimeError, AttributeError, TypeError):
+            _REGISTERED[address] = False
+    return _REGISTERED[address]
 
 
 def segment_allocators(device: torch.device | str, stores: tuple[str, ...] = ("index",)) -> dict | None:
