@@ -5,8 +5,11 @@ first imported (its own standard-library functions are decorated then). Some tor
 Triton as a side effect, so the choice is made here, before any test module imports anything.
 """
 
+import contextlib
 import os
+import time
 
+import pytest
 import torch
 
 if not torch.cuda.is_available():
@@ -18,3 +21,18 @@ if not torch.cuda.is_available():
 from m3_oracle import enable_torchvision
 
 enable_torchvision()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _remove_shard_segment_files():
+    """Shard actors that tests start keep their index arenas in shared-memory files
+    (`kvcache/shared_segments.py`); a killed actor cannot unlink its own. At the end of the session
+    the files the session's shards made (named msaserve-*, newer than the session) are removed."""
+    from msaserve.kvcache.shared_segments import default_directory
+
+    started = time.time() - 1
+    yield
+    for path in default_directory().glob("msaserve-*"):
+        with contextlib.suppress(OSError):
+            if path.stat().st_mtime >= started:
+                path.unlink()
