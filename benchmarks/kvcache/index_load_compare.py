@@ -3,6 +3,7 @@ against leased (copied straight from the shards' arenas, verified beside the cop
 
 import argparse
 import os
+import pickle
 import statistics
 import sys
 import time
@@ -23,6 +24,8 @@ from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.codec import PACK_THREADS, pack_pool
 from msaserve.kvcache.config import ServiceConfig
 from msaserve.kvcache.session_records import SessionRecord
+from msaserve.kvcache.shard import KVCacheShard
+from msaserve.kvcache.transport import LocalTransport
 from msaserve.models.cache import allocate_caches
 from msaserve.models.presets import get_preset
 
@@ -45,11 +48,27 @@ def median_ms(device: torch.device, fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times) * 1e3, out
 
 
-def stored_client(args, identity, payloads, hashes, allocators) -> KVCacheClient:
+class OtherProcess(LocalTransport):
+    """Shards as a replica sees the platform's shard actors (no Ray on the H200 image): no shared
+    memory, and every answer pickled once (Ray's object store copies an answer's arrays once)."""
+
+    shares_memory = False
+
+    def gather(self, futures, timeout_s=None):
+        answers = super().gather(futures, timeout_s)
+        return [pickle.loads(pickle.dumps(answer, protocol=5)) for answer in answers]
+
+
+def stored_client(args, identity, payloads, hashes, allocators, other_process: bool = False,
+                  shared_arena: bool = False) -> KVCacheClient:
     memory = 2 * payloads.nbytes + (256 << 20)  # the index store's half holds every page
-    client = KVCacheClient.in_process(
-        ServiceConfig(num_shards=args.shards, memory_bytes=memory, index_fraction=0.5), identity,
-        segment_allocators=allocators)
+    config = ServiceConfig(num_shards=args.shards, memory_bytes=memory, index_fraction=0.5,
+                           shared_index_arena=shared_arena)
+    if other_process:
+        shards = [KVCacheShard(config, i, publish_metrics=False) for i in range(args.shards)]
+        client = KVCacheClient(shards, identity, OtherProcess(shards))
+    else:
+        client = KVCacheClient.in_process(config, identity, segment_allocators=allocators)
     for a in range(0, len(hashes), 512):
         client.put_pages([(h, None, payloads[i]) for i, h in enumerate(hashes[a : a + 512], start=a)])
     return client
@@ -127,6 +146,9 @@ def compare(argv: list[str]) -> None:
     parser.add_argument("--shards", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--no-other-process", dest="other_process", action="store_false",
+                        help="skip the loads from shards behaving as another process (packed, and leased "
+                        "from shared segment files)")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     config = get_preset("m3-proxy", num_layers=args.layers)
@@ -138,11 +160,15 @@ def compare(argv: list[str]) -> None:
     record = SessionRecord("bench", identity, page_hashes=hashes)
     caches = allocate_caches(config, args.pages, device, torch.bfloat16)
     results, breakdown = {}, {}
-    for mode in ("packed", "leased"):
+    modes = ["packed", "leased"]
+    if args.other_process:
+        modes += ["other_process_packed", "other_process_shared"]
+    for mode in modes:
         allocators = None if mode == "packed" else (segment_allocators(device) or {"index": numpy_segment})
-        client = stored_client(args, identity, payloads, hashes, allocators)
+        client = stored_client(args, identity, payloads, hashes, allocators, mode.startswith("other"),
+                               mode == "other_process_shared")
         fetcher = LazyPageFetcher(client, record, caches, list(range(args.pages)))
-        load = fetcher._load_index_packed if mode == "packed" else fetcher._load_index_leased
+        load = fetcher._load_index_packed if mode.endswith("packed") else fetcher._load_index_leased
         load()  # warm-up (the upload ring, the pool's threads, the allocator's cache)
         for c in caches:
             c.index_cache.zero_()
@@ -151,7 +177,7 @@ def compare(argv: list[str]) -> None:
         check_equal(caches, payloads, codec)
         if mode == "packed":
             breakdown.update(packed_reads(args, device, client, hashes, codec))
-        else:
+        elif mode == "leased":
             breakdown.update(parts(args, device, client, hashes, codec))
         client = fetcher = None
     report(args, device, codec, results, breakdown)
@@ -173,12 +199,24 @@ def report(args, device, codec, results: dict[str, float], breakdown: dict[str, 
         f"{prefix}leased_speedup": dict(value=round(results["packed"] / results["leased"], 2), unit="x",
                                         **meta),
     }
+    other = ("other_process_packed", "other_process_shared")
+    if all(mode in results for mode in other):
+        note = ("shards behind a transport that shares no memory and pickles every answer once, as a "
+                "replica reaches the platform's shard actors: packed reads, and leases of the shards' "
+                "shared index segment files mapped by the reader")
+        for mode in other:
+            entries[f"{prefix}{mode}_ms"] = dict(value=round(results[mode], 2), unit="ms", note=note, **meta)
+        entries[f"{prefix}other_process_shared_speedup"] = dict(
+            value=round(results[other[0]] / results[other[1]], 2), unit="x", note=note, **meta)
     name = "kvcache_index_load.json" if device.type == "cuda" else "kvcache_index_load_cpu.json"
     out = merge_results(ROOT / "benchmarks" / "results" / name, entries)
     print(f"\n{meta['workload']}; {meta['hardware']}; results → {out}")
     print(f"{'index load':<44}{'ms':>9}{'GB/s':>8}")
+    other_rows = [(label, results[mode]) for mode, label in (
+        ("other_process_packed", "other process: packed (pickled once)"),
+        ("other_process_shared", "other process: leased from shared files")) if mode in results]
     for label, ms in [("packed (copy into pinned ring + verify)", results["packed"]),
-                      ("leased (arena → device, checked there)", results["leased"]),
+                      ("leased (arena → device, checked there)", results["leased"]), *other_rows,
                       *[(f"  {k if k.startswith('packed') else 'leased part: ' + k}", v)
                         for k, v in breakdown.items()]]:
         print(f"{label:<44}{ms:>9.1f}{gib * 2**30 / 1e9 / (ms / 1e3):>8.1f}")

@@ -11,7 +11,10 @@ issue 30's arena) and **leased** (the shards' memory tier keeps the pages in are
 CUDA; the device copies runs of them straight from there and checks them on the GPU — on the CPU
 a thread pool verifies the same bytes — `engine/kv/direct_index.py`) — median of `--repeats`,
 every page checked equal afterwards;
-then the leased load's parts alone. Prints a table; writes benchmarks/results/kvcache_index_load.json
+then the leased load's parts alone; then (unless `--no-other-process`) the same pages from shards
+that behave as the platform's shard actors do for a replica (no shared memory, every answer pickled
+once): packed reads, and leases of the shards' shared index segment files
+(`kvcache/shared_segments.py`). Prints a table; writes benchmarks/results/kvcache_index_load.json
 (`kvcache_index_load_cpu.json` with `kvcache.index_load_cpu_*` keys off CUDA).
 
     python benchmarks/kvcache/profile_index_load.py [num_pages]    # default 8192 (1M tokens)
