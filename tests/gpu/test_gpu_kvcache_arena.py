@@ -55,3 +55,43 @@ def test_leased_index_load_from_pinned_arenas_matches_every_byte(index_dtype, co
         scales = torch.stack([c.index_scale for c in caches], dim=1).contiguous().view(torch.uint8)
         got_scales = scales.reshape(PAGES, -1).cpu().numpy()
         assert np.array_equal(got_scales[:want], payloads[:want, codec.index_bytes :])
+
+
+def test_index_leased_from_shards_in_another_process_through_shared_files(tmp_path):
+    """Shards that share no memory with this process (as the platform's actors) and keep their
+    index arenas in shared-memory files: the load maps the files, page-locks them for the copies
+    (`cudaHostRegister`) and checks the pages on the GPU; every byte equal, every lease ended."""
+    import pickle
+
+    from msaserve.kvcache.shard import KVCacheShard
+    from msaserve.kvcache.transport import LocalTransport
+
+    class OtherProcess(LocalTransport):
+        shares_memory = False
+
+        def gather(self, futures, timeout_s=None):
+            return [pickle.loads(pickle.dumps(a)) for a in super().gather(futures, timeout_s)]
+
+    config = get_preset("m3-proxy", num_layers=2)
+    identity = identity_for(config, "m3-proxy-L2", torch.bfloat16)
+    codec = PageCodec(identity)
+    row = codec.index_bytes + codec.scale_bytes
+    settings = ServiceConfig(num_shards=4, memory_bytes=256 << 20, index_fraction=0.5,
+                             shared_index_arena=True, shared_directory=str(tmp_path))
+    shards = [KVCacheShard(settings, i, publish_metrics=False) for i in range(4)]
+    client = KVCacheClient(shards, identity, OtherProcess(shards))
+    rng = np.random.default_rng(1)
+    hashes = [int(h) for h in rng.integers(1, 2**62, PAGES)]
+    payloads = rng.integers(0, 256, (PAGES, row), dtype=np.uint8)
+    client.put_pages([(h, None, payloads[i]) for i, h in enumerate(hashes)])
+    assert client.arena_stores() == {"index"}
+    lease = client.lease_index_async(hashes).result()
+    used = [s for i, s in enumerate(lease.segments) if i in set(lease.segment_of.tolist())]
+    assert all(segment_tensor(s, "cuda").is_pinned() for s in used)  # registered in place
+    lease.release()
+    caches = allocate_caches(config, PAGES, "cuda", torch.bfloat16)
+    assert load_index_leased(client, hashes, codec, caches, torch.arange(PAGES, device="cuda"),
+                             group_pages=128) == PAGES
+    ix = torch.stack([c.index_cache for c in caches], dim=1).contiguous().view(torch.uint8)
+    assert np.array_equal(ix.reshape(PAGES, -1).cpu().numpy(), payloads[:, : codec.index_bytes])
+    assert all(s.stats()["open_leases"] == 0 for s in shards)
