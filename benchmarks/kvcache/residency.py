@@ -48,7 +48,7 @@ from msaserve.engine.kv.host_tier import HostKV  # noqa: E402
 from msaserve.engine.kv.pages import identity_for  # noqa: E402
 from msaserve.engine.kv.persist import SessionWriter  # noqa: E402
 from msaserve.engine.kv.pinned_segments import segment_allocators  # noqa: E402
-from msaserve.engine.kv.resident_graph import WARMUP_STEPS, SparseDecodeGraph  # noqa: E402
+from msaserve.engine.kv.resident_graph import WARMUP_STEPS, CapturedStep, SparseDecodeGraph  # noqa: E402
 from msaserve.engine.kv.resident_session import ResidentSession, allocate_resident_caches  # noqa: E402
 from msaserve.kernels import get_ops  # noqa: E402
 from msaserve.kvcache.client import KVCacheClient  # noqa: E402
@@ -114,8 +114,8 @@ class ResidentGraph:
             seq_lens=self.seq_lens, cu_seqlens_q=torch.tensor([0, 1], device=device, dtype=torch.int32),
             max_query_len=1, decode_query_len=1,
             logits_indices=torch.zeros(1, dtype=torch.long, device=device))
-        self.graph, self.next_token, self.steps = None, None, 0
-        self.capture = device.type == "cuda"  # elsewhere the same steps run eagerly (a smoke run)
+        # Off CUDA the same steps run eagerly (a smoke run).
+        self.captured = CapturedStep(self._body, capture=device.type == "cuda")
 
     def _body(self) -> torch.Tensor:
         r = self.replica
@@ -127,25 +127,20 @@ class ResidentGraph:
         self.token.fill_(token)
         self.positions.fill_(position)
         self.seq_lens.fill_(position + 1)
-        self.steps += 1
-        if self.steps <= WARMUP_STEPS or not self.capture:
-            return int(self._body())
-        if self.graph is None:
-            torch.cuda.synchronize()
-            self.graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(self.graph):
-                self.next_token = self._body()
-        self.graph.replay()
-        return int(self.next_token)
+        return int(self.captured.run())
 
 
-def graphed_decode(stepper, device, first: int, start: int, steps: int) -> tuple[list[int], list[float]]:
+def graphed_decode(stepper, device, first: int, start: int, steps: int,
+                   prefetch_items: int = 0) -> tuple[list[int], list[float]]:
     """Greedy decode through a graph stepper (`ResidentGraph`, `SparseDecodeGraph`) → (tokens after
-    `first`, step times; the first WARMUP_STEPS + 1 steps are the eager ones and the capture)."""
+    `first`, step times; the first WARMUP_STEPS + 1 steps are the eager ones and the capture).
+    prefetch_items: background service reads queued before each step (an adopted session)."""
     tokens, times = [first], []
     for step in range(steps):
         sync(device)
         t0 = time.perf_counter()
+        if prefetch_items:
+            stepper.session.prefetch(prefetch_items)
         tokens.append(stepper.step(tokens[-1], start + step))
         sync(device)
         times.append(time.perf_counter() - t0)
@@ -346,21 +341,6 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
-def graphed_sparse_decode(stepper: SparseDecodeGraph, first: int, start: int, steps: int,
-                          prefetch_items: int) -> tuple[list[int], list[float]]:
-    """As `sparse_decode`, through the graph stepper (eager while the host tier fills)."""
-    tokens, times, device = [first], [], stepper.session.device
-    for step in range(steps):
-        sync(device)
-        t0 = time.perf_counter()
-        if prefetch_items:
-            stepper.session.prefetch(prefetch_items)
-        tokens.append(stepper.step(tokens[-1], start + step))
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return tokens[1:], times
-
-
 def adopt_and_decode(
     args, model, ops, client, config, pages, max_pages, dtype, device, first, want, prefetch: int,
     graphed: bool = False,
@@ -383,10 +363,10 @@ def adopt_and_decode(
     last = int(token_ids.result()[-1])
     if graphed:
         stepper = SparseDecodeGraph(session, model, ops)
-        got, times = graphed_sparse_decode(stepper, last, args.context, 1, 0)
+        got, times = graphed_decode(stepper, device, last, args.context, 1)
         ttft = time.perf_counter() - t0
-        rest, rest_times = graphed_sparse_decode(stepper, got[0], args.context + 1, args.adopt_steps - 1,
-                                                 prefetch)
+        rest, rest_times = graphed_decode(stepper, device, got[0], args.context + 1, args.adopt_steps - 1,
+                                          prefetch)
     else:
         got, times = sparse_decode(model, ops, session, last, args.context, 1)  # prefetch starts after it
         ttft = time.perf_counter() - t0

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from msaserve.kvcache import shared_segments
+
 
 @dataclass
 class PageViews:
@@ -50,10 +52,8 @@ class SharedPageViews:
     """Pages held outside the arena (it was full, or read back from disk): their bytes, copied."""
 
     def mapped(self) -> PageViews:
-        from msaserve.kvcache.shared_segments import map_segment
-
         used = set(self.segment_of[self.segment_of >= 0].tolist())  # map only the files read
-        segments = [map_segment(self.directory, name) if i in used else np.empty(0, np.uint8)
+        segments = [shared_segments.map_segment(self.directory, name) if i in used else np.empty(0, np.uint8)
                     for i, name in enumerate(self.segment_names)]
         views: list[np.ndarray | None] = []
         for i, (segment, offset, size) in enumerate(zip(self.segment_of.tolist(), self.offsets.tolist(),

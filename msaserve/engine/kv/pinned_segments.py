@@ -7,6 +7,8 @@ so that the index pages it adopts can be copied to the GPU straight from the ser
 would not be known to torch as pinned), and the memory goes when the arena does.
 """
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -16,8 +18,8 @@ def pinned_segment(nbytes: int) -> np.ndarray:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
 
 
-_REGISTERED: dict[int, bool] = {}
-"""Address of a segment this process asked CUDA to page-lock → whether it could."""
+_REGISTER_TRIED: set[int] = set()
+"""Addresses of segments this process asked CUDA to page-lock (once each, whatever the answer)."""
 
 
 def segment_tensor(segment: np.ndarray, device: torch.device | str | None = None) -> torch.Tensor:
@@ -36,15 +38,14 @@ def segment_tensor(segment: np.ndarray, device: torch.device | str | None = None
     return tensor
 
 
-def _register(tensor: torch.Tensor) -> bool:
+def _register(tensor: torch.Tensor) -> None:
+    """Page-lock the tensor's memory in place, once; where CUDA refuses, it stays pageable."""
     address = tensor.data_ptr()
-    if address not in _REGISTERED:
-        try:
-            error = torch.cuda.cudart().cudaHostRegister(address, tensor.numel(), 0)
-            _REGISTERED[address] = int(error) == 0
-        except (RuntimeError, AttributeError, TypeError):
-            _REGISTERED[address] = False
-    return _REGISTERED[address]
+    if address in _REGISTER_TRIED:
+        return
+    _REGISTER_TRIED.add(address)
+    with contextlib.suppress(RuntimeError, AttributeError, TypeError):
+        torch.cuda.cudart().cudaHostRegister(address, tensor.numel(), 0)
 
 
 def segment_allocators(device: torch.device | str, stores: tuple[str, ...] = ("index",)) -> dict | None:

@@ -20,6 +20,8 @@ host tier holds every page. Off CUDA (or `capture=False`) every step runs eagerl
 the CPU tests check against the plain path.
 """
 
+from collections.abc import Callable
+
 import torch
 
 from msaserve.engine.kv.resident_session import ResidentSession
@@ -28,6 +30,33 @@ from msaserve.models.metadata import AttentionMetadata
 from msaserve.models.transformer import MSATransformer
 
 WARMUP_STEPS = 2
+
+
+class CapturedStep:
+    """`body()` (a step whose inputs live in static buffers) run eagerly for the first WARMUP_STEPS
+    calls, then captured once as a CUDA graph and replayed at every later call; eager at every call
+    without `capture`. `run()` → the body's output tensor (the graph's static output once replayed)."""
+
+    def __init__(self, body: Callable[[], torch.Tensor], capture: bool) -> None:
+        self.body, self.capture = body, capture
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.output: torch.Tensor | None = None
+        self.calls = 0
+        self.replays = 0
+
+    def run(self) -> torch.Tensor:
+        self.calls += 1
+        if not self.capture or self.calls <= WARMUP_STEPS:
+            return self.body()
+        if self.graph is None:
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.output = self.body()
+            self.graph = graph
+        self.graph.replay()
+        self.replays += 1
+        return self.output
 
 
 class SparseDecodeGraph:
@@ -52,11 +81,8 @@ class SparseDecodeGraph:
             logits_indices=torch.zeros(1, dtype=torch.long, device=device),
         )
         self.eager_host_steps = eager_host_steps
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.next_token: torch.Tensor | None = None
-        self.steps = 0
-        """Sync-free steps run (the warm-up counts them)."""
-        self.replays = 0
+        self.captured = CapturedStep(self._body, self.capture)
+        """Its calls are the sync-free steps (the warm-up counts them)."""
         self.host_steps = 0
         """Steps that went through the host, eagerly (see `eager_host_steps`)."""
 
@@ -85,15 +111,17 @@ class SparseDecodeGraph:
         self.slot_mapping.fill_(position)  # the index cache's logical page = its physical page
         self.kv_slot_mapping.fill_(kv_slot)
         self.seq_lens.fill_(position + 1)
-        self.steps += 1
-        if not self.capture or self.steps <= WARMUP_STEPS:
-            return int(self._body())
-        if self.graph is None:
-            torch.cuda.synchronize(session.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                self.next_token = self._body()
-            self.graph = graph
-        self.graph.replay()
-        self.replays += 1
-        return int(self.next_token)
+        return int(self.captured.run())
+
+    @property
+    def steps(self) -> int:
+        """Sync-free steps run."""
+        return self.captured.calls
+
+    @property
+    def replays(self) -> int:
+        return self.captured.replays
+
+    @property
+    def graph(self) -> torch.cuda.CUDAGraph | None:
+        return self.captured.graph
