@@ -156,6 +156,45 @@ def test_admit_triton_matches_the_reference_tables_and_slots(step_on_device):
     assert tables[1][3][1] > 0  # evictions happened
 
 
+@pytest.mark.parametrize("interpreted", [False, True])
+def test_admitting_rows_at_once_equals_admitting_each_row_alone(interpreted):
+    """R working sets admitted in one call (a layer's KV heads; on CUDA one launch of R programs):
+    each row's slots and tables are exactly those of admitting that row by itself (1-D tables)."""
+    admit_rows = admit_naive
+    if interpreted:
+        (module,) = import_interpreted("msaserve.kernels.residency.triton")
+        admit_rows = module.admit_triton
+    rows, num_slots, ring, max_pages = 3, 12, 2, 40
+
+    def tables() -> tuple[torch.Tensor, ...]:
+        return (torch.full((rows, max_pages + 1), -1, dtype=torch.int32),
+                torch.full((rows, num_slots + 1), -1, dtype=torch.int64),
+                torch.full((rows, num_slots + 1), -1, dtype=torch.int64),
+                torch.zeros(rows, 3, dtype=torch.int64))
+
+    together, alone = tables(), tables()
+    gen = torch.Generator().manual_seed(4)
+    for step in range(1, 16):
+        selected = torch.randint(-1, max_pages, (rows, 6), generator=gen)
+        dst, src = admit_rows(selected, *together, step, ring)
+        assert dst.shape == src.shape == (rows, 6)
+        for r in range(rows):
+            want = admit_naive(selected[r], *(t[r] for t in alone), step, ring)
+            hit = want[0] >= 0
+            assert torch.equal(dst[r], want[0]) and torch.equal(src[r][hit], want[1][hit]), (step, r)
+        for a, b in zip(together, alone, strict=True):
+            assert torch.equal(a[:, :-1], b[:, :-1]), step
+    assert (together[3][:, 1] > 0).all()  # every row evicted
+
+
+def test_admitting_rows_refuses_tables_of_other_row_counts():
+    slot_of = torch.full((2, 9), -1, dtype=torch.int32)
+    page_in = last_used = torch.full((3, 7), -1, dtype=torch.int64)
+    with pytest.raises(ValueError, match=r"page_in is \(3, 7\) with slot_of \(2, 9\)"):
+        admit_naive(torch.zeros(2, 4, dtype=torch.int64), slot_of, page_in, last_used,
+                    torch.zeros(2, 3, dtype=torch.int64), 1, 2)
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_the_graph_steps_body_decodes_the_resident_tokens_from_static_buffers(m3, per_head):
     """`SparseDecodeGraph`'s step (on CUDA captured once and replayed; here its body run eagerly

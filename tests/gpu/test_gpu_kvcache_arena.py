@@ -1,6 +1,10 @@
 """Adoption's index load on CUDA straight from the shards' pinned arenas (`engine/kv/direct_index.py`):
 runs of adjacent pages copied on a side stream, the verified prefix scattered, every byte equal."""
 
+import shutil
+import tempfile
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -76,8 +80,12 @@ def test_index_leased_from_shards_in_another_process_through_shared_files(tmp_pa
     identity = identity_for(config, "m3-proxy-L2", torch.bfloat16)
     codec = PageCodec(identity)
     row = codec.index_bytes + codec.scale_bytes
+    # The files on a tmpfs, as the platform keeps them (/dev/shm): Linux page-locks writable
+    # file-backed memory only on shmem, so segment files on a disk directory stay pageable.
+    shm = Path("/dev/shm")
+    directory = tempfile.mkdtemp(dir=shm) if shm.is_dir() else str(tmp_path)
     settings = ServiceConfig(num_shards=4, memory_bytes=256 << 20, index_fraction=0.5,
-                             shared_index_arena=True, shared_directory=str(tmp_path))
+                             shared_index_arena=True, shared_directory=directory)
     shards = [KVCacheShard(settings, i, publish_metrics=False) for i in range(4)]
     client = KVCacheClient(shards, identity, OtherProcess(shards))
     rng = np.random.default_rng(1)
@@ -95,3 +103,4 @@ def test_index_leased_from_shards_in_another_process_through_shared_files(tmp_pa
     ix = torch.stack([c.index_cache for c in caches], dim=1).contiguous().view(torch.uint8)
     assert np.array_equal(ix.reshape(PAGES, -1).cpu().numpy(), payloads[:, : codec.index_bytes])
     assert all(s.stats()["open_leases"] == 0 for s in shards)
+    shutil.rmtree(directory, ignore_errors=True)

@@ -64,6 +64,30 @@ def test_admit_compiled_matches_the_reference():
     assert tables[1][3][1] > 0
 
 
+def test_admit_of_rows_compiled_matches_the_reference():
+    """A layer's KV heads admitted in one launch (per-head residency), 4 rows of 819 slots."""
+    rows, num_slots, ring, max_pages = 4, 819, 3, 8192
+
+    def tables(device: str) -> tuple[torch.Tensor, ...]:
+        return (torch.full((rows, max_pages + 1), -1, dtype=torch.int32, device=device),
+                torch.full((rows, num_slots + 1), -1, dtype=torch.int64, device=device),
+                torch.full((rows, num_slots + 1), -1, dtype=torch.int64, device=device),
+                torch.zeros(rows, 3, dtype=torch.int64, device=device))
+
+    want_tables, got_tables = tables("cpu"), tables("cuda")
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    step_number = torch.zeros(1, dtype=torch.int64, device="cuda")
+    for step in range(1, 120):
+        selected = torch.randint(-1, max_pages, (rows, 16), generator=gen, device="cuda")
+        step_number.fill_(step)
+        got = admit(selected, *got_tables, step_number, ring)
+        want = admit_naive(selected.cpu(), *want_tables, step, ring)
+        assert torch.equal(got[0].cpu(), want[0]), step
+        for a, b in zip(want_tables, got_tables, strict=True):
+            assert torch.equal(a[:, :-1], b[:, :-1].cpu()), step
+    assert (got_tables[3][:, 1] > 0).all()
+
+
 def test_sparse_resident_decode_needs_no_host_sync_and_keeps_the_tokens():
     model = init_random_weights(MSATransformer(get_preset("tiny"), "msa"), seed=0).cuda().eval()
     prompt = torch.randint(3, 512, (600,), generator=torch.Generator().manual_seed(3)).tolist()

@@ -2,7 +2,8 @@
 
 The policy is `residency.WorkingSet`'s (write ring, then free slots, then the least recently selected
 page; never a page selected in this step), run on the device on the selection the indexer left there
-(`kernels.residency.admit`: one Triton launch per layer on CUDA): the host never learns which pages
+(`kernels.residency.admit`: one Triton launch per layer on CUDA, its KV heads' working sets
+in one launch when each head has its own): the host never learns which pages
 a step selected or how many missed. Tables have one spare entry (index `max_pages` / `num_slots`)
 that masked writes go to.
 """
@@ -69,6 +70,14 @@ class DeviceWorkingSet:
         are resident from now on: copy them in before anything reads them."""
         return admit(selected, self.slot_of[layer], self.page_in[layer], self.last_used[layer],
                      self.counters[layer], step, self.ring)
+
+    def admit_rows(self, first: int, selected: torch.Tensor,
+                   step: int | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Working sets first … first + R - 1 at once (each its own, e.g. a layer's KV heads):
+        selected [R, M] block ids (-1 unused) → (dst_slots, src_pages) [R, M] (on CUDA one launch)."""
+        rows = slice(first, first + selected.shape[0])
+        return admit(selected, self.slot_of[rows], self.page_in[rows], self.last_used[rows],
+                     self.counters[rows], step, self.ring)
 
     def resident_pages(self, layer: int) -> list[int]:
         """(host sync: tests and reports only)"""

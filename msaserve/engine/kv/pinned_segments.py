@@ -8,9 +8,13 @@ would not be known to torch as pinned), and the memory goes when the arena does.
 """
 
 import contextlib
+import ctypes
+import logging
 
 import numpy as np
 import torch
+
+log = logging.getLogger(__name__)
 
 
 def pinned_segment(nbytes: int) -> np.ndarray:
@@ -39,13 +43,30 @@ def segment_tensor(segment: np.ndarray, device: torch.device | str | None = None
 
 
 def _register(tensor: torch.Tensor) -> None:
-    """Page-lock the tensor's memory in place, once; where CUDA refuses, it stays pageable."""
+    """Page-lock the tensor's memory in place, once; where CUDA refuses, it stays pageable and the
+    refusal is logged once (Linux pins writable file-backed memory long-term only on shmem: a
+    segment file outside a tmpfs such as /dev/shm is refused)."""
     address = tensor.data_ptr()
     if address in _REGISTER_TRIED:
         return
     _REGISTER_TRIED.add(address)
-    with contextlib.suppress(RuntimeError, AttributeError, TypeError):
-        torch.cuda.cudart().cudaHostRegister(address, tensor.numel(), 0)
+    try:
+        code = torch.cuda.cudart().cudaHostRegister(address, tensor.numel(), 0)
+    except (RuntimeError, AttributeError, TypeError) as error:
+        code = error
+    if code not in (0, None) and getattr(code, "value", code) != 0:
+        _clear_last_cuda_error()
+        log.warning("cudaHostRegister of a %d-byte shared segment refused (%s): its copies stay "
+                    "pageable, slower; keep shared segment files on a tmpfs (/dev/shm)", tensor.numel(), code)
+
+
+def _clear_last_cuda_error() -> None:
+    """Reset the runtime's last error after a refused cudaHostRegister (not a sticky error): else
+    torch's next kernel-launch check would read it and raise on an unrelated launch."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(name).cudaGetLastError()  # the copy torch loaded: same soname
+            return
 
 
 def segment_allocators(device: torch.device | str, stores: tuple[str, ...] = ("index",)) -> dict | None:

@@ -285,10 +285,8 @@ class ResidentSession:
         reads the misses (one sync) and makes them present first (service reads)."""
         if self.per_head:
             h = self.heads
-            admitted = [self.working.admit(layer * h + head, selected[..., head : head + 1, :],
-                                           self.step_number) for head in range(h)]
-            dst = torch.stack([d for d, _ in admitted])  # [Hkv, K]
-            src = torch.stack([p for _, p in admitted])
+            rows = selected.reshape(-1, h, selected.shape[-1]).transpose(0, 1).reshape(h, -1)  # [Hkv, K]
+            dst, src = self.working.admit_rows(layer * h, rows, self.step_number)
         else:
             dst, src = self.working.admit(layer, selected, self.step_number)
         if not self.synced_steps:

@@ -15,7 +15,10 @@ from msaserve.kernels.residency.naive import admit_naive
 
 def admit(selected: torch.Tensor, slot_of: torch.Tensor, page_in: torch.Tensor, last_used: torch.Tensor,
           counters: torch.Tensor, step: int | torch.Tensor, ring: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """selected [.., Hkv, K] block ids (-1 unused) → (dst_slots [M] int64, -1: no copy; src_pages [M]).
+    """One working set: tables as above, selected [.., Hkv, K] block ids (-1 unused) → (dst_slots [M]
+    int64, -1: no copy; src_pages [M]). R working sets at once (independent, e.g. one per KV head
+    of a layer): every table with a leading row dimension ([R, max_pages + 1], ..., counters
+    [R, 3]) and selected [R, M] → dst_slots, src_pages [R, M]; on CUDA one launch of R programs.
     step: the step number, or a one-element int64 tensor on the device holding it (read there, so a
     captured CUDA graph replays with the step of its replay)."""
     if selected.device.type == "cuda":

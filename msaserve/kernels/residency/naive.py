@@ -28,6 +28,29 @@ def victim_order(page_in: torch.Tensor, last_used: torch.Tensor, step: int | tor
 def admit_naive(selected: torch.Tensor, slot_of: torch.Tensor, page_in: torch.Tensor, last_used: torch.Tensor,
                 counters: torch.Tensor, step: int | torch.Tensor,
                 ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    if slot_of.dim() == 2:  # R working sets, one row each: admitted one after another
+        rows = check_rows(selected, slot_of, page_in, last_used, counters)
+        out = [_admit_one(selected[r], slot_of[r], page_in[r], last_used[r], counters[r], step, ring)
+               for r in range(rows)]
+        return torch.stack([d for d, _ in out]), torch.stack([p for _, p in out])
+    return _admit_one(selected, slot_of, page_in, last_used, counters, step, ring)
+
+
+def check_rows(selected: torch.Tensor, slot_of: torch.Tensor, page_in: torch.Tensor, last_used: torch.Tensor,
+               counters: torch.Tensor) -> int:
+    """The row count of a batched admission, its shapes checked."""
+    rows = slot_of.shape[0]
+    for name, t in (("selected", selected), ("page_in", page_in), ("last_used", last_used),
+                    ("counters", counters)):
+        if t.dim() != 2 or t.shape[0] != rows:
+            raise ValueError(f"{name} is {tuple(t.shape)} with slot_of {tuple(slot_of.shape)}: allowed "
+                             f"[{rows}, n] (one row per working set)")
+    return rows
+
+
+def _admit_one(selected: torch.Tensor, slot_of: torch.Tensor, page_in: torch.Tensor, last_used: torch.Tensor,
+               counters: torch.Tensor, step: int | torch.Tensor,
+               ring: int) -> tuple[torch.Tensor, torch.Tensor]:
     if isinstance(step, torch.Tensor):
         step = step.reshape(())  # a 0-dim tensor works wherever the int does, with no host read
     max_pages, num_slots = slot_of.numel() - 1, page_in.numel() - 1

@@ -8,13 +8,23 @@ import torch
 import triton
 import triton.language as tl
 
-from msaserve.kernels.residency.naive import FREE, USED_NOW
+from msaserve.kernels.residency.naive import FREE, USED_NOW, check_rows
 
 
 @triton.jit
 def _admit_kernel(selected, slot_of, page_in, last_used, counters, dst_out, src_out, scratch,
-                  step_ptr, ring, num_slots, max_pages, M, MP: tl.constexpr, GP: tl.constexpr,
-                  FREE_KEY: tl.constexpr, USED_KEY: tl.constexpr):
+                  step_ptr, ring, num_slots, max_pages, M, sel_row, slot_row, page_row, used_row, count_row,
+                  MP: tl.constexpr, GP: tl.constexpr, FREE_KEY: tl.constexpr, USED_KEY: tl.constexpr):
+    """Program r admits working set r (its row of every table)."""
+    r = tl.program_id(0).to(tl.int64)
+    selected += r * sel_row
+    slot_of += r * slot_row
+    page_in += r * page_row
+    last_used += r * used_row
+    counters += r * count_row
+    dst_out += r * M
+    src_out += r * M
+    scratch += r * GP
     step = tl.load(step_ptr)
     offs = tl.arange(0, MP)
     pages = tl.load(selected + offs, mask=offs < M, other=-1).to(tl.int64)
@@ -60,12 +70,18 @@ def _admit_kernel(selected, slot_of, page_in, last_used, counters, dst_out, src_
 def admit_triton(selected: torch.Tensor, slot_of: torch.Tensor, page_in: torch.Tensor,
                  last_used: torch.Tensor, counters: torch.Tensor, step: int | torch.Tensor,
                  ring: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One working set (1-D tables, selected [.., K]) or R (2-D tables, selected [R, M]): R programs."""
+    batched = slot_of.dim() == 2
+    if batched:
+        rows = check_rows(selected, slot_of, page_in, last_used, counters)
+        flat = selected.contiguous()
+    else:
+        rows, flat = 1, selected.reshape(1, -1).contiguous()
     for name, t, dtype in (("slot_of", slot_of, torch.int32), ("page_in", page_in, torch.int64),
                            ("last_used", last_used, torch.int64), ("counters", counters, torch.int64)):
-        if t.dtype != dtype or not t.is_contiguous():
-            raise ValueError(f"{name} is {t.dtype}, contiguous={t.is_contiguous()}: "
-                             f"allowed contiguous {dtype}")
-    flat = selected.reshape(-1).contiguous()
+        if t.dtype != dtype or t.stride(-1) != 1:
+            raise ValueError(f"{name} is {t.dtype} with strides {t.stride()}: allowed {dtype} with "
+                             "contiguous rows")
     if isinstance(step, torch.Tensor):
         if step.dtype != torch.int64 or step.numel() != 1 or step.device != flat.device:
             raise ValueError(f"step is {step.dtype} {tuple(step.shape)} on {step.device}: allowed an int or "
@@ -73,12 +89,17 @@ def admit_triton(selected: torch.Tensor, slot_of: torch.Tensor, page_in: torch.T
         step_ptr = step
     else:
         step_ptr = torch.full((1,), step, dtype=torch.int64, device=flat.device)
-    m, num_slots = flat.numel(), page_in.numel() - 1
+    m, num_slots = flat.shape[1], page_in.shape[-1] - 1
     gp = triton.next_power_of_2(max(num_slots - ring, 1))
-    dst = torch.empty(m, dtype=torch.int64, device=flat.device)
-    src = torch.empty(m, dtype=torch.int64, device=flat.device)
-    scratch = torch.empty(gp, dtype=torch.int64, device=flat.device)
-    _admit_kernel[(1,)](flat, slot_of, page_in, last_used, counters, dst, src, scratch, step_ptr, ring,
-                        num_slots, slot_of.numel() - 1, m, MP=triton.next_power_of_2(m), GP=gp, FREE_KEY=FREE,
-                        USED_KEY=USED_NOW, num_warps=8 if gp >= 2048 else 4)
-    return dst, src
+    dst = torch.empty(rows, m, dtype=torch.int64, device=flat.device)
+    src = torch.empty(rows, m, dtype=torch.int64, device=flat.device)
+    scratch = torch.empty(rows, gp, dtype=torch.int64, device=flat.device)
+
+    def row(t: torch.Tensor) -> int:
+        return t.stride(0) if batched else 0
+
+    _admit_kernel[(rows,)](flat, slot_of, page_in, last_used, counters, dst, src, scratch, step_ptr, ring,
+                           num_slots, slot_of.shape[-1] - 1, m, flat.stride(0), row(slot_of), row(page_in),
+                           row(last_used), row(counters), MP=triton.next_power_of_2(m), GP=gp,
+                           FREE_KEY=FREE, USED_KEY=USED_NOW, num_warps=8 if gp >= 2048 else 4)
+    return (dst, src) if batched else (dst[0], src[0])
