@@ -311,3 +311,35 @@ def test_an_adopted_session_decodes_through_the_graph_stepper_from_its_first_tok
             session.host.wait_all()
     assert got == want
     assert stepper.host_steps >= 1 and stepper.steps >= STEPS - 2 and not session.synced_steps
+
+
+def test_reusing_a_host_tier_cancels_the_last_sessions_queued_reads(model, resident):
+    """A replica reuses its pinned host tier for the next adoption: the last session's background
+    reads still queued are dropped (not run to the end before the new session may start); the one
+    already running is waited for, since it writes into that memory."""
+    import threading
+
+    from msaserve.engine.kv.host_tier import ServiceSource
+
+    prompt, state, want = resident
+    client = stored_session(model, prompt, state, want)
+    session, _ = ResidentSession.adopt(client, client.get_session("long"), model.config,
+                                       budget_pages=12, max_pages=state.max_pages,
+                                       device=torch.device("cpu"), dtype=torch.float32)
+    host, started, release = session.host, threading.Event(), threading.Event()
+    reads: list[list[tuple[int, int]]] = []
+
+    class HeldSource(ServiceSource):
+        def read_into(self, items, dest, rows):
+            reads.append(list(items))
+            started.set()
+            release.wait(timeout=5)
+            return super().read_into(items, dest, rows)
+
+    host.source = HeldSource(**vars(host.source))
+    assert host.prefetch([], max_items=64, chunk=4) > 8  # many reads queued on the one worker
+    assert started.wait(timeout=5)
+    threading.Timer(0.2, release.set).start()  # the running read ends a little later
+    host.reset(None)
+    assert len(reads) == 1, "reset ran the queued reads of the session that left"
+    assert not host.present.any() and host.poll() == 0

@@ -90,8 +90,10 @@ class HostKV:
         self.service_bytes = 0
 
     def reset(self, source: ServiceSource | None) -> "HostKV":
-        """Reuse this (pinned) memory for another session: nothing present, pages from `source`."""
-        self.wait_all()
+        """Reuse this (pinned) memory for another session: nothing present, pages from `source`.
+        The last session's queued background reads are cancelled; only a read already running is
+        waited for (it writes into this memory)."""
+        self.cancel_pending()
         if self.data.is_pinned():  # kernels of the last session may still read it (UVA): let them end
             torch.cuda.synchronize()
         self.present.zero_()
@@ -230,6 +232,15 @@ class HostKV:
                 still.append((future, items))
         self._pending = still
         return ended
+
+    def cancel_pending(self) -> None:
+        """Drop the background reads not started yet and wait for the running one."""
+        for future, _ in self._pending:
+            future.cancel()
+        for future, _ in self._pending:
+            if not future.cancelled():
+                future.result()
+        self._pending = []
 
     def wait_all(self) -> None:
         """Wait for every background read (before the session's memory is reused)."""
