@@ -12,6 +12,8 @@ How `experts` works (one pass per layer, every shape fixed by T, k, E, H, I):
 3. one grouped GEMM against gate_up (`torch._grouped_mm`: CUTLASS on sm90 in bf16; experts that got
    no rows cost nothing), the clamped SwiGLU, one grouped GEMM against down;
 4. un-permute and combine: out[t] = Σ_j weights[t, j] · rows[row of slot (t, j)], summed in fp32.
+On CUDA, up to `DECODE_MAX_SLOTS` (token, expert) slots (batch-1 decode) skip steps 1-4: two
+Triton launches stream each slot's expert weights once (`moe/triton.py::decode_experts`).
 On CUDA steps 1-4's elementwise work runs as the Triton kernels of `moe/triton.py`; elsewhere
 (CPU tests) as the same arithmetic in PyTorch ops. Where `torch._grouped_mm` cannot take the
 operands (a width whose rows are not 16-byte aligned; on CUDA any dtype but bf16), a per-expert
@@ -27,6 +29,11 @@ import torch.nn.functional as F
 from msaserve.kernels.triton_common import check
 
 _GROUPED_MM = getattr(F, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+DECODE_MAX_SLOTS = 4
+"""Up to this many (token, expert) slots, CUDA runs the experts as two weight-streaming launches
+(`triton.decode_experts`: no sort, gather or grouped GEMM); a batch-1 decode step of M3 (top-4) has
+4. Above it the grouped GEMMs, which read each expert's weights once however many slots share it."""
 
 
 @dataclass(frozen=True)
@@ -119,6 +126,26 @@ def experts(
     down[e] · ((clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)), g = min(gate, limit),
     gate, up = halves of gate_up[e] · x. ids must lie in 0..E-1 (not checked: that would sync)."""
     _check_shapes(x, gate_up, down, ids, weights)
+    if ids.shape[0] == 0:
+        return torch.empty_like(x)
+    if x.is_cuda and ids.numel() <= DECODE_MAX_SLOTS:
+        from msaserve.kernels.moe import triton as moe_triton
+
+        return moe_triton.decode_experts(x, gate_up, down, ids, weights, swiglu_alpha, swiglu_limit)
+    return experts_grouped_gemm(x, gate_up, down, ids, weights, swiglu_alpha, swiglu_limit)
+
+
+def experts_grouped_gemm(
+    x: torch.Tensor,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    swiglu_alpha: float,
+    swiglu_limit: float,
+) -> torch.Tensor:
+    """`experts` through steps 1-4 (sort, gather, grouped GEMMs, combine) whatever the slot count
+    (the decode comparison of benchmarks/kernels/bench_moe_decode.py calls it directly)."""
     if ids.shape[0] == 0:
         return torch.empty_like(x)
     layout = expert_rows(ids, gate_up.shape[0])

@@ -83,6 +83,66 @@ def _combine_kernel(
     tl.store(out_ptr + token * stride_o + cols, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _decode_gate_up_kernel(
+    x_ptr, gate_up_ptr, ids_ptr, hidden_ptr, stride_x, stride_ge, stride_gr, hidden_size, inter,
+    alpha, limit, TOP_K: tl.constexpr, BLOCK_I: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Slot s = t·k + j, BLOCK_I columns of its hidden row: gate and up = rows of gate_up[ids[s]] · x[t]
+    (fp32 sums over H, rounded to x's dtype as a GEMM's output would be), then the clamped SwiGLU."""
+    slot = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    col_mask = cols < inter
+    token = slot // TOP_K
+    expert = tl.load(ids_ptr + slot).to(tl.int64)
+    gate_rows = gate_up_ptr + expert * stride_ge + cols[:, None].to(tl.int64) * stride_gr
+    up_rows = gate_rows + inter * stride_gr
+    acc_gate = tl.zeros([BLOCK_I], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_I], dtype=tl.float32)
+    for start in range(0, hidden_size, BLOCK_H):
+        h = start + tl.arange(0, BLOCK_H)
+        h_mask = h < hidden_size
+        xv = tl.load(x_ptr + token * stride_x + h, mask=h_mask, other=0.0).to(tl.float32)
+        mask = col_mask[:, None] & h_mask[None, :]
+        w_gate = tl.load(gate_rows + h[None, :], mask=mask, other=0.0).to(tl.float32)
+        w_up = tl.load(up_rows + h[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc_gate += tl.sum(w_gate * xv[None, :], axis=1)
+        acc_up += tl.sum(w_up * xv[None, :], axis=1)
+    dtype = hidden_ptr.dtype.element_ty
+    gate = tl.minimum(acc_gate.to(dtype).to(tl.float32), limit)
+    up = tl.minimum(tl.maximum(acc_up.to(dtype).to(tl.float32), -limit), limit)
+    out = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    tl.store(hidden_ptr + slot * inter + cols, out.to(dtype), mask=col_mask)
+
+
+@triton.jit
+def _decode_down_kernel(
+    hidden_ptr, down_ptr, ids_ptr, weights_ptr, out_ptr, stride_de, stride_dr, stride_o, hidden_size,
+    inter, TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_I: tl.constexpr,
+):
+    """Token t, BLOCK_N output columns: Σ_j weights[t, j] · (down[ids[t, j]] · hidden[t·k + j]), each
+    expert's row rounded to the output dtype (as the grouped GEMM's rows are) and summed in fp32."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = cols < hidden_size
+    dtype = out_ptr.dtype.element_ty
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for j in tl.static_range(TOP_K):
+        slot = token * TOP_K + j
+        expert = tl.load(ids_ptr + slot).to(tl.int64)
+        weight = tl.load(weights_ptr + slot).to(tl.float32)
+        rows = down_ptr + expert * stride_de + cols[:, None].to(tl.int64) * stride_dr
+        part = tl.zeros([BLOCK_N], dtype=tl.float32)
+        for start in range(0, inter, BLOCK_I):
+            i = start + tl.arange(0, BLOCK_I)
+            i_mask = i < inter
+            hv = tl.load(hidden_ptr + slot * inter + i, mask=i_mask, other=0.0).to(tl.float32)
+            w = tl.load(rows + i[None, :], mask=col_mask[:, None] & i_mask[None, :], other=0.0).to(tl.float32)
+            part += tl.sum(w * hv[None, :], axis=1)
+        acc += weight * part.to(dtype).to(tl.float32)
+    tl.store(out_ptr + token * stride_o + cols, acc.to(dtype), mask=col_mask)
+
+
 # ---------------------------------------------------------------- public functions
 
 
@@ -146,5 +206,37 @@ def combine(
     _combine_kernel[(tokens, triton.cdiv(width, block))](
         rows, row_of_slot, weights, out, rows.stride(0), out.stride(0), width,
         TOP_K=top_k, BLOCK=block, num_warps=4,
+    )
+    return out
+
+
+DECODE_BLOCKS = (16, 512)
+"""(rows, reduction width) of a decode program's weight tile: 16 rows × 512 columns of bf16, 16 KiB."""
+
+
+def decode_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+    swiglu_alpha: float, swiglu_limit: float,
+) -> torch.Tensor:
+    """The experts of a few tokens (decode) as two weight-streaming launches: `grouped.experts`'
+    contract and arithmetic (GEMM outputs rounded to x's dtype, the weighted sum in fp32), with no
+    sort, gather or grouped GEMM. Each (token, expert) slot reads its expert's weights once, so a
+    slot count near the expert count reads weights twice where the grouped GEMM reads them once:
+    for T·k small against E (`grouped.DECODE_MAX_SLOTS`)."""
+    tokens, hidden_size = x.shape
+    top_k = ids.shape[1]
+    inter = down.shape[2]
+    check_last_contiguous(x=x)
+    ids, weights = ids.contiguous(), weights.contiguous()
+    hidden = torch.empty((tokens * top_k, inter), device=x.device, dtype=x.dtype)
+    out = torch.empty_like(x)
+    rows, width = DECODE_BLOCKS
+    _decode_gate_up_kernel[(tokens * top_k, triton.cdiv(inter, rows))](
+        x, gate_up, ids, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), hidden_size, inter,
+        float(swiglu_alpha), float(swiglu_limit), TOP_K=top_k, BLOCK_I=rows, BLOCK_H=width, num_warps=4,
+    )
+    _decode_down_kernel[(tokens, triton.cdiv(hidden_size, rows))](
+        hidden, down, ids, weights, out, down.stride(0), down.stride(1), out.stride(0), hidden_size, inter,
+        TOP_K=top_k, BLOCK_N=rows, BLOCK_I=width, num_warps=4,
     )
     return out
