@@ -91,3 +91,26 @@ def test_layer_ops_reject_bad_shapes() -> None:
                                  rotary_dim=8)
     with pytest.raises(ValueError, match="gate_up"):
         TRITON.silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(1, 6144), (3, 64, 128), (2, 4, 128), (5, 1, 40)])
+def test_offset_rms_norm_matches_m3s_spec(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    """M3's RMSNorm (scale 1 + weight, all in fp32, rounded once) as one Triton launch, under the
+    interpreter: a model width, per-head q/k norms (several rows per program), a tail width."""
+    from msaserve.kernels.layer_ops import naive as layer_naive
+    from msaserve.kernels.layer_ops import triton as layer_triton
+
+    gen = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(*shape, generator=gen) * 3).to(dtype)
+    weight = (torch.randn(shape[-1], generator=gen) * 0.1).to(dtype)
+    out = layer_triton.offset_rms_norm(x, weight, 1e-6)
+    want = layer_naive.offset_rms_norm(x, weight, 1e-6)
+    assert out.dtype == dtype and out.shape == x.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=2e-6, atol=2e-6)
+    else:  # the interpreter truncates fp32 → bf16 where the GPU rounds to nearest: one step apart
+        step = (want.float().abs() * 2**-7).clamp_min(1e-30)
+        assert ((out.float() - want.float()).abs() <= step).all()
+    with pytest.raises(ValueError, match=r"weight has shape \(3,\), expected \[" + str(shape[-1]) + r"\]"):
+        layer_triton.offset_rms_norm(x, weight[:3], 1e-6)

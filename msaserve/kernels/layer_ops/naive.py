@@ -22,6 +22,14 @@ def add_rms_norm(
     return weight * x32.to(summed.dtype), summed
 
 
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """MiniMax-M3's RMSNorm (transformers' MiniMaxM3VLRMSNorm) over the last dim: normalise in fp32,
+    multiply by (1 + weight) in fp32, then cast to x's dtype (a zero weight is the identity scale)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
 def rotary_and_write(
     heads: torch.Tensor,
     cos: torch.Tensor,

@@ -80,6 +80,21 @@ def _rotary_write_kernel(
 
 
 @triton.jit
+def _offset_rms_norm_kernel(x_ptr, weight_ptr, out_ptr, n_rows, n_cols, eps, ROWS: tl.constexpr,
+                            BLOCK: tl.constexpr):
+    """ROWS contiguous rows: x · rsqrt(mean(x²) + eps) · (1 + weight), all in fp32, rounded once."""
+    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
+    offs = rows[:, None] * n_cols + cols[None, :]
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
+    w = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
+    out = (x * inv[:, None]) * (1.0 + w[None, :])
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _silu_mul_kernel(gate_up_ptr, out_ptr, stride_g, stride_o, n_cols, BLOCK: tl.constexpr):
     """BLOCK columns of one row: silu(gate) rounded, times up, rounded."""
     row = tl.program_id(0).to(tl.int64)
@@ -120,6 +135,26 @@ def add_rms_norm(
         cols, eps, HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 512)),
     )
     return out, summed
+
+
+def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """`naive.offset_rms_norm` (MiniMax-M3's RMSNorm over the last dim) as one launch: x of any
+    shape, contiguous; several rows per program when rows are short (M3's per-head q/k norms)."""
+    cols = x.shape[-1]
+    check(weight.shape == (cols,),
+          f"weight has shape {tuple(weight.shape)}, expected [{cols}] (x's last dim)")
+    check(x.is_contiguous(), f"offset_rms_norm takes a contiguous x, got strides {x.stride()}")
+    out = torch.empty_like(x)
+    rows = x.numel() // max(cols, 1)
+    if rows == 0:
+        return out
+    block = pow2(cols)
+    per_program = max(1, min(16, 4096 // block))
+    _offset_rms_norm_kernel[(triton.cdiv(rows, per_program),)](
+        x, weight, out, rows, cols, float(eps), ROWS=per_program, BLOCK=block,
+        num_warps=min(16, max(1, block * per_program // 1024)),
+    )
+    return out
 
 
 def rotary_and_write(
