@@ -24,8 +24,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks" / "kvcache"))
+sys.path.insert(0, str(ROOT / "benchmarks" / "serving"))
 
 from adopt import git_revision, hardware, merge_results  # noqa: E402
+from byte_ceiling import copy_bandwidth_tbps  # noqa: E402
 
 from msaserve.kernels.moe import grouped  # noqa: E402
 from msaserve.kernels.moe import triton as moe_triton  # noqa: E402
@@ -53,13 +55,6 @@ def graph_time(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def copy_tbps() -> float:
-    a = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    b = torch.empty_like(a)
-    seconds = graph_time(lambda: b.copy_(a), 5)
-    return 2 * a.numel() / seconds / 1e12
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -76,7 +71,7 @@ def main() -> None:
     e, h, i = args.experts, args.hidden, args.inter
     gate_up = torch.randn(e, 2 * i, h, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
     down = torch.randn(e, h, i, device=device, dtype=torch.bfloat16, generator=gen) * 0.02
-    bandwidth = copy_tbps()
+    bandwidth = copy_bandwidth_tbps("cuda")  # the session benchmark's copy figure (4 GiB copy_)
     rows = []
     for tokens in args.tokens:
         x = torch.randn(tokens, h, device=device, dtype=torch.bfloat16, generator=gen)
