@@ -64,12 +64,14 @@ def test_fp32_on_cuda_falls_back_and_matches() -> None:
     assert relative_error(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("tokens", [64, 1])
 @torch.inference_mode()
-def test_decode_step_is_cuda_graph_capturable() -> None:
-    """route + experts for 64 tokens captured once; replayed on new logits and activations copied
-    into the captured buffers, it must give what an eager call on them gives."""
-    first = random_case(64, 512, 256, 32, BF16, "cuda", seed=11)
-    second = random_case(64, 512, 256, 32, BF16, "cuda", seed=12)
+def test_decode_step_is_cuda_graph_capturable(tokens: int) -> None:
+    """route + experts captured once (64 tokens: the grouped GEMMs; 1 token: the decode path);
+    replayed on new logits and activations copied into the captured buffers, it must give what an
+    eager call on them gives."""
+    first = random_case(tokens, 512, 256, 32, BF16, "cuda", seed=11)
+    second = random_case(tokens, 512, 256, 32, BF16, "cuda", seed=12)
     logits, x = first.router_logits.clone(), first.x.clone()
 
     def step() -> torch.Tensor:
