@@ -343,3 +343,39 @@ def test_reusing_a_host_tier_cancels_the_last_sessions_queued_reads(model, resid
     host.reset(None)
     assert len(reads) == 1, "reset ran the queued reads of the session that left"
     assert not host.present.any() and host.poll() == 0
+
+
+def test_a_demand_read_never_waits_behind_queued_background_reads(model, resident):
+    """The stall found on 2026-12-04: a page a step needs, queued for a background read behind the
+    rest of an adopted session's prefetch, made the step wait for that whole queue (one worker runs
+    it in order: seconds at 1M tokens). Now it is read on demand while the queue waits; only a
+    read already running would be waited for. Forced: the first background read is held in flight."""
+    import threading
+
+    from msaserve.engine.kv.host_tier import ServiceSource
+
+    prompt, state, want = resident
+    client = stored_session(model, prompt, state, want)
+    session, _ = ResidentSession.adopt(client, client.get_session("long"), model.config,
+                                       budget_pages=12, max_pages=state.max_pages,
+                                       device=torch.device("cpu"), dtype=torch.float32)
+    host, started, release = session.host, threading.Event(), threading.Event()
+
+    class HeldSource(ServiceSource):
+        def read_into(self, items, dest, rows):
+            if threading.current_thread().name.startswith("host-tier-fill") and not started.is_set():
+                started.set()
+                release.wait(timeout=10)
+            return super().read_into(items, dest, rows)
+
+    host.source = HeldSource(**vars(host.source))
+    assert host.prefetch([], max_items=64, chunk=4) > 8
+    assert started.wait(timeout=5)
+    queued = [item for _, items in host._pending for item in items]
+    first, _ = host._pending[0]
+    page, layer = host._pending[-1][1][0]  # queued last, behind the held read
+    host.ensure(layer, [page])
+    assert bool(host.present[layer, page]) and not first.done(), "the demand read waited for the queue"
+    release.set()
+    host.wait_all()
+    assert all(bool(host.present[layer, page]) for page, layer in queued)

@@ -133,11 +133,15 @@ class HostKV:
 
     def ensure(self, layer: int, pages: Sequence[int]) -> None:
         """These pages of `layer` are here after this: the ones not here are read from the source
-        (waiting for a background read already started for them)."""
+        now. A background read that holds one of them and is running is waited for (one chunk at
+        most: the worker runs one at a time); one still queued is not — the worker runs its queue in
+        order, so waiting for it would wait for every read ahead of it (the whole prefetch of an
+        adopted session: seconds at 1M tokens). The page is read on demand instead, and the queued
+        read later writes the same bytes again."""
         present = self.present[layer].numpy()
         missing = [p for p in pages if not present[p]]
         if missing:
-            self.poll(wait_for={(p, layer) for p in missing})
+            self.poll(wait_for={(p, layer) for p in missing}, started_only=True)
             missing = [p for p in missing if not present[p]]
         if missing:
             if self.source is None:
@@ -171,7 +175,7 @@ class HostKV:
         return ok
 
     # ---- background reads from the service ---------------------------------------------------
-    def prefetch(self, predicted: Sequence[tuple[int, int]], max_items: int, chunk: int = 128) -> int:
+    def prefetch(self, predicted: Sequence[tuple[int, int]], max_items: int, chunk: int = 32) -> int:
         """Keep up to max_items (page, layer) service reads queued on the worker thread, in reads
         of `chunk` items: the `predicted` items first (in the order given), then the newest pages
         of every layer. Returns the items started. The worker runs one read at a time, so a
@@ -219,12 +223,13 @@ class HostKV:
         if len(self.service_log) < 10_000:
             self.service_log.append((kind, items))
 
-    def poll(self, wait_for: set[tuple[int, int]] | None = None) -> int:
+    def poll(self, wait_for: set[tuple[int, int]] | None = None, started_only: bool = False) -> int:
         """Drop the background reads that ended, waiting first for those holding an item of
-        `wait_for`. Returns the items they brought."""
+        `wait_for` (with `started_only`, only those already running). Returns the items they brought."""
         ended, still = 0, []
         for future, items in self._pending:
-            if wait_for is not None and not wait_for.isdisjoint(items):
+            if wait_for is not None and not wait_for.isdisjoint(items) and (
+                    not started_only or future.running() or future.done()):
                 future.result()
             if future.done():
                 ended += len(items)
