@@ -379,3 +379,26 @@ def test_a_demand_read_never_waits_behind_queued_background_reads(model, residen
     release.set()
     host.wait_all()
     assert all(bool(host.present[layer, page]) for page, layer in queued)
+
+
+def test_residency_benchmark_runs_and_reports_the_adoptions_mean(tmp_path):
+    """benchmarks/kvcache/residency.py at CPU sizes (its smoke run): every key written, tokens equal,
+    the adopted TPOT key the mean over the first tokens with the slowest step and the second token."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "kv.json"
+    subprocess.run([sys.executable, str(root / "benchmarks" / "kvcache" / "residency.py"), "--device", "cpu",
+                    "--quick", "--steps", "8", "--adopt-steps", "16", "--adoptions", "2", "--budgets", "0.1",
+                    "--output", str(out)], check=True, cwd=root, capture_output=True, timeout=600)
+    results = json.loads(out.read_text())
+    penalty = "kvcache.sparse_residency_tpot_penalty_10pct"
+    for key in ("kvcache.adopt_vs_reprefill", "kvcache.lazy_tpot_penalty", "kvcache.lazy_tpot_penalty_eager",
+                penalty, f"{penalty}_per_page", f"{penalty}_eager"):
+        assert results[key]["value"] > 0, key
+    lazy = results["kvcache.lazy_tpot_penalty"]
+    assert "mean over the first tokens" in lazy["unit"] and "second token" in lazy["note"]
+    assert "tokens equal: True" in lazy["note"] and "median of 2" not in lazy["note"]
