@@ -217,3 +217,28 @@ def test_the_graph_steps_body_decodes_the_resident_tokens_from_static_buffers(m3
         strict.step(got[-1], prompt_len + steps)
     with pytest.raises(ValueError, match="capture=True on cpu"):
         SparseDecodeGraph(session, m3, get_ops("msa", "cpu"), capture=True)
+
+
+@pytest.mark.parametrize("interpreted", [False, True])
+def test_head_page_gather_skips_pages_not_present_and_names_their_slots(interpreted):
+    """With `present`, an entry whose page is not in the host tier is not copied and its slot is
+    written to `skipped` (-1 for the others); the rest is copied as without it."""
+    gather = gather_head_pages_naive
+    if interpreted:
+        (module,) = import_interpreted("msaserve.kernels.page_gather.triton")
+        module.BLOCK = 64
+        gather = module.gather_head_pages_triton
+    src = torch.randn(10, 2, 16, 4, 8)
+    before = torch.randn(6, 2, 4, 16, 8)
+    got, want = before.clone(), before.clone()
+    dst_slots = torch.tensor([[4, -1, 0], [-1, 2, 5], [1, -1, 3], [5, 3, -1]])
+    src_pages = torch.tensor([[7, 1, 9], [0, 3, 2], [8, 0, 6], [6, 5, 1]])
+    present = torch.ones(10, dtype=torch.bool)
+    present[[9, 6]] = False
+    skipped = torch.full((4, 3), 7, dtype=torch.int64)
+    gather(got, dst_slots, src, src_pages, present, skipped)
+    assert skipped.tolist() == [[-1, -1, 0], [-1, -1, -1], [-1, -1, 3], [5, -1, -1]]
+    copy = torch.where(skipped >= 0, -1, dst_slots)
+    gather_head_pages_naive(want, copy, src, src_pages)
+    assert torch.equal(got, want)
+    assert torch.equal(got[0], before[0]) and torch.equal(got[4, :, 0], src[7, :, :, 0])

@@ -402,3 +402,70 @@ def test_residency_benchmark_runs_and_reports_the_adoptions_mean(tmp_path):
     lazy = results["kvcache.lazy_tpot_penalty"]
     assert "mean over the first tokens" in lazy["unit"] and "second token" in lazy["note"]
     assert "tokens equal: True" in lazy["note"] and "over 2 runs" in lazy["note"]
+
+
+@pytest.mark.parametrize("prefetch_items", [0, 64])
+def test_adopted_session_decodes_on_the_device_while_its_host_tier_fills(model, resident, prefetch_items):
+    """The graph step of an adopted session (here its body, run eagerly as on the CPU) never goes
+    through the host: pages a step selects that are not in the host tier yet are skipped on the
+    device, read in by `repair` after the step, and the step runs again — the fully resident tokens,
+    from the first token on. With no background reads at all, every page comes that way."""
+    prompt, state, want = resident
+    client = stored_session(model, prompt, state, want)
+    c = model.config
+    budget = max(2, c.n_local + 1) + (c.num_layers + 2) * c.top_k
+    session, covered = ResidentSession.adopt(client, client.get_session("long"), c, budget_pages=budget,
+                                             max_pages=state.max_pages, device=torch.device("cpu"),
+                                             dtype=torch.float32)
+    assert covered == PROMPT_LEN and session.can_speculate and session.synced_steps
+    graphed = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
+    got = [want[0]]
+    with torch.inference_mode():
+        for step in range(STEPS):
+            if prefetch_items:
+                session.prefetch(prefetch_items)
+            got.append(graphed.step(got[-1], PROMPT_LEN + step))
+    assert got == want
+    assert graphed.host_steps == 0 and graphed.reruns == session.repairs > 0
+    if not prefetch_items:
+        assert all(kind == "demand" for kind, _ in session.host.service_log)
+
+
+def test_a_budget_without_room_for_reruns_keeps_the_host_path(model, resident):
+    prompt, state, want = resident
+    client = stored_session(model, prompt, state, want)
+    session, _ = ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=12,
+                                       max_pages=state.max_pages, device=torch.device("cpu"),
+                                       dtype=torch.float32)
+    assert not session.can_speculate
+    graphed = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
+    with torch.inference_mode():
+        assert graphed.step(want[0], PROMPT_LEN) == want[1]
+    assert graphed.host_steps == 1 and graphed.reruns == 0
+
+
+def test_offloaded_session_graph_steps_see_written_back_pages(model):
+    """An offloaded session's host tier is complete, so its device presence map is final after one
+    copy; pages written back later are marked there as they are written, or a step selecting one
+    after it left the write ring would skip it with no repair to follow. 120 steps: pages 37-44."""
+    c, steps = model.config, 120
+    prompt = torch.randint(3, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(3)).tolist()
+    with torch.inference_mode():
+        state = SequenceState(model, PROMPT_LEN + steps + 1)
+        want = [int(torch.argmax(model.compute_logits(state.prefill(prompt, chunk_size=128)[-1:])[0]))]
+        budget = max(2, c.n_local + 1) + (c.num_layers + 2) * c.top_k
+        session = ResidentSession.offload(c, state.caches, PROMPT_LEN, budget_pages=budget,
+                                          max_pages=state.max_pages)
+        for step in range(steps):
+            hidden = state.forward([want[-1]], PROMPT_LEN + step, decode=True)
+            want.append(int(torch.argmax(model.compute_logits(hidden)[0])))
+        assert session.can_speculate and not session.synced_steps
+        graphed = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
+        got = [want[0]]
+        for step in range(steps):
+            got.append(graphed.step(got[-1], PROMPT_LEN + step))
+    assert got == want and graphed.reruns == 0 and session.stats.pages_written_back > 0
+    # every page before the write page is marked on the device, the written-back ones included
+    # (random weights rarely select a page again once it left the ring, so the tokens alone would
+    # not show a missing mark)
+    assert session.write_page > 40 and bool(session._present_dev[:, : session.write_page].all())

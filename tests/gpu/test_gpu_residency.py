@@ -46,6 +46,25 @@ def test_head_page_gather_compiled_reads_pinned_memory_through_the_view():
     assert torch.equal(got.cpu(), want) and torch.equal(want[3, :, 0], host[11, :, :, 0])
 
 
+def test_head_page_gather_compiled_skips_absent_pages_and_names_their_slots():
+    """The presence check an adopted session's graph step runs (`ResidentSession.can_speculate`)."""
+    from msaserve.kernels.page_gather import gather_head_pages, gather_head_pages_naive
+
+    host = torch.randn(12, 2, 128, 4, 128).to(torch.bfloat16).pin_memory()
+    view = host_view(host, torch.device("cuda"))
+    dst_slots = torch.tensor([[3, -1, 0], [-1, 2, 3], [1, -1, 5], [5, 4, -1]], device="cuda")
+    src_pages = torch.tensor([[11, 2, 4], [0, 7, 9], [8, 0, 6], [6, 5, 1]], device="cuda")
+    present = torch.ones(12, dtype=torch.bool, device="cuda")
+    present[[4, 6]] = False
+    skipped = torch.full((4, 3), 9, dtype=torch.int64, device="cuda")
+    before = torch.randn(6, 2, 4, 128, 128, device="cuda").to(torch.bfloat16)
+    got, want = before.clone(), before.cpu()
+    gather_head_pages(got, dst_slots, view, src_pages, present, skipped)
+    assert skipped.tolist() == [[-1, -1, 0], [-1, -1, -1], [-1, -1, 5], [5, -1, -1]]
+    gather_head_pages_naive(want, torch.where(skipped >= 0, -1, dst_slots).cpu(), host, src_pages.cpu())
+    assert torch.equal(got.cpu(), want)
+
+
 def test_admit_compiled_matches_the_reference():
     num_slots, ring, max_pages = 300, 3, 1000
     tables = [(torch.full((max_pages + 1,), -1, dtype=torch.int32, device="cuda"),

@@ -85,6 +85,8 @@ class SparseDecodeGraph:
         """Its calls are the sync-free steps (the warm-up counts them)."""
         self.host_steps = 0
         """Steps that went through the host, eagerly (see `eager_host_steps`)."""
+        self.reruns = 0
+        """Runs of a step again after `ResidentSession.repair` read in pages it had to skip."""
 
     def _body(self) -> torch.Tensor:
         hidden = self.model(self.token, self.meta, self.session.caches, ops=self.ops)
@@ -95,7 +97,7 @@ class SparseDecodeGraph:
         """Decode `token` at `position` → the greedy next token."""
         session = self.session
         session.check_host_complete()
-        if session.synced_steps:
+        if session.synced_steps and not session.can_speculate:
             if not self.eager_host_steps:
                 raise ValueError("a step of this session goes through the host (its host tier lacks "
                                  "pages, or there is no UVA view): decode it with decode_metadata until "
@@ -111,7 +113,23 @@ class SparseDecodeGraph:
         self.slot_mapping.fill_(position)  # the index cache's logical page = its physical page
         self.kv_slot_mapping.fill_(kv_slot)
         self.seq_lens.fill_(position + 1)
-        return int(self.captured.run())
+        if not session.can_speculate:
+            return int(self.captured.run())
+        # The same step on the device whether or not the host tier is complete: pages it selects
+        # that are not there yet are skipped; `repair` reads them in and the step runs again (its
+        # K/V and index-K writes are the same each time). Each run settles at least one more layer.
+        session.refresh_presence()
+        session.speculating = True
+        try:
+            for _ in range(len(session.caches) + 2):
+                next_token = int(self.captured.run())
+                if not session.repair():
+                    return next_token
+                self.reruns += 1
+        finally:
+            session.speculating = False
+        raise RuntimeError(f"decode step at position {position}: pages still missing after "
+                           f"{len(session.caches) + 2} runs of the step")
 
     @property
     def steps(self) -> int:

@@ -135,6 +135,20 @@ class ResidentSession:
         # Where the miss fill reads the host tier: the pinned memory itself on CPU, a UVA view of it
         # on CUDA (no host sync); None: the host learns the misses (a sync per layer) and copies.
         self._host_src = host.data if self.device.type == "cpu" else host_view(host.data, self.device)
+        # Steps that need no host sync even while the host tier fills (per head, with a device view
+        # of it, and room in the working set for a step run again L + 2 times): the miss fill checks
+        # each page's presence on the device, skips the absent ones and names their slots; the
+        # caller (`SparseDecodeGraph`) then reads those pages in and runs the step again (`repair`).
+        room = budget_pages >= self.ring + (len(self.caches) + 2) * config.top_k
+        self._present_dev = (torch.zeros(len(self.caches), max_pages, dtype=torch.bool, device=self.device)
+                             if per_head and self._host_src is not None and room else None)
+        self._presence_final = False
+        self._skipped: list[torch.Tensor | None] = [None] * len(self.caches)
+        self._step_src: list[torch.Tensor | None] = [None] * len(self.caches)
+        self.speculating = False
+        """Set by `SparseDecodeGraph` around its step body (see `can_speculate`)."""
+        self.repairs = 0
+        """Steps run again because pages they selected were not in the host tier yet."""
 
     # ---- building one -------------------------------------------------------------------------
     @classmethod
@@ -227,6 +241,8 @@ class ResidentSession:
             for layer in range(len(self.caches)):
                 self.host.write(layer, [self.write_page], self._as_pages(self.pools[layer][slot : slot + 1]))
             self._stats.pages_written_back += len(self.caches)
+            if self._present_dev is not None:  # in stream order after the copies into the host tier
+                self._present_dev[:, self.write_page] = True
         slot = self.working.place_write_page(page)
         if load:
             for layer in range(len(self.caches)):
@@ -275,6 +291,43 @@ class ResidentSession:
         )
 
     @property
+    def can_speculate(self) -> bool:
+        """Whether a step can run on the device while the host tier still lacks pages: misses whose
+        page is absent are skipped and named, and `repair` (a host sync after the step) reads them
+        in before the step runs again. Per head, with a device view of the host tier, and a budget of
+        at least ring + (layers + 2) · top_k (the pages of every run of one step stay resident)."""
+        return self._present_dev is not None
+
+    def refresh_presence(self) -> None:
+        """The device's copy of which (layer, page) the host tier holds, before a speculative step
+        (a 1-byte flag per page; once the tier is complete it is copied one last time)."""
+        if self._present_dev is None or self._presence_final:
+            return
+        self._present_dev.copy_(self.host.present)
+        self._presence_final = self._host_complete
+
+    def repair(self) -> bool:
+        """After a speculative step (one host sync): the pages it selected that were not in the host
+        tier are read in (service reads) and copied to the slots the step gave them → True: the
+        step must run again (its outputs used stale slots); False: nothing was skipped."""
+        if self._present_dev is None or self._skipped[0] is None or self._presence_final:
+            return False  # (final: the device knew every page before the write page, and write-backs)
+        skipped = torch.stack(self._skipped).cpu()  # [L, Hkv, K]
+        if bool((skipped < 0).all()):
+            return False
+        self.repairs += 1
+        for layer in range(len(self.caches)):
+            if bool((skipped[layer] < 0).all()):
+                continue
+            src = self._step_src[layer]
+            pages = sorted(set(src.cpu()[skipped[layer] >= 0].tolist()))
+            self.host.ensure(layer, pages)
+            gather_head_pages(self.pools[layer], self._skipped[layer], self._host_src[layer], src)
+        self.check_host_complete()
+        self.refresh_presence()
+        return True
+
+    @property
     def synced_steps(self) -> bool:
         """Whether a step's misses go through the host (a sync per layer): while the host tier
         lacks pages (an adopted session's pages still in the service), or without a UVA view."""
@@ -291,6 +344,13 @@ class ResidentSession:
             dst, src = self.working.admit_rows(layer * h, rows, self.step_number)
         else:
             dst, src = self.working.admit(layer, selected, self.step_number)
+        if self.speculating:  # on the device, presence checked: absent pages skipped and named
+            if self._skipped[layer] is None or self._skipped[layer].shape != dst.shape:
+                self._skipped[layer] = torch.full(dst.shape, -1, dtype=torch.int64, device=self.device)
+            self._step_src[layer] = src  # read by `repair` after the step (a captured step's buffer)
+            gather_head_pages(self.pools[layer], dst, self._host_src[layer], src, self._present_dev[layer],
+                              self._skipped[layer])
+            return
         if not self.synced_steps:
             self._fill(layer, dst, src)
             return

@@ -30,20 +30,27 @@ def gather_pages(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
 
 
 def gather_head_pages(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
-                      src_pages: torch.Tensor) -> None:
+                      src_pages: torch.Tensor, present: torch.Tensor | None = None,
+                      skipped: torch.Tensor | None = None) -> None:
     """The head-granular miss fill: dst [S, 2, H, P, D] (a pool of head-major slots), src
     [N, 2, P, H, D] (pages as the caches and the host tier hold them); dst_slots, src_pages [H, M]
     (-1 in dst_slots: skip): dst[dst_slots[h, i], :, h] = src[src_pages[h, i], :, :, h], i.e. only
     head h's K and V of the page — a quarter of it at Hkv 4. Triton on CUDA (no host sync; src may
-    be pinned host memory through `host_view`), the naive reference elsewhere."""
+    be pinned host memory through `host_view`), the naive reference elsewhere.
+    present [N] bool on dst's device, with skipped [H, M] int64 (both or neither): entries whose page
+    is not present are not copied, and skipped holds their slots (-1 elsewhere), so that a step
+    replayed before its pages reached the host tier can tell which slots to fill and run again
+    (`resident_session.py`)."""
     if dst.dtype != src.dtype:
         raise ValueError(f"dst is {dst.dtype} and src {src.dtype}: allowed one dtype")
+    if (present is None) != (skipped is None):
+        raise ValueError("present and skipped go together: allowed both or neither")
     if dst.device.type == "cuda":
         from msaserve.kernels.page_gather.triton import gather_head_pages_triton
 
-        gather_head_pages_triton(dst, dst_slots, src, src_pages)
+        gather_head_pages_triton(dst, dst_slots, src, src_pages, present, skipped)
     else:
-        gather_head_pages_naive(dst, dst_slots, src, src_pages)
+        gather_head_pages_naive(dst, dst_slots, src, src_pages, present, skipped)
 
 
 __all__ = ["gather_head_pages", "gather_head_pages_naive", "gather_pages", "gather_pages_naive", "host_view"]

@@ -40,16 +40,24 @@ def gather_pages_triton(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.T
 
 
 @triton.jit
-def _gather_head_pages_kernel(dst, src, dst_slots, src_pages, M, P: tl.constexpr, D: tl.constexpr,
-                              ds0, ds1, ds2, ds3, ss0, ss1, ss2, ss3, BLOCK_P: tl.constexpr):
-    """Program (i, kv, chunk): rows chunk·BLOCK_P.. of entry i's head column (K or V) → its slot."""
+def _gather_head_pages_kernel(dst, src, dst_slots, src_pages, present, skipped, M, P: tl.constexpr,
+                              D: tl.constexpr, ds0, ds1, ds2, ds3, ss0, ss1, ss2, ss3, BLOCK_P: tl.constexpr,
+                              CHECK: tl.constexpr):
+    """Program (i, kv, chunk): rows chunk·BLOCK_P.. of entry i's head column (K or V) → its slot.
+    CHECK: an entry whose page is not `present` is not copied; program (i, 0, 0) writes its slot
+    to `skipped[i]` then (-1 for every other entry)."""
     i = tl.program_id(0)
     kv = tl.program_id(1)
     chunk = tl.program_id(2)
     slot = tl.load(dst_slots + i).to(tl.int64)
+    page = tl.load(src_pages + i).to(tl.int64)
+    if CHECK:
+        absent = tl.load(present + tl.maximum(page, 0)) == 0
+        if (kv == 0) & (chunk == 0):
+            tl.store(skipped + i, tl.where((slot >= 0) & absent, slot, -1))
+        slot = tl.where(absent, -1, slot)
     if slot >= 0:
         head = (i // M).to(tl.int64)
-        page = tl.load(src_pages + i).to(tl.int64)
         rows = chunk * BLOCK_P + tl.arange(0, BLOCK_P)
         cols = tl.arange(0, D)
         mask = (rows < P)[:, None]
@@ -58,8 +66,16 @@ def _gather_head_pages_kernel(dst, src, dst_slots, src_pages, M, P: tl.constexpr
 
 
 def gather_head_pages_triton(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
-                             src_pages: torch.Tensor) -> None:
-    """dst [S, 2, H, P, D], src [N, 2, P, H, D] (last dim contiguous); dst_slots, src_pages [H, M]."""
+                             src_pages: torch.Tensor, present: torch.Tensor | None = None,
+                             skipped: torch.Tensor | None = None) -> None:
+    """dst [S, 2, H, P, D], src [N, 2, P, H, D] (last dim contiguous); dst_slots, src_pages [H, M];
+    present [N] bool and skipped [H, M] int64 (both or neither): see `gather_head_pages`."""
+    if (present is None) != (skipped is None):
+        raise ValueError("present and skipped go together: allowed both or neither")
+    if skipped is not None and (skipped.shape != dst_slots.shape or skipped.dtype != torch.int64
+                                or not skipped.is_contiguous()):
+        raise ValueError(f"skipped is {skipped.dtype} {tuple(skipped.shape)}: allowed contiguous int64 "
+                         f"{tuple(dst_slots.shape)}")
     _, two, heads, page_size, dim = dst.shape
     if src.shape[1:] != (two, page_size, heads, dim) or dst.stride(-1) != 1 or src.stride(-1) != 1:
         raise ValueError(f"dst {tuple(dst.shape)} and src {tuple(src.shape)}: allowed dst [S, 2, H, P, D] "
@@ -72,7 +88,11 @@ def gather_head_pages_triton(dst: torch.Tensor, dst_slots: torch.Tensor, src: to
         return
     block_p = min(page_size, max(1, BLOCK // dim))
     grid = (heads * m, two, triton.cdiv(page_size, block_p))
-    _gather_head_pages_kernel[grid](dst, src, dst_slots.contiguous(), src_pages.contiguous(), m,
+    check = present is not None
+    flags = present.view(torch.uint8) if check and present.dtype == torch.bool else present
+    _gather_head_pages_kernel[grid](dst, src, dst_slots.contiguous(), src_pages.contiguous(),
+                                    flags if check else dst_slots, skipped if check else dst_slots, m,
                                     P=page_size, D=dim, ds0=dst.stride(0), ds1=dst.stride(1),
                                     ds2=dst.stride(2), ds3=dst.stride(3), ss0=src.stride(0),
-                                    ss1=src.stride(1), ss2=src.stride(2), ss3=src.stride(3), BLOCK_P=block_p)
+                                    ss1=src.stride(1), ss2=src.stride(2), ss3=src.stride(3), BLOCK_P=block_p,
+                                    CHECK=check)
