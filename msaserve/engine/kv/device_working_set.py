@@ -79,6 +79,16 @@ class DeviceWorkingSet:
         return admit(selected, self.slot_of[rows], self.page_in[rows], self.last_used[rows],
                      self.counters[rows], step, self.ring)
 
+    def forget(self, rows: torch.Tensor, pages: torch.Tensor, slots: torch.Tensor) -> None:
+        """(rows[i], pages[i]) leave the working set, freeing slots[i] — entries whose slot was given
+        to the page but never got its bytes (`ResidentSession.repair`). Host tensors, any length."""
+        if rows.numel() == 0:
+            return
+        rows, pages, slots = (t.to(self.device, torch.int64) for t in (rows, pages, slots))
+        self.slot_of[rows, pages] = -1
+        self.page_in[rows, slots] = -1
+        self.last_used[rows, slots] = _NEVER
+
     def resident_pages(self, layer: int) -> list[int]:
         """(host sync: tests and reports only)"""
         return sorted(p for p in self.page_in[layer, : self.num_slots].tolist() if p >= 0)

@@ -16,7 +16,12 @@ compilation and autotuning must not happen under capture); the next one is captu
 and every later one replays. A step that must go through the host (an adopted session whose host
 tier is still filling) runs eagerly on the plain path (`eager_host_steps=True`, the default) or is
 refused; so an adopted session decodes from its first token and switches to replays as soon as its
-host tier holds every page. Off CUDA (or `capture=False`) every step runs eagerly, which is what
+host tier holds every page. With `speculate` (the default, where `ResidentSession.can_speculate`:
+per head, with room in the budget) such steps replay too: the miss fill skips the pages the host
+tier lacks and names their slots, and after the step `ResidentSession.repair` reads the first
+affected layer's pages in and the step runs again (at most layers + 2 runs; its writes are the
+same each time), so only steps that selected absent pages cost more than one replay.
+Off CUDA (or `capture=False`) every step runs eagerly, which is what
 the CPU tests check against the plain path.
 """
 
@@ -61,7 +66,7 @@ class CapturedStep:
 
 class SparseDecodeGraph:
     def __init__(self, session: ResidentSession, model: MSATransformer, ops: AttentionOps,
-                 capture: bool | None = None, eager_host_steps: bool = True) -> None:
+                 capture: bool | None = None, eager_host_steps: bool = True, speculate: bool = True) -> None:
         self.session, self.model = session, model
         self.capture = session.device.type == "cuda" if capture is None else capture
         if self.capture and session.device.type != "cuda":
@@ -81,6 +86,10 @@ class SparseDecodeGraph:
             logits_indices=torch.zeros(1, dtype=torch.long, device=device),
         )
         self.eager_host_steps = eager_host_steps
+        self.speculate = speculate and session.can_speculate
+        """Steps of a session whose host tier lacks pages run as the graph step too, skipping the
+        absent pages and running again after `ResidentSession.repair` (else they go eagerly through
+        the host)."""
         self.captured = CapturedStep(self._body, self.capture)
         """Its calls are the sync-free steps (the warm-up counts them)."""
         self.host_steps = 0
@@ -97,7 +106,7 @@ class SparseDecodeGraph:
         """Decode `token` at `position` → the greedy next token."""
         session = self.session
         session.check_host_complete()
-        if session.synced_steps and not session.can_speculate:
+        if session.synced_steps and not self.speculate:
             if not self.eager_host_steps:
                 raise ValueError("a step of this session goes through the host (its host tier lacks "
                                  "pages, or there is no UVA view): decode it with decode_metadata until "
@@ -113,7 +122,7 @@ class SparseDecodeGraph:
         self.slot_mapping.fill_(position)  # the index cache's logical page = its physical page
         self.kv_slot_mapping.fill_(kv_slot)
         self.seq_lens.fill_(position + 1)
-        if not session.can_speculate:
+        if not self.speculate:
             return int(self.captured.run())
         # The same step on the device whether or not the host tier is complete: pages it selects
         # that are not there yet are skipped; `repair` reads them in and the step runs again (its

@@ -307,22 +307,29 @@ class ResidentSession:
         self._presence_final = self._host_complete
 
     def repair(self) -> bool:
-        """After a speculative step (one host sync): the pages it selected that were not in the host
-        tier are read in (service reads) and copied to the slots the step gave them → True: the
-        step must run again (its outputs used stale slots); False: nothing was skipped."""
+        """After a speculative step (one host sync): the pages that the first layer with skips
+        selected and the host tier lacked are read in (service reads) and copied to the slots the
+        step gave them → True: the step must run again; False: nothing was skipped. Only the first
+        such layer's: every later layer ran on its stale output, so its selection is not the step's;
+        the pages it skipped leave its working set instead (their slots never got their bytes), so a
+        later run that selects them misses, and fills or skips them again."""
         if self._present_dev is None or self._skipped[0] is None or self._presence_final:
             return False  # (final: the device knew every page before the write page, and write-backs)
         skipped = torch.stack(self._skipped).cpu()  # [L, Hkv, K]
-        if bool((skipped < 0).all()):
+        bad = [layer for layer in range(len(self.caches)) if bool((skipped[layer] >= 0).any())]
+        if not bad:
             return False
         self.repairs += 1
-        for layer in range(len(self.caches)):
-            if bool((skipped[layer] < 0).all()):
-                continue
-            src = self._step_src[layer]
-            pages = sorted(set(src.cpu()[skipped[layer] >= 0].tolist()))
-            self.host.ensure(layer, pages)
-            gather_head_pages(self.pools[layer], self._skipped[layer], self._host_src[layer], src)
+        layer = bad[0]
+        src = self._step_src[layer]
+        pages = sorted(set(src.cpu()[skipped[layer] >= 0].tolist()))
+        self.host.ensure(layer, pages)
+        gather_head_pages(self.pools[layer], self._skipped[layer], self._host_src[layer], src)
+        for later in bad[1:]:
+            rows = skipped[later] >= 0  # [Hkv, K]
+            heads = torch.arange(self.heads)[:, None].expand_as(rows)[rows]
+            self.working.forget(later * self.heads + heads, self._step_src[later].cpu()[rows],
+                                skipped[later][rows])
         self.check_host_complete()
         self.refresh_presence()
         return True
