@@ -79,6 +79,21 @@ def stored_session(model, prompt, state, want) -> KVCacheClient:
     return client
 
 
+def adopted(model, resident, budget_pages: int = 12, per_head: bool = True) -> tuple[ResidentSession, int]:
+    """The resident session stored as "long" (`stored_session`) and adopted on the CPU by a fresh
+    sparse-resident session → (session, tokens covered)."""
+    prompt, state, want = resident
+    client = stored_session(model, prompt, state, want)
+    return ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=budget_pages,
+                                 max_pages=state.max_pages, device=torch.device("cpu"), dtype=torch.float32,
+                                 per_head=per_head)
+
+
+def speculation_budget(config) -> int:
+    """The smallest budget with room for a step run again after repairs (`can_speculate`)."""
+    return max(2, config.n_local + 1) + (config.num_layers + 2) * config.top_k
+
+
 @pytest.mark.parametrize("per_head", [False, True])
 def test_offloaded_session_decodes_identical_tokens_with_a_small_working_set(model, resident, per_head):
     """Per head (`per_head`), each KV head keeps its own columns of the slots, filled from its
@@ -155,11 +170,8 @@ def test_adopted_session_filled_in_the_background_stops_syncing_and_keeps_the_to
                                                                                        per_head):
     """With a prefetch window over every stored page, the worker thread fills the host tier; from
     the step it holds every page on, the misses are admitted and copied with no host round trip."""
-    prompt, state, want = resident
-    client = stored_session(model, prompt, state, want)
-    session, _ = ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=12,
-                                       max_pages=state.max_pages, device=torch.device("cpu"),
-                                       dtype=torch.float32, per_head=per_head)
+    _, _, want = resident
+    session, _ = adopted(model, resident, per_head=per_head)
     session.prefetch(10_000)
     session.host.wait_all()
     assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=10_000) == want
@@ -211,11 +223,8 @@ def test_background_read_of_the_stored_tail_never_overwrites_its_write_back(mode
 
     from msaserve.engine.kv.host_tier import ServiceSource
 
-    prompt, state, want = resident
-    client = stored_session(model, prompt, state, want)
-    session, covered = ResidentSession.adopt(client, client.get_session("long"), model.config,
-                                             budget_pages=12, max_pages=state.max_pages,
-                                             device=torch.device("cpu"), dtype=torch.float32)
+    _, _, want = resident
+    session, covered = adopted(model, resident)
     tail = covered // model.config.page_size  # the partial page the session writes into next
     host, written_back = session.host, threading.Event()
     written: dict[int, torch.Tensor] = {}
@@ -295,12 +304,8 @@ def test_an_adopted_session_decodes_through_the_graph_stepper_from_its_first_tok
     """`SparseDecodeGraph` on an adopted session: its first steps go through the host (eagerly, on
     the plain path) while the host tier fills; once it holds every page the steps are sync-free
     (on CUDA: replayed). The tokens are the fully resident ones throughout."""
-    prompt, state, want = resident
-    client = stored_session(model, prompt, state, want)
-    session, covered = ResidentSession.adopt(client, client.get_session("long"), model.config,
-                                             budget_pages=12, max_pages=state.max_pages,
-                                             device=torch.device("cpu"), dtype=torch.float32,
-                                             per_head=per_head)
+    _, _, want = resident
+    session, covered = adopted(model, resident, per_head=per_head)
     assert covered == PROMPT_LEN and session.synced_steps
     stepper = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
     got = [want[0]]
@@ -321,11 +326,7 @@ def test_reusing_a_host_tier_cancels_the_last_sessions_queued_reads(model, resid
 
     from msaserve.engine.kv.host_tier import ServiceSource
 
-    prompt, state, want = resident
-    client = stored_session(model, prompt, state, want)
-    session, _ = ResidentSession.adopt(client, client.get_session("long"), model.config,
-                                       budget_pages=12, max_pages=state.max_pages,
-                                       device=torch.device("cpu"), dtype=torch.float32)
+    session, _ = adopted(model, resident)
     host, started, release = session.host, threading.Event(), threading.Event()
     reads: list[list[tuple[int, int]]] = []
 
@@ -354,11 +355,7 @@ def test_a_demand_read_never_waits_behind_queued_background_reads(model, residen
 
     from msaserve.engine.kv.host_tier import ServiceSource
 
-    prompt, state, want = resident
-    client = stored_session(model, prompt, state, want)
-    session, _ = ResidentSession.adopt(client, client.get_session("long"), model.config,
-                                       budget_pages=12, max_pages=state.max_pages,
-                                       device=torch.device("cpu"), dtype=torch.float32)
+    session, _ = adopted(model, resident)
     host, started, release = session.host, threading.Event(), threading.Event()
 
     class HeldSource(ServiceSource):
@@ -410,13 +407,8 @@ def test_adopted_session_decodes_on_the_device_while_its_host_tier_fills(model, 
     through the host: pages a step selects that are not in the host tier yet are skipped on the
     device, read in by `repair` after the step, and the step runs again — the fully resident tokens,
     from the first token on. With no background reads at all, every page comes that way."""
-    prompt, state, want = resident
-    client = stored_session(model, prompt, state, want)
-    c = model.config
-    budget = max(2, c.n_local + 1) + (c.num_layers + 2) * c.top_k
-    session, covered = ResidentSession.adopt(client, client.get_session("long"), c, budget_pages=budget,
-                                             max_pages=state.max_pages, device=torch.device("cpu"),
-                                             dtype=torch.float32)
+    _, _, want = resident
+    session, covered = adopted(model, resident, speculation_budget(model.config))
     assert covered == PROMPT_LEN and session.can_speculate and session.synced_steps
     graphed = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
     got = [want[0]]
@@ -432,11 +424,8 @@ def test_adopted_session_decodes_on_the_device_while_its_host_tier_fills(model, 
 
 
 def test_a_budget_without_room_for_reruns_keeps_the_host_path(model, resident):
-    prompt, state, want = resident
-    client = stored_session(model, prompt, state, want)
-    session, _ = ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=12,
-                                       max_pages=state.max_pages, device=torch.device("cpu"),
-                                       dtype=torch.float32)
+    _, _, want = resident
+    session, _ = adopted(model, resident)
     assert not session.can_speculate
     graphed = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
     with torch.inference_mode():
@@ -453,7 +442,7 @@ def test_offloaded_session_graph_steps_see_written_back_pages(model):
     with torch.inference_mode():
         state = SequenceState(model, PROMPT_LEN + steps + 1)
         want = [int(torch.argmax(model.compute_logits(state.prefill(prompt, chunk_size=128)[-1:])[0]))]
-        budget = max(2, c.n_local + 1) + (c.num_layers + 2) * c.top_k
+        budget = speculation_budget(c)
         session = ResidentSession.offload(c, state.caches, PROMPT_LEN, budget_pages=budget,
                                           max_pages=state.max_pages)
         for step in range(steps):
