@@ -315,21 +315,20 @@ class ResidentSession:
         later run that selects them misses, and fills or skips them again."""
         if self._present_dev is None or self._skipped[0] is None or self._presence_final:
             return False  # (final: the device knew every page before the write page, and write-backs)
-        skipped = torch.stack(self._skipped).cpu()  # [L, Hkv, K]
+        # the skipped slots and the selected pages of every layer, [L, Hkv, K] each: one transfer
+        skipped, src = torch.stack([torch.stack(self._skipped), torch.stack(self._step_src)]).cpu()
         bad = [layer for layer in range(len(self.caches)) if bool((skipped[layer] >= 0).any())]
         if not bad:
             return False
         self.repairs += 1
         layer = bad[0]
-        src = self._step_src[layer]
-        pages = sorted(set(src.cpu()[skipped[layer] >= 0].tolist()))
-        self.host.ensure(layer, pages)
-        gather_head_pages(self.pools[layer], self._skipped[layer], self._host_src[layer], src)
+        self.host.ensure(layer, sorted(set(src[layer][skipped[layer] >= 0].tolist())))
+        gather_head_pages(self.pools[layer], self._skipped[layer], self._host_src[layer],
+                          self._step_src[layer])
         for later in bad[1:]:
             rows = skipped[later] >= 0  # [Hkv, K]
             heads = torch.arange(self.heads)[:, None].expand_as(rows)[rows]
-            self.working.forget(later * self.heads + heads, self._step_src[later].cpu()[rows],
-                                skipped[later][rows])
+            self.working.forget(later * self.heads + heads, src[later][rows], skipped[later][rows])
         self.check_host_complete()
         self.refresh_presence()
         return True
