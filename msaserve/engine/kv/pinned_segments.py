@@ -51,10 +51,11 @@ def _register(tensor: torch.Tensor) -> None:
         return
     _REGISTER_TRIED.add(address)
     try:
-        code = torch.cuda.cudart().cudaHostRegister(address, tensor.numel(), 0)
+        code = torch.cuda.cudart().cudaHostRegister(address, tensor.numel(), 0)  # a cudaError_t
+        refused = int(getattr(code, "value", code)) != 0
     except (RuntimeError, AttributeError, TypeError) as error:
-        code = error
-    if code not in (0, None) and getattr(code, "value", code) != 0:
+        code, refused = error, True
+    if refused:
         _clear_last_cuda_error()
         log.warning("cudaHostRegister of a %d-byte shared segment refused (%s): its copies stay "
                     "pageable, slower; keep shared segment files on a tmpfs (/dev/shm)", tensor.numel(), code)

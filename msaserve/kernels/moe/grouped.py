@@ -129,9 +129,7 @@ def experts(
     down[e] · ((clamp(up, ±limit) + 1) · g · sigmoid(alpha · g)), g = min(gate, limit),
     gate, up = halves of gate_up[e] · x. ids must lie in 0..E-1 (not checked: that would sync)."""
     _check_shapes(x, gate_up, down, ids, weights)
-    if ids.shape[0] == 0:
-        return torch.empty_like(x)
-    if x.is_cuda and ids.numel() <= DECODE_MAX_SLOTS:
+    if x.is_cuda and 0 < ids.numel() <= DECODE_MAX_SLOTS:
         from msaserve.kernels.moe import triton as moe_triton
 
         return moe_triton.decode_experts(x, gate_up, down, ids, weights, swiglu_alpha, swiglu_limit)
