@@ -7,9 +7,11 @@ Replica A prefills it (the re-prefill baseline, MSA kernels) and decodes with ev
 - **budgets**: the session is offloaded (`ResidentSession.offload`: index on the GPU, K/V in a
   pinned host tier) and decodes with a K/V working set of 5 / 10 / 25 % of its pages: TPOT
   against resident, pages and bytes moved per step, tokens against A's;
-- **adoption**: the session, persisted to the KV cache service (in-process shards), is adopted by
-  a fresh sparse-resident session (10 % budget): time to first token and TPOT over the first
-  `--adopt-steps` tokens, with and without background prefetch in predicted order;
+- **adoption**: the session, persisted to the KV cache service (in-process shards keeping K/V and
+  index pages in pinned arenas), is adopted by a fresh sparse-resident session (10 % budget): time
+  to first token and TPOT over the first `--adopt-steps` tokens, its K/V leased and read in place
+  (the default), and for comparison read into the host tier (`lease_kv=False`: background fill in
+  predicted order, steps replayed with presence checks or run through the host while it fills);
 - **sessions per GPU**: 1M-token sessions allocated until the GPU is full, fully resident vs
   sparse resident (GPU memory only: the host tiers live in the node's KV cache service).
 
@@ -19,8 +21,9 @@ for the sparse-resident one, ~3 ms per token for m3-mini, 4 layers, 1M tokens on
 - `kvcache.sparse_residency_tpot_penalty_{5,10,25}pct` against `kvcache.residency_tpot_resident_graph_ms`,
   the working set at `--granularity` (`..._per_page` / `..._per_head`: the other one);
 - `kvcache.adopt_vs_reprefill`: the MSA re-prefill's time over the median first token of
-  `--adoptions` graphed adoptions (eager steps while the host tier fills, then replays), and
-  `kvcache.lazy_tpot_penalty` their median TPOT over the first `--adopt-steps` tokens.
+  `--adoptions` graphed adoptions (K/V leased in place), and `kvcache.lazy_tpot_penalty` the
+  median of their mean TPOTs over the first `--adopt-steps` tokens (`_filled`, `_host_steps`: one
+  adoption without the lease each).
 The same figures with both sides eager (launch bound, ~12-18 ms per token, varying with the host)
 carry `_eager`; without graphs (`--no-graphs`, or the CPU) the eager figures are the keys.
 adopt.py's adoption into fully resident caches writes `kvcache.full_kv_adopt_vs_reprefill`.
@@ -52,6 +55,7 @@ from msaserve.engine.kv.pinned_segments import segment_allocators  # noqa: E402
 from msaserve.engine.kv.resident_graph import WARMUP_STEPS, CapturedStep, SparseDecodeGraph  # noqa: E402
 from msaserve.engine.kv.resident_session import ResidentSession, allocate_resident_caches  # noqa: E402
 from msaserve.kernels import get_ops  # noqa: E402
+from msaserve.kvcache.arena import numpy_segment  # noqa: E402
 from msaserve.kvcache.client import KVCacheClient  # noqa: E402
 from msaserve.kvcache.config import ServiceConfig  # noqa: E402
 from msaserve.models.cache import allocate_caches  # noqa: E402
@@ -198,7 +202,9 @@ def run(args: argparse.Namespace) -> dict:
             ),
         ),
         identity,
-        segment_allocators=segment_allocators(device),
+        # K/V and index pages in arenas (pinned on CUDA): adoptions lease the K/V in place
+        segment_allocators=segment_allocators(device, ("index", "kv"))
+        or {"index": numpy_segment, "kv": numpy_segment},
     )
 
     # Warm-up off the clock: every kernel (autotuning) and path on a short session.
@@ -314,19 +320,26 @@ def run(args: argparse.Namespace) -> dict:
         torch.cuda.empty_cache()
     args.adopt_host = host
 
-    for prefetch in (0, args.prefetch_items):
-        results["adoption"][prefetch] = adopt_and_decode(
-            args, model, ops, client, config, pages, max_pages, dtype, device, first, want, prefetch
-        )
-    if graphs:  # the engine's mode: eager while the host tier fills, then replays; several
-        # adoptions (the first token is one host-clock sample each), their medians reported
+    # eager steps: the K/V leased in place (the default), and read into the host tier instead
+    results["adoption"]["leased"] = adopt_and_decode(
+        args, model, ops, client, config, pages, max_pages, dtype, device, first, want, 0)
+    results["adoption"][f"filled, prefetch {args.prefetch_items}"] = adopt_and_decode(
+        args, model, ops, client, config, pages, max_pages, dtype, device, first, want, args.prefetch_items,
+        lease_kv=False)
+    if graphs:  # the engine's mode, the K/V leased in place: replays from the third step (two
+        # warm-up steps, then the capture); several adoptions (the first token is one host-clock
+        # sample each), their medians reported
         runs = [adopt_and_decode(args, model, ops, client, config, pages, max_pages, dtype, device, first,
                                  want, args.prefetch_items, graphed=True) for _ in range(args.adoptions)]
         results["adoption_graph"] = median_run(runs)
-        # the same adoption with the steps before the host tier is complete run eagerly through the host
+        # without the lease: pages read into the host tier, filled in the background; steps replay
+        # with presence checks and run again after repairs (filled), or run eagerly through the host
+        results["adoption_graph_filled"] = adopt_and_decode(
+            args, model, ops, client, config, pages, max_pages, dtype, device, first, want,
+            args.prefetch_items, graphed=True, lease_kv=False)
         results["adoption_graph_host"] = adopt_and_decode(
             args, model, ops, client, config, pages, max_pages, dtype, device, first, want,
-            args.prefetch_items, graphed=True, speculate=False)
+            args.prefetch_items, graphed=True, speculate=False, lease_kv=False)
     if device.type == "cuda":
         kv_dtype = dtype
         results["sessions_resident"] = count_sessions(
@@ -362,7 +375,7 @@ def median_run(runs: list[dict]) -> dict:
 
 def adopt_and_decode(
     args, model, ops, client, config, pages, max_pages, dtype, device, first, want, prefetch: int,
-    graphed: bool = False, speculate: bool = True,
+    graphed: bool = False, speculate: bool = True, lease_kv: bool = True,
 ) -> dict:
     """A fresh sparse-resident session (10 % budget) adopts the stored session and decodes (graphed:
     through `SparseDecodeGraph`, eager steps while the host tier fills, then replays)."""
@@ -374,7 +387,8 @@ def adopt_and_decode(
     token_ids = client.get_session_tokens_async("bench")
     record_s = time.perf_counter() - t0
     session, covered = ResidentSession.adopt(
-        client, record, config, budget, max_pages, device, dtype, host=host, per_head=args.per_head
+        client, record, config, budget, max_pages, device, dtype, host=host, per_head=args.per_head,
+        lease_kv=lease_kv,
     )
     sync(device)
     index_s = time.perf_counter() - t0
@@ -414,10 +428,14 @@ def adopt_and_decode(
         replays=stepper.replays if graphed else 0,
         reruns=stepper.reruns if graphed else 0,
         speculate=graphed and stepper.speculate,
+        leased_items=int(session.host.leased.sum()),
+        lease_kv=lease_kv,
     )
     phases = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}" for k, v in session.adopt_phases.items())
+    how = f"{result['leased_items']} (page, layer) leased in place" if lease_kv else "read"
     log(
-        f"adopted (prefetch {prefetch}{', CUDA graph after the host tier fills' if graphed else ''}): "
+        f"adopted ({how}"
+        f", prefetch {prefetch}{', CUDA graph' if graphed else ''}): "
         f"first token {ttft * 1e3:.1f} ms (record {record_s * 1e3:.1f} ms, "
         f"caches + index {(index_s - record_s) * 1e3:.1f} ms [{phases} ms, host clock], "
         f"first step {times[0] * 1e3:.1f} ms; "
@@ -462,7 +480,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
         f"kvcache.lazy_tpot_penalty{headline}": dict(
             value=round(best[1]["tpot_mean"] / base, 3),
             unit="x resident TPOT (both eager; mean over the first tokens)",
-            note=f"sparse-resident adoption (10% budget, per {mode}, prefetch {best[0]} items), eager steps, "
+            note=f"sparse-resident adoption (10% budget, per {mode}, K/V {best[0]}), eager steps, "
             f"mean over the first {best[1]['steps']} tokens {best[1]['tpot_mean'] * 1e3:.2f} ms (median "
             f"{best[1]['tpot_median'] * 1e3:.2f}, slowest {best[1]['tpot_max'] * 1e3:.1f}, second token "
             f"{best[1]['second_token'] * 1e3:.1f} ms); tokens equal: {best[1]['match']}; "
@@ -530,22 +548,33 @@ def report(args: argparse.Namespace, r: dict) -> None:
         entries["kvcache.lazy_tpot_penalty"] = dict(
             value=round(a["tpot_mean"] / graph_base, 3),
             unit="x resident TPOT (both CUDA graphs; mean over the first tokens)",
-            note=f"sparse-resident adoption (10% budget, per {mode}, prefetch {args.prefetch_items} items) "
-            f"decoding through SparseDecodeGraph (speculate={a['speculate']}): {a['eager_steps']} eager "
-            f"steps and {a['reruns']} runs again after repairs while the host tier filled, "
+            note=f"sparse-resident adoption (10% budget, per {mode}) decoding through SparseDecodeGraph, "
+            f"its K/V leased in place from the in-process shards' pinned arenas ({a['leased_items']} "
+            f"(page, layer) items; no host-tier fill, each page checked on the GPU at its first copy): "
+            f"{a['eager_steps']} steps through the host, {a['reruns']} runs again, "
             f"{a['replays']} replays in all (the median-first-token run of {a['runs']}); the median "
             f"over {a['runs']} runs of each run's mean over its first {a['steps']} tokens "
             f"{a['tpot_mean'] * 1e3:.3f} ms (median {a['tpot_median'] * 1e3:.3f}, slowest step of any run "
             f"{a['tpot_max'] * 1e3:.1f} ms, second token {a['second_token'] * 1e3:.1f} ms) vs the resident "
             f"graph "
             f"{graph_base * 1e3:.3f} ms; first token {a['ttft'] * 1e3:.1f} ms; tokens equal: {a['match']}")
+    filled = r.get("adoption_graph_filled")
+    if graph_base and filled:
+        f = filled
+        entries["kvcache.lazy_tpot_penalty_filled"] = dict(
+            value=round(f["tpot_mean"] / graph_base, 3),
+            unit="x resident TPOT (both CUDA graphs; mean over the first tokens)",
+            note=f"as kvcache.lazy_tpot_penalty, one adoption, without the lease (lease_kv=False): pages "
+            f"read into the host tier, filled in the background; steps replay with presence checks "
+            f"({f['reruns']} runs again after repairs); mean {f['tpot_mean'] * 1e3:.3f} ms, slowest "
+            f"{f['tpot_max'] * 1e3:.1f} ms, first token {f['ttft'] * 1e3:.1f} ms; tokens equal: {f['match']}")
     host_variant = r.get("adoption_graph_host")
     if graph_base and host_variant:
         h = host_variant
         entries["kvcache.lazy_tpot_penalty_host_steps"] = dict(
             value=round(h["tpot_mean"] / graph_base, 3),
             unit="x resident TPOT (both CUDA graphs; mean over the first tokens)",
-            note=f"as kvcache.lazy_tpot_penalty, one adoption, but the steps before the host tier holds "
+            note=f"as kvcache.lazy_tpot_penalty_filled, but the steps before the host tier holds "
             f"every page run eagerly through the host ({h['eager_steps']} of them) instead of replaying "
             f"with presence checks; mean {h['tpot_mean'] * 1e3:.3f} ms, slowest "
             f"{h['tpot_max'] * 1e3:.1f} ms; tokens equal: {h['match']}")
@@ -587,8 +616,8 @@ def report(args: argparse.Namespace, r: dict) -> None:
                     name = f"sparse {fraction:.0%}, CUDA graph, per {run_mode}"
                     print(f"{name:<34}{g['tpot'] * 1e3:>9.2f}{g['tpot'] / graph_base:>11.2f}"
                           f"{g['bytes_per_step'] / 2**20:>10.1f}{g['match']!s:>10}")
-    for prefetch, a in r["adoption"].items():
-        name = f"adopted 10%, prefetch {prefetch} (ttft {a['ttft'] * 1e3:.0f} ms), mean"
+    for how, a in r["adoption"].items():
+        name = f"adopted 10%, {how} (ttft {a['ttft'] * 1e3:.0f} ms), mean"
         print(
             f"{name:<34}{a['tpot_mean'] * 1e3:>9.2f}{a['tpot_mean'] / base:>11.2f}"
             f"{a['device_bytes_per_step'] / 2**20:>10.1f}{a['match']!s:>10}"
@@ -599,17 +628,18 @@ def report(args: argparse.Namespace, r: dict) -> None:
         print(f"{name:<34}{graph_adoption['tpot_mean'] * 1e3:>9.2f}"
               f"{graph_adoption['tpot_mean'] / graph_base:>11.2f}"
               f"{graph_adoption['device_bytes_per_step'] / 2**20:>10.1f}{graph_adoption['match']!s:>10}")
-        host_variant = r.get("adoption_graph_host")
-        if host_variant:
-            h = host_variant
-            name = f"adopted 10%, CUDA graph, host steps (ttft {h['ttft'] * 1e3:.0f} ms)"
-            print(f"{name:<34}{h['tpot_mean'] * 1e3:>9.2f}{h['tpot_mean'] / graph_base:>11.2f}"
-                  f"{h['device_bytes_per_step'] / 2**20:>10.1f}{h['match']!s:>10}")
+        for label_, key in (("filled, replays", "adoption_graph_filled"), ("filled, host steps",
+                                                                             "adoption_graph_host")):
+            h = r.get(key)
+            if h:
+                name = f"adopted 10%, CUDA graph, {label_} (ttft {h['ttft'] * 1e3:.0f} ms)"
+                print(f"{name:<34}{h['tpot_mean'] * 1e3:>9.2f}{h['tpot_mean'] / graph_base:>11.2f}"
+                      f"{h['device_bytes_per_step'] / 2**20:>10.1f}{h['match']!s:>10}")
         print("(adopted rows: mean TPOT over the first tokens; the log lines above give median, "
               "slowest and second token)")
-    for prefetch, a in r["adoption"].items():
+    for how, a in r["adoption"].items():
         phases = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}" for k, v in a["phases"].items())
-        print(f"adoption phases (prefetch {prefetch}), ms: record {a['record_s'] * 1e3:.1f}, {phases}, "
+        print(f"adoption phases ({how}), ms: record {a['record_s'] * 1e3:.1f}, {phases}, "
               f"first step {a['first_step'] * 1e3:.1f}; first token {a['ttft'] * 1e3:.1f}")
     print(
         f"re-prefill {r['reprefill_s']:.3f} s; "

@@ -59,6 +59,15 @@ class PageLease:
         """The first item the service has no page for (len(self) if none)."""
         return next((i for i, view in enumerate(self.views) if view is None), len(self.views))
 
+    def renew(self) -> bool:
+        """Restart every shard's TTL clock of this lease (`ServiceConfig.lease_ttl_s`) → whether
+        every shard still held it (False: one expired, its pages may have been reused)."""
+        if self.released:
+            return False
+        calls = [self._transport.submit(self._shards[shard], "renew_leases", [lease_id])
+                 for shard, _, lease_id in self._parts]
+        return all(held == 1 for held in self._transport.gather(calls))
+
     def release(self, corrupt: list[int] | None = None) -> None:
         """End the lease on every shard (once); `corrupt`: items whose bytes failed the check —
         the shards drop those copies and count them as corruptions."""

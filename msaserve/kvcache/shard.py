@@ -150,6 +150,24 @@ class KVCacheShard:
         themselves, unverified, held until `release_lease`."""
         return self._lease("index", [index_key(model_key, h) for h in page_hashes])
 
+    def lease_kv(self, model_key: str, requests: Sequence[tuple[int, int]]) -> PageViews:
+        """Zero-copy K+V reads of (page hash, layer) pairs for a caller in this process: a
+        sparse-resident session's GPU kernels read the leased pages where they lie (pinned arena
+        segments, through UVA) and check each at first use. Held until `release_lease`; a lease
+        older than `lease_ttl_s` ends unless `renew_leases` refreshed it."""
+        return self._lease("kv", [kv_key(model_key, h, layer) for h, layer in requests])
+
+    def renew_leases(self, lease_ids: Sequence[int]) -> int:
+        """Restart the TTL clock of these leases (a reader that holds pages for longer than
+        `lease_ttl_s`: an adopted session decoding for minutes) → how many were still held (an
+        expired one is gone: its reader must not read its pages any more)."""
+        now, held = time.monotonic(), 0
+        for lease_id in lease_ids:
+            if lease_id in self._lease_started:
+                self._lease_started[lease_id] = now
+                held += 1
+        return held
+
     def lease_index_shared(self, model_key: str, page_hashes: Sequence[int]) -> SharedPageViews:
         """`lease_index` for a reader in another process on the node: where the pages lie in this
         shard's shared segment files (`shared_segments.py`), which the reader maps; held until

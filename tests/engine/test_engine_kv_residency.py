@@ -273,8 +273,12 @@ def test_adoption_from_arena_pages_copied_directly_decodes_identical_tokens(mode
     assert covered == PROMPT_LEN
     arenas = [shard.stores["index"].memory.arena for shard in client.shards]
     assert all(a.stats.slots_in_use > 0 and a.stats.retired_slots == 0 for a in arenas)
-    assert all(not shard._leases for shard in client.shards)  # the lease ended
+    # The index lease ended; the K/V lease is held while the session reads its pages in place.
+    assert all([store for store, _, _ in shard._leases.values()] == ["kv"] for shard in client.shards)
     assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=8) == want
+    assert session.host.service_reads == 0
+    session.host.reset(None)
+    assert all(not shard._leases for shard in client.shards)  # a reused host tier ends it
 
 
 def test_a_corrupt_index_page_in_the_arena_ends_the_adoption_at_that_page(model, resident):
@@ -458,3 +462,109 @@ def test_offloaded_session_graph_steps_see_written_back_pages(model):
     # (random weights rarely select a page again once it left the ring, so the tokens alone would
     # not show a missing mark)
     assert session.write_page > 40 and bool(session._present_dev[:, : session.write_page].all())
+
+
+def leased_client(model, resident) -> KVCacheClient:
+    """The resident session stored as "long" in 2 in-process shards that keep K/V and index pages in
+    arenas (pinned on CUDA; plain here): an adoption leases the K/V where it lies."""
+    from msaserve.kvcache.arena import numpy_segment
+
+    prompt, state, want = resident
+    identity = identity_for(model.config, "tiny@seed0", torch.float32)
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity,
+                                      segment_allocators={"index": numpy_segment, "kv": numpy_segment})
+    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
+                                       tail=True)
+    return client
+
+
+def adopt_leased(model, resident, client, per_head: bool = True) -> ResidentSession:
+    _, state, _ = resident
+    session, covered = ResidentSession.adopt(client, client.get_session("long"), model.config,
+                                             budget_pages=12, max_pages=state.max_pages,
+                                             device=torch.device("cpu"), dtype=torch.float32,
+                                             per_head=per_head)
+    assert covered == PROMPT_LEN
+    return session
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_an_adopted_session_reads_its_leased_kv_in_place_with_no_fill(model, resident, per_head):
+    """Every stored page's K/V is leased where the shards keep it: the host tier is complete at
+    once (no service read, no background fill, no step through the host), the miss fill reads the
+    leased pages in place, each is checked against its stored checksum at its first copy, and the
+    tokens are the resident ones."""
+    _, state, want = resident
+    client = leased_client(model, resident)
+    session = adopt_leased(model, resident, client, per_head)
+    host, stored = session.host, PROMPT_LEN // model.config.page_size
+    assert host.leased[:, :stored].all() and not host.leased[:, stored:].any()
+    assert not session.synced_steps and session.adopt_phases["lease_s"] >= 0
+    stepper = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
+    got = [want[0]]
+    for step in range(STEPS):
+        got.append(stepper.step(got[-1], PROMPT_LEN + step))
+    assert got == want
+    assert stepper.host_steps == 0 and stepper.reruns == 0 and host.service_reads == 0
+    checked = session._verified.bool() & torch.from_numpy(host.leased)
+    assert int(checked.sum()) > 0 and not session._failures.any()
+    # The leased bytes are the stored pages' bytes (the pages the session wrote back are its own).
+    kv = torch.stack([torch.stack([c.k_cache, c.v_cache], 1) for c in state.caches])  # [L, pages, 2, ...]
+    layer, page = 1, 3
+    address = host.data.data_ptr() + int(host.byte_offsets[layer, page])
+    assert address != host.data[layer, page].data_ptr()
+    import ctypes
+
+    raw = (ctypes.c_uint8 * host.page_bytes).from_address(address)
+    assert torch.equal(torch.frombuffer(bytearray(raw), dtype=torch.float32).view_as(kv[layer, page]),
+                       kv[layer, page])
+
+
+def test_a_corrupt_leased_page_voids_the_step_and_is_dropped_from_the_service(model, resident):
+    """A leased page whose bytes no longer match its stored checksum: the step that copies it in
+    hashes it, the step's token is refused (PageLostInService names the page and layer), the page
+    is reported to its shard (dropped, counted as a corruption) and the lease ends."""
+    from msaserve.engine.kv.host_tier import PageLostInService
+    from msaserve.kvcache.keys import kv_key, shard_of_page
+
+    _, _, want = resident
+    client = leased_client(model, resident)
+    record = client.get_session("long")
+    shard = client.shards[shard_of_page(record.page_hashes[0], 2)]
+    key = kv_key(client.model_key, record.page_hashes[0], 1)  # page 0 (an init page: always selected)
+    shard.stores["kv"].memory.get(key).payload[7] ^= 16
+    session = adopt_leased(model, resident, client)
+    stepper = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
+    with pytest.raises(PageLostInService, match=r"\(0, 1\)"):
+        stepper.step(want[0], PROMPT_LEN)
+    assert shard.stats()["kv"]["corruptions"] == 1
+    assert session.host.lease is None and all(not s._leases for s in client.shards)
+
+
+def test_a_leased_host_tier_renews_its_lease_and_an_expired_lease_is_an_error(model, resident):
+    import time
+
+    from msaserve.engine.kv.host_tier import RENEW_S, PageLostInService
+
+    client = leased_client(model, resident)
+    session = adopt_leased(model, resident, client)
+    host = session.host
+    ids = {shard_id: lease_id for shard_id, _, lease_id in host.lease._parts}
+    before = {s: client.shards[s]._lease_started[i] for s, i in ids.items()}
+    host.renew_lease(now=time.monotonic() + RENEW_S / 2)  # not due yet
+    assert all(client.shards[s]._lease_started[i] == before[s] for s, i in ids.items())
+    time.sleep(0.01)
+    host.renew_lease(now=time.monotonic() + RENEW_S + 1)
+    assert all(client.shards[s]._lease_started[i] > before[s] for s, i in ids.items())
+    shard_id, lease_id = next(iter(ids.items()))
+    client.shards[shard_id].release_lease(lease_id)  # as the shard does once lease_ttl_s passed
+    with pytest.raises(PageLostInService, match="ended the lease"):
+        host.renew_lease(now=time.monotonic() + 3 * RENEW_S)
+
+
+def test_a_host_tier_never_writes_over_a_leased_page(model, resident):
+    client = leased_client(model, resident)
+    session = adopt_leased(model, resident, client)
+    page = torch.zeros(1, *session.host.data.shape[2:])
+    with pytest.raises(ValueError, match="leased from the service"):
+        session.host.write(0, [2], page)

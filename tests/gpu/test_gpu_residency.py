@@ -65,6 +65,70 @@ def test_head_page_gather_compiled_skips_absent_pages_and_names_their_slots():
     assert torch.equal(got.cpu(), want)
 
 
+def test_head_page_gather_compiled_reads_leased_pages_at_offsets_through_uva():
+    """Leased pages: the gather reads pages of a second pinned allocation (an arena segment of the
+    KV cache service), at element offsets from the first's view, and pages of the first alike."""
+    from msaserve.kernels.page_gather import gather_head_pages, gather_head_pages_naive
+
+    shape, elems = (2, 128, 4, 128), 2 * 128 * 4 * 128
+    host = torch.randn(3, *shape).to(torch.bfloat16).pin_memory()
+    arena = torch.randn(9 * elems + 5).to(torch.bfloat16).pin_memory()
+    view = host_view(host, torch.device("cuda"))
+    starts = [5, 3 * elems + 5, 8 * elems + 5, elems + 5, 6 * elems + 5, 2 * elems + 5]  # unaligned to pages
+    pages = [arena[s : s + elems].view(shape) for s in starts] + [host[2], host[0]]
+    offsets = torch.tensor([(p.data_ptr() - host.data_ptr()) // 2 for p in pages], dtype=torch.int64)
+    dst_slots = torch.tensor([[3, -1, 0], [-1, 2, 3], [1, -1, 5], [5, 4, -1]])
+    src_pages = torch.tensor([[7, 2, 4], [0, 1, 6], [5, -1, 3], [6, 0, 1]])
+    present = torch.ones(8, dtype=torch.bool)
+    present[3] = False
+    for check in (False, True):
+        before = torch.randn(6, 2, 4, 128, 128).to(torch.bfloat16)
+        got, want = before.cuda(), before.clone()
+        flags = (present, torch.zeros(4, 3, dtype=torch.int64)) if check else (None, None)
+        skipped = flags[1].cuda() if check else None
+        gather_head_pages(got, dst_slots.cuda(), view, src_pages.cuda(), flags[0].cuda() if check else None,
+                          skipped, src_offsets=offsets.cuda())
+        gather_head_pages_naive(want, dst_slots, host, src_pages, *flags, src_offsets=offsets)
+        assert torch.equal(got.cpu(), want)
+        assert torch.equal(want[3, :, 0], host[0, :, :, 0]) and torch.equal(want[4, :, 3], pages[0][:, :, 3])
+        if check:
+            assert skipped.cpu().tolist() == flags[1].tolist() == [[-1, -1, -1], [-1, -1, -1], [-1, -1, 5],
+                                                                   [-1, -1, -1]]
+
+
+def test_verify_pages_compiled_checks_pinned_pages_through_uva():
+    """The check of leased M3 pages (256 KiB) where they lie in pinned memory, read through a UVA
+    view: as the host spec finds on the CPU tensors, one corrupt page counted and named."""
+    import numpy as np
+    import xxhash
+
+    from msaserve.kernels.checksum import verify_pages, verify_pages_naive
+
+    page_bytes = 262144
+    generator = torch.Generator().manual_seed(7)
+    arena = torch.randint(0, 256, (7 * page_bytes + 4096,), dtype=torch.uint8, generator=generator)
+    arena = arena.pin_memory()
+    host = torch.randint(0, 256, (2, page_bytes), dtype=torch.uint8, generator=generator).pin_memory()
+    view = host_view(host, torch.device("cuda"))
+    starts = [4096, 5 * page_bytes + 64, 2 * page_bytes + 512, 6 * page_bytes + 4032, 3 * page_bytes + 8]
+    pages = [arena[s : s + page_bytes] for s in starts] + [host[1], host[0]]
+    offsets = torch.tensor([p.data_ptr() - host.data_ptr() for p in pages], dtype=torch.int64)
+    expected = torch.from_numpy(np.array([xxhash.xxh3_64_intdigest(p.numpy()) for p in pages],
+                                         dtype=np.uint64).view(np.int64))
+    expected[2] ^= 1 << 40
+    verified = torch.tensor([0, 0, 0, 0, 1, 0, 0], dtype=torch.uint8)
+    pages_of = torch.tensor([[0, 2, 6, 0], [4, 3, 5, -1]])
+    wanted = torch.tensor([[1, 2, 3, 0], [4, -1, 0, 6]])
+    want = (verified.clone(), torch.zeros(2, dtype=torch.int64))
+    verify_pages_naive(host, offsets, expected, *want, pages_of, wanted, page_bytes)
+    got = (verified.cuda(), torch.zeros(2, dtype=torch.int64, device="cuda"))
+    verify_pages(view, offsets.cuda(), expected.cuda(), *got, pages_of.cuda(), wanted.cuda(), page_bytes)
+    assert want[0].tolist() == [1, 0, 0, 0, 1, 1, 1] and want[1].tolist() == [1, 2]
+    assert got[0].tolist() == want[0].tolist() and got[1].tolist() == want[1].tolist()
+    with pytest.raises(ValueError, match="page_bytes is 1000 on CUDA: allowed a multiple of 64"):
+        verify_pages(view, offsets.cuda(), expected.cuda(), *got, pages_of.cuda(), wanted.cuda(), 1000)
+
+
 def test_admit_compiled_matches_the_reference():
     num_slots, ring, max_pages = 300, 3, 1000
     tables = [(torch.full((max_pages + 1,), -1, dtype=torch.int32, device="cuda"),
@@ -162,3 +226,56 @@ def test_sparse_resident_decode_replayed_as_a_cuda_graph_keeps_the_tokens(per_he
     assert got == tokens
     assert graphed.graph is not None and graphed.replays == steps - WARMUP_STEPS
     assert session.stats.pages_fetched > steps and session.stats.evictions > 0
+
+
+@pytest.mark.parametrize("corrupt", [False, True])
+def test_an_adopted_session_reads_its_leased_kv_in_place_through_cuda_graphs(corrupt):
+    """Shards in this process keep K/V in pinned arenas: the adopted session leases every stored
+    page, replays its step from the third token on (no fill, no service read), checks each leased
+    page on the GPU at its first copy on a side stream joined into the captured step, and gives the
+    fully resident tokens; a corrupt page voids the step that copied it."""
+    from msaserve.engine.kv.host_tier import PageLostInService
+    from msaserve.engine.kv.pages import identity_for
+    from msaserve.engine.kv.persist import SessionWriter
+    from msaserve.engine.kv.pinned_segments import segment_allocators
+    from msaserve.engine.kv.resident_graph import WARMUP_STEPS, SparseDecodeGraph
+    from msaserve.kvcache.client import KVCacheClient
+    from msaserve.kvcache.config import ServiceConfig
+    from msaserve.kvcache.keys import kv_key, shard_of_page
+
+    model = init_random_weights(MSATransformer(get_preset("tiny"), "msa"), seed=0).cuda().eval()
+    prompt = torch.randint(3, 512, (600,), generator=torch.Generator().manual_seed(5)).tolist()
+    ops, steps = get_ops("msa", torch.device("cuda")), 40
+    with torch.inference_mode():
+        state = SequenceState(model, 600 + steps + 1)
+        tokens = [int(torch.argmax(model.compute_logits(state.prefill(prompt, chunk_size=128)[-1:])[0]))]
+        dtype = state.caches[0].k_cache.dtype
+        client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20),
+                                          identity_for(model.config, "tiny@seed0", dtype),
+                                          segment_allocators=segment_allocators("cuda", ("index", "kv")))
+        SessionWriter(client, "long").sync([*prompt, tokens[0]], state.caches, range(state.max_pages),
+                                           600, tail=True)
+        for step in range(steps):
+            hidden = state.forward([tokens[-1]], 600 + step, True)
+            tokens.append(int(torch.argmax(model.compute_logits(hidden)[0])))
+    record = client.get_session("long")
+    if corrupt:  # page 0 (an init page, selected by every step) of layer 1
+        shard = client.shards[shard_of_page(record.page_hashes[0], 2)]
+        shard.stores["kv"].memory.get(kv_key(client.model_key, record.page_hashes[0], 1)).payload[9] ^= 2
+    session, covered = ResidentSession.adopt(client, record, model.config, budget_pages=12,
+                                             max_pages=state.max_pages, device=torch.device("cuda"),
+                                             dtype=dtype)
+    assert covered == 600 and session.host.leased[:, : 600 // 16].all() and not session.synced_steps
+    graphed = SparseDecodeGraph(session, model, ops)
+    if corrupt:
+        with pytest.raises(PageLostInService, match=r"\(0, 1\)"):
+            graphed.step(tokens[0], 600)
+        assert shard.stats()["kv"]["corruptions"] == 1
+        return
+    got = [tokens[0]]
+    for step in range(steps):
+        got.append(graphed.step(got[-1], 600 + step))
+    assert got == tokens
+    assert graphed.replays == steps - WARMUP_STEPS and graphed.host_steps == 0
+    assert session.host.service_reads == 0 and int(session._verified.sum()) > 0
+    assert not session._failures.any()

@@ -15,13 +15,20 @@ the indexer selects is one host-to-device copy away. Pages arrive three ways:
 import contextlib
 import dataclasses
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import torch
 
+from msaserve.engine.kv.pinned_segments import segment_tensor
 from msaserve.kvcache.client import KVCacheClient, ServiceUnavailable
+from msaserve.kvcache.leases import LeaseFetch, PageLease
+
+RENEW_S = 20.0
+"""Seconds between renewals of a host tier's service lease (`HostKV.renew_lease`); the shards end a
+lease after `ServiceConfig.lease_ttl_s` (120 s by default) without one."""
 
 
 class PageLostInService(RuntimeError):
@@ -83,6 +90,17 @@ class HostKV:
         self._pending: list[tuple[Future, list[tuple[int, int]]]] = []
         self._worker: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
+        self.byte_offsets = np.arange(num_layers * max_pages, dtype=np.int64).reshape(num_layers, max_pages)
+        self.byte_offsets *= self.page_bytes
+        """[L, max_pages] where each (layer, page) lies, in bytes from `data`'s first byte: its own row,
+        or (a leased page) the service's copy in a shard's arena (`lease`)."""
+        self.leased = np.zeros((num_layers, max_pages), dtype=bool)
+        """[L, max_pages] read in place from the service's memory (`lease`), never copied here."""
+        self.lease_checksums = np.zeros((num_layers, max_pages), dtype=np.int64)
+        """[L, max_pages] the xxh3_64 the service stored with each leased page (uint64 bits)."""
+        self.lease: PageLease | None = None
+        self._lease_position = np.full((num_layers, max_pages), -1, dtype=np.int64)
+        self._renewed = 0.0
         self.service_log: list[tuple[str, list[tuple[int, int]]]] = []
         """("demand" | "prefetch", (page, layer) items) of each service read, in the order they
         started (the first 10,000)."""
@@ -96,6 +114,7 @@ class HostKV:
         self.cancel_pending()
         if self.data.is_pinned():  # kernels of the last session may still read it (UVA): let them end
             torch.cuda.synchronize()
+        self.release_lease()
         self.present.zero_()
         self._requested.zero_()
         self.source = self._checked(source)
@@ -117,11 +136,92 @@ class HostKV:
     def page_bytes(self) -> int:
         return self.data[0, 0].numel() * self.data.element_size()
 
+    # ---- pages read in place from the service ---------------------------------------------------
+    def request_lease(self, hashes: Sequence[int]) -> LeaseFetch | None:
+        """Ask the service to lease every layer's K/V of these pages (logical page i = hashes[i]),
+        where a kernel can read them in place: shards in this process that keep K/V in an arena.
+        None where they do not (the pages then come by reads). Asked before the index load, so
+        that the shards answer while it runs."""
+        source = self.source
+        if source is None or not hashes:
+            return None
+        client = source.client
+        if not client.transport.shares_memory or "kv" not in client.arena_stores():
+            return None
+        layers = self.present.shape[0]
+        return client.lease_kv_async([(h, layer) for h in hashes for layer in range(layers)])
+
+    def attach_lease(self, fetch: LeaseFetch | None, readable: int, cuda: bool) -> int:
+        """The lease `request_lease` asked for → pages (before `readable`) that kernels now read in
+        place: marked present (no read, no fill), with where they lie and their stored checksum
+        (the session checks each on the GPU at its first use). A page the service lacks, or one
+        outside the arena, or (cuda) in a segment that is not page-locked, stays absent and comes
+        by reads. Returns the (page, layer) items leased."""
+        if fetch is None:
+            return 0
+        lease = fetch.result()
+        layers, max_pages = self.present.shape
+        n = min(len(lease), min(readable, max_pages) * layers)
+        segment_of = lease.segment_of[:n]
+        if not lease.segments:
+            return self._keep_lease(lease)
+        bases = np.array([segment.ctypes.data for segment in lease.segments], dtype=np.int64)
+        usable = np.array([not cuda or segment_tensor(segment).is_pinned() for segment in lease.segments])
+        ok = (segment_of >= 0) & usable[np.maximum(segment_of, 0)]
+        items = np.flatnonzero(ok)
+        pages, layer_of = np.divmod(items, layers)
+        address = bases[segment_of[items]] + lease.offsets[items]
+        self.byte_offsets[layer_of, pages] = address - self.data.data_ptr()
+        self.lease_checksums[layer_of, pages] = lease.checksums.view(np.int64)[items]
+        self._lease_position[layer_of, pages] = items
+        self.leased[layer_of, pages] = True
+        self.present |= torch.from_numpy(self.leased)
+        return self._keep_lease(lease, len(items))
+
+    def _keep_lease(self, lease: PageLease, leased: int = 0) -> int:
+        self.lease, self._renewed = lease, time.monotonic()
+        return leased
+
+    def renew_lease(self, now: float | None = None) -> None:
+        """Keep the lease alive (every RENEW_S seconds; called at each decode step). A lease the
+        shards already ended (the session went unstepped past `lease_ttl_s`) is an error: its pages'
+        memory may hold other pages by now."""
+        now = time.monotonic() if now is None else now
+        if self.lease is None or now - self._renewed < RENEW_S:
+            return
+        self._renewed = now
+        if not self.lease.renew():
+            session = self.source.session_id if self.source is not None else "?"
+            raise PageLostInService(f"session {session!r}: the service ended the lease of its K/V pages "
+                                    "(no renewal within ServiceConfig.lease_ttl_s); adopt it again")
+
+    def leased_item(self, layer: int, page: int) -> int:
+        """The lease's item of (layer, page), -1 if not leased."""
+        return int(self._lease_position[layer, page])
+
+    def release_lease(self, corrupt: Sequence[int] = ()) -> None:
+        """End the lease (after every kernel that reads its pages: the caller syncs first); its pages
+        become absent, and each (layer, page) lies in its own row again. corrupt: items that failed
+        their check (the shards drop them)."""
+        if self.lease is None:
+            return
+        lease, self.lease = self.lease, None
+        lease.release(corrupt=list(corrupt))
+        self.present[torch.from_numpy(self.leased)] = False
+        layers, max_pages = self.present.shape
+        self.byte_offsets[:] = np.arange(layers * max_pages, dtype=np.int64).reshape(layers, max_pages)
+        self.byte_offsets *= self.page_bytes
+        self.leased[:] = False
+        self._lease_position[:] = -1
+
     def write(self, layer: int, pages: Sequence[int], kv: torch.Tensor) -> None:
         """kv [n, 2, P, Hkv, D] (any device) → these pages of `layer` (asynchronous from CUDA
         into pinned memory: stream order makes any later read of them see the data)."""
         pages = list(pages)
         index = torch.as_tensor(pages, dtype=torch.long)
+        if self.leased[layer, pages].any():
+            raise ValueError(f"pages {pages} of layer {layer} include pages leased from the service: a "
+                             "session writes only from its first write page on (ServiceSource.readable)")
         if kv.device.type == "cpu":
             self.data[layer, index] = kv
         elif pages == list(range(pages[0], pages[0] + len(pages))):  # a run: one copy

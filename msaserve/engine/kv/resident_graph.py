@@ -90,6 +90,8 @@ class SparseDecodeGraph:
         """Steps of a session whose host tier lacks pages run as the graph step too, skipping the
         absent pages and running again after `ResidentSession.repair` (else they go eagerly through
         the host)."""
+        if self.capture and session.check_stream is None:
+            session.check_stream = torch.cuda.Stream(device)
         self.captured = CapturedStep(self._body, self.capture)
         """Its calls are the sync-free steps (the warm-up counts them)."""
         self.host_steps = 0
@@ -99,7 +101,9 @@ class SparseDecodeGraph:
 
     def _body(self) -> torch.Tensor:
         hidden = self.model(self.token, self.meta, self.session.caches, ops=self.ops)
-        return torch.argmax(self.model.compute_logits(hidden)[0])
+        token = torch.argmax(self.model.compute_logits(hidden)[0])
+        self.session.join_checks()  # the leased pages' checks, run beside the step
+        return token
 
     @torch.inference_mode()
     def step(self, token: int, position: int) -> int:
@@ -115,7 +119,9 @@ class SparseDecodeGraph:
             meta = session.decode_metadata(position)
             hidden = self.model(torch.tensor([token], device=session.device), meta, session.caches,
                                 ops=self.ops)
-            return int(torch.argmax(self.model.compute_logits(hidden)[0]))
+            next_token = int(torch.argmax(self.model.compute_logits(hidden)[0]))
+            session.check_pages()
+            return next_token
         kv_slot = session.advance(position)
         self.token.fill_(token)
         self.positions.fill_(position)
@@ -123,7 +129,9 @@ class SparseDecodeGraph:
         self.kv_slot_mapping.fill_(kv_slot)
         self.seq_lens.fill_(position + 1)
         if not self.speculate:
-            return int(self.captured.run())
+            next_token = int(self.captured.run())
+            session.check_pages()  # a leased page that failed its check voids the token
+            return next_token
         # The same step on the device whether or not the host tier is complete: pages it selects
         # that are not there yet are skipped; `repair` reads them in and the step runs again (its
         # K/V and index-K writes are the same each time). Each run settles at least one more layer.
@@ -132,6 +140,7 @@ class SparseDecodeGraph:
         try:
             for _ in range(len(session.caches) + 2):
                 next_token = int(self.captured.run())
+                session.check_pages()
                 if not session.repair():
                     return next_token
                 self.reruns += 1

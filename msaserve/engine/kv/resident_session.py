@@ -25,12 +25,14 @@ import dataclasses
 import time
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from msaserve.engine.kv.adoption import LazyPageFetcher
 from msaserve.engine.kv.device_working_set import DeviceWorkingSet
-from msaserve.engine.kv.host_tier import HostKV, ServiceSource
+from msaserve.engine.kv.host_tier import HostKV, PageLostInService, ServiceSource
 from msaserve.kernels import AttentionOps
+from msaserve.kernels.checksum import verify_pages
 from msaserve.kernels.page_gather import gather_head_pages, gather_pages, host_view
 from msaserve.kvcache.client import KVCacheClient
 from msaserve.kvcache.session_records import SessionRecord
@@ -149,6 +151,23 @@ class ResidentSession:
         """Set by `SparseDecodeGraph` around its step body (see `can_speculate`)."""
         self.repairs = 0
         """Steps run again because pages they selected were not in the host tier yet."""
+        # Pages the host tier leased from the service (`_use_lease`): the miss fill reads them where
+        # they lie, and each is checked against its stored checksum on the device at first use.
+        self._src_flat: torch.Tensor | None = None
+        self._elem_offsets: torch.Tensor | None = None
+        self._byte_offsets: torch.Tensor | None = None
+        self._expected: torch.Tensor | None = None
+        self._verified: torch.Tensor | None = None
+        self._failures: torch.Tensor | None = None
+        """[L, 2] int64 on the device: per layer, leased pages that failed their check, and one of them."""
+        self._unchecked = False
+        self.check_stream: torch.cuda.Stream | None = None
+        """Where leased pages are checked: None, the compute stream (in order, before the attention);
+        a side stream (`SparseDecodeGraph` on CUDA sets one): each layer's check forks there after its
+        miss fill and runs beside the rest of the step, and `join_checks` (the step's end) joins them —
+        a 256 KiB page hashed over PCIe is one program's ~0.16 ms of dependent reads."""
+        self._checks_forked = False
+        self._check_inputs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.caches)
 
     # ---- building one -------------------------------------------------------------------------
     @classmethod
@@ -181,11 +200,15 @@ class ResidentSession:
     def adopt(cls, client: KVCacheClient, record: SessionRecord, config: MSAConfig, budget_pages: int,
               max_pages: int, device: torch.device, dtype: torch.dtype,
               index_dtype: torch.dtype | None = None, host: HostKV | None = None, per_head: bool = True,
-              ) -> tuple["ResidentSession", int]:
+              lease_kv: bool = True) -> tuple["ResidentSession", int]:
         """Adopt a stored session: the whole index now, K/V pages as they are selected (read from
         the service into the pinned host tier, then into the working set) → (session, tokens
         covered; the caller runs the record's remaining tokens). host: a host tier to reuse (a
-        replica keeps its pinned memory allocated: pinning GiBs takes seconds)."""
+        replica keeps its pinned memory allocated: pinning GiBs takes seconds). lease_kv (the
+        default): where the shards run in this process and keep K/V in an arena (pinned, on CUDA),
+        every stored page's K/V is leased and read where it lies — no read into the host tier, no
+        background fill, no step through the host — each page checked against its stored checksum
+        on the device at its first copy (`check_pages`); False: pages come by reads as before."""
         t0 = time.perf_counter()
         hashes = list(record.page_hashes) + ([record.tail_hash] if record.tail_hash is not None else [])
         c = config
@@ -197,6 +220,10 @@ class ResidentSession:
             host.reset(source)
         t1 = time.perf_counter()
         session = cls(config, max_pages, budget_pages, host, device, dtype, index_dtype, per_head)
+        # Every stored page's K/V leased where it lies (shards in this process with a K/V arena):
+        # asked now, answered while the index loads. The miss fill then reads the pages in place.
+        lease = (host.request_lease(record.page_hashes)
+                 if lease_kv and session._host_src is not None else None)
         t2 = time.perf_counter()
         ring = session.ring
         # Index of every page at its logical page; the stored tail's K/V (it is written into
@@ -207,10 +234,53 @@ class ResidentSession:
         # The service provides the pages before the first one the session writes (the stored tail's
         # K/V came with the index; its host-tier copy is the session's write-back, never a read).
         source.readable_pages = covered // c.page_size
+        t3 = time.perf_counter()
+        host.attach_lease(lease, source.readable, cuda=session.device.type == "cuda")
+        session._use_lease()
         session._enter_page(covered // c.page_size, load=False)  # a loaded tail is already in its slot
-        session.adopt_phases = dict(host_reset_s=t1 - t0, allocate_s=t2 - t1,
-                                    index_s=time.perf_counter() - t2)
+        session.adopt_phases = dict(host_reset_s=t1 - t0, allocate_s=t2 - t1, index_s=t3 - t2,
+                                    lease_s=time.perf_counter() - t3)
         return session, covered
+
+    def _use_lease(self) -> None:
+        """The device's tables of the pages the host tier leased from the service (read in place by
+        the miss fill, at their element offsets from the tier's memory) and of their checks: a
+        leased page counts as unchecked until the first step that copies it in has hashed it."""
+        host = self.host
+        if host.lease is None or not host.leased.any():
+            return
+        self._src_flat = self._host_src.reshape(-1, *self._host_src.shape[2:])  # base address and layout
+        elem = host.data.element_size()
+        self._elem_offsets = torch.from_numpy(host.byte_offsets // elem).to(self.device)
+        self._byte_offsets = torch.from_numpy(host.byte_offsets.copy()).to(self.device)
+        self._expected = torch.from_numpy(host.lease_checksums.copy()).to(self.device)
+        self._verified = torch.from_numpy((~host.leased).astype(np.uint8)).to(self.device)
+        self._failures = torch.zeros(len(self.caches), 2, dtype=torch.int64, device=self.device)
+
+    def check_pages(self) -> None:
+        """After a step (the host has its token, so this reads 16 bytes a layer, no wait): if a leased
+        page the step copied in failed its checksum, the step's token must not be used — the page
+        is reported to its shard as corrupt (dropped there), the lease ends and PageLostInService
+        says which. `SparseDecodeGraph` checks after every step; a caller stepping with
+        `decode_metadata` is checked at its next step's `advance`, or calls this itself."""
+        if self._failures is None or not self._unchecked:
+            return
+        self._unchecked = False
+        self.join_checks()
+        failures = self._failures.cpu()
+        bad = torch.nonzero(failures[:, 0]).flatten().tolist()
+        if not bad:
+            return
+        lost = [(int(failures[layer, 1]), layer) for layer in bad]
+        items = [self.host.leased_item(layer, page) for page, layer in lost]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()  # no kernel reads the leased pages any more
+        self.host.release_lease(corrupt=[i for i in items if i >= 0])
+        self._failures = None
+        session = self.host.source.session_id if self.host.source is not None else "?"
+        raise PageLostInService(f"session {session!r}: leased K/V (page, layer) {lost} failed the checksum "
+                                "stored with them in the KV cache service (dropped there); the step's "
+                                "token is void")
 
     # ---- one decode step ----------------------------------------------------------------------
     @property
@@ -264,6 +334,9 @@ class ResidentSession:
         """Start the decode step of the token at `position` (the session's tokens so far): on a
         page boundary the filled page is written back and the new one takes its ring slot; the
         step number advances (host and device) → the K/V slot of the new token in the pool."""
+        self.check_pages()  # the last step's, if its caller did not
+        self.host.renew_lease()
+        self._unchecked = self._failures is not None  # (a replayed step fills and checks on the device)
         page = position // self.page_size
         if page != self.write_page:
             if page != self.write_page + 1:
@@ -323,8 +396,7 @@ class ResidentSession:
         self.repairs += 1
         layer = bad[0]
         self.host.ensure(layer, sorted(set(src[layer][skipped[layer] >= 0].tolist())))
-        gather_head_pages(self.pools[layer], self._skipped[layer], self._host_src[layer],
-                          self._step_src[layer])
+        self._fill(layer, self._skipped[layer], self._step_src[layer])
         for later in bad[1:]:
             rows = skipped[later] >= 0  # [Hkv, K]
             heads = torch.arange(self.heads)[:, None].expand_as(rows)[rows]
@@ -354,8 +426,7 @@ class ResidentSession:
             if self._skipped[layer] is None or self._skipped[layer].shape != dst.shape:
                 self._skipped[layer] = torch.full(dst.shape, -1, dtype=torch.int64, device=self.device)
             self._step_src[layer] = src  # read by `repair` after the step (a captured step's buffer)
-            gather_head_pages(self.pools[layer], dst, self._host_src[layer], src, self._present_dev[layer],
-                              self._skipped[layer])
+            self._fill(layer, dst, src, self._present_dev[layer], self._skipped[layer])
             return
         if not self.synced_steps:
             self._fill(layer, dst, src)
@@ -382,12 +453,43 @@ class ResidentSession:
         if len(self._stats.fetch_log) < 10_000:
             self._stats.fetch_log.append((self._stats.steps, layer, tuple(pages)))
 
-    def _fill(self, layer: int, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Copy the misses (dst slots, src pages; per head [Hkv, K]) in from the host tier."""
+    def _fill(self, layer: int, dst: torch.Tensor, src: torch.Tensor, present: torch.Tensor | None = None,
+              skipped: torch.Tensor | None = None) -> None:
+        """Copy the misses (dst slots, src pages; per head [Hkv, K]) in from the host tier (present,
+        skipped: see `gather_head_pages`). Leased pages are read where they lie in the service's
+        memory, and each copied for the first time is hashed there on the device (`verify_pages`;
+        `check_pages` reads the outcome after the step)."""
+        if self._elem_offsets is None:
+            if self.per_head:
+                gather_head_pages(self.pools[layer], dst, self._host_src[layer], src, present, skipped)
+            else:
+                gather_pages(self.pools[layer], dst, self._host_src[layer], src)
+            return
+        offsets = self._elem_offsets[layer]
         if self.per_head:
-            gather_head_pages(self.pools[layer], dst, self._host_src[layer], src)
+            gather_head_pages(self.pools[layer], dst, self._src_flat, src, present, skipped,
+                              src_offsets=offsets)
         else:
-            gather_pages(self.pools[layer], dst, self._host_src[layer], src)
+            gather_pages(self.pools[layer], dst, self._src_flat, src, src_offsets=offsets)
+        args = (self._src_flat, self._byte_offsets[layer], self._expected[layer], self._verified[layer],
+                self._failures[layer], src, dst, self.host.page_bytes)
+        if self.check_stream is None:
+            verify_pages(*args)
+            return
+        self.check_stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(self.check_stream):
+            verify_pages(*args)
+        # Held until the next step (the join has run by then): freed now, the allocator could give
+        # their memory to the compute stream while the check still reads them.
+        self._check_inputs[layer] = (src, dst)
+        self._checks_forked = True
+
+    def join_checks(self) -> None:
+        """The compute stream waits for the leased pages' checks forked by this step (`check_stream`),
+        so that reading `_failures` after it sees them (and a captured step joins what it forked)."""
+        if self._checks_forked:
+            torch.cuda.current_stream(self.device).wait_stream(self.check_stream)
+            self._checks_forked = False
 
     def wrap_ops(self, ops: AttentionOps) -> AttentionOps:
         """The model's ops for this session's decode steps: the indexer makes its selection
