@@ -155,7 +155,8 @@ class KVCacheShard:
         sparse-resident session's GPU kernels read the leased pages where they lie (pinned arena
         segments, through UVA) and check each at first use. Held until `release_lease`; a lease
         older than `lease_ttl_s` ends unless `renew_leases` refreshed it."""
-        return self._lease("kv", [kv_key(model_key, h, layer) for h, layer in requests])
+        prefix = kv_key(model_key, 0, 0)[: -len(f"{0:016x}/0")]  # kv_key's, formatted once
+        return self._lease("kv", [f"{prefix}{h:016x}/{layer}" for h, layer in requests])
 
     def renew_leases(self, lease_ids: Sequence[int]) -> int:
         """Restart the TTL clock of these leases (a reader that holds pages for longer than
@@ -217,22 +218,13 @@ class KVCacheShard:
         self._leases[lease_id] = (store_name, keys, pages)
         self._lease_started[lease_id] = time.monotonic()
         arena = getattr(store.memory, "arena", None)
-        views, checksums, segment_of, offsets = [], [], [], []
-        for page in pages:
-            if page is None:
-                views.append(None)
-                checksums.append(0)
-                segment_of.append(-1)
-                offsets.append(0)
-                continue
-            slot = page.slot
-            views.append(page.payload)
-            checksums.append(page.checksum)
-            segment_of.append(-1 if slot is None else slot.segment)
-            offsets.append(0 if slot is None else slot.offset)
+        views = [None if page is None else page.payload for page in pages]
+        checksums = np.array([0 if page is None else page.checksum for page in pages], np.uint64)
+        slots = [None if page is None else page.slot for page in pages]
+        segment_of = np.array([-1 if slot is None else slot.segment for slot in slots], np.int64)
+        offsets = np.array([0 if slot is None else slot.offset for slot in slots], np.int64)
         segments = [] if arena is None else arena.segments
-        out = PageViews(lease_id, views, np.array(checksums, np.uint64), segments,
-                        np.array(segment_of, np.int64), np.array(offsets, np.int64))
+        out = PageViews(lease_id, views, checksums, segments, segment_of, offsets)
         if self.metrics is not None:
             self.metrics.observe_fetch(store_name, time.perf_counter() - start)
         return out

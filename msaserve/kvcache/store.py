@@ -166,18 +166,18 @@ class PageStore:
         held (not overwritten, even if removed or replaced) until `release`: the reader verifies it
         against `page.checksum` (off its critical path) and reports a bad one with `drop_corrupt`.
         A page found only in a slower tier is verified here and promoted first, as `get` does."""
-        fastest, out = self.tiers[0], []
+        fastest = self.tiers[0]
+        many = getattr(fastest, "acquire_many", None)
+        out = many(keys) if many is not None else [_acquire(fastest, key) for key in keys]
         hits = hit_bytes = 0
-        for key in keys:
-            page = _acquire(fastest, key)
+        for i, page in enumerate(out):
             if page is not None:
                 hits += 1
                 hit_bytes += page.payload.nbytes
-            else:
-                payload = self._find(key, 1)
-                if payload is not None:  # promoted into the fastest tier if it fit, else its own array
-                    page = _acquire(fastest, key) or StoredPage(payload, checksum(payload))
-            out.append(page)
+                continue
+            payload = self._find(keys[i], 1)
+            if payload is not None:  # promoted into the fastest tier if it fit, else its own array
+                out[i] = _acquire(fastest, keys[i]) or StoredPage(payload, checksum(payload))
         self.stats.add(f"hits_{fastest.kind}", hits)
         self.stats.add("bytes_read", hit_bytes)
         return out

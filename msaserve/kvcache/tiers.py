@@ -9,7 +9,7 @@ place). Tiers return the checksum that was stored with a page; the store verifie
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -123,6 +123,19 @@ class MemoryTier:
         if page is not None and page.slot is not None:
             self.arena.acquire(page.slot)
         return page
+
+    def acquire_many(self, keys: Sequence[str]) -> list[StoredPage | None]:
+        """`acquire` of each key in one call (a lease of a million-token session is 32K keys: the
+        per-call overhead was most of its time)."""
+        get, touch, arena, out = self._pages.get, self._pages.move_to_end, self.arena, []
+        for key in keys:
+            page = get(key)
+            if page is not None:
+                touch(key)
+                if page.slot is not None:
+                    arena.acquire(page.slot)
+            out.append(page)
+        return out
 
     def release(self, page: StoredPage) -> None:
         if page.slot is not None:

@@ -220,10 +220,6 @@ class ResidentSession:
             host.reset(source)
         t1 = time.perf_counter()
         session = cls(config, max_pages, budget_pages, host, device, dtype, index_dtype, per_head)
-        # Every stored page's K/V leased where it lies (shards in this process with a K/V arena):
-        # asked now, answered while the index loads. The miss fill then reads the pages in place.
-        lease = (host.request_lease(record.page_hashes)
-                 if lease_kv and session._host_src is not None else None)
         t2 = time.perf_counter()
         ring = session.ring
         # Index of every page at its logical page; the stored tail's K/V (it is written into
@@ -235,7 +231,13 @@ class ResidentSession:
         # K/V came with the index; its host-tier copy is the session's write-back, never a read).
         source.readable_pages = covered // c.page_size
         t3 = time.perf_counter()
-        host.attach_lease(lease, source.readable, cuda=session.device.type == "cuda")
+        # Every stored page's K/V leased where it lies (shards in this process with a K/V arena); the
+        # miss fill then reads the pages in place. Asked after the index load, not beside it: the
+        # shards' threads building a 32K-page lease hold the GIL, and the load waited ~5 ms for it
+        # after each of its GPU calls (on the H200 the load took 125-150 ms instead of 65).
+        if lease_kv and session._host_src is not None:
+            host.attach_lease(host.request_lease(record.page_hashes[: source.readable]), source.readable,
+                              cuda=session.device.type == "cuda")
         session._use_lease()
         session._enter_page(covered // c.page_size, load=False)  # a loaded tail is already in its slot
         session.adopt_phases = dict(host_reset_s=t1 - t0, allocate_s=t2 - t1, index_s=t3 - t2,
@@ -336,6 +338,8 @@ class ResidentSession:
         step number advances (host and device) → the K/V slot of the new token in the pool."""
         self.check_pages()  # the last step's, if its caller did not
         self.host.renew_lease()
+        if self._stats.steps >= 1:  # from the second step on: off the first token
+            self.host.release_ended_leases()
         self._unchecked = self._failures is not None  # (a replayed step fills and checks on the device)
         page = position // self.page_size
         if page != self.write_page:
