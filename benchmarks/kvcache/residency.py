@@ -432,6 +432,8 @@ def adopt_and_decode(
         lease_kv=lease_kv,
     )
     phases = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}" for k, v in session.adopt_phases.items())
+    phases += " (host_reset: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}"
+                                           for k, v in session.host.reset_phases.items()) + ")"
     how = f"{result['leased_items']} (page, layer) leased in place" if lease_kv else "read"
     log(
         f"adopted ({how}"

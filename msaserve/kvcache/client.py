@@ -249,19 +249,22 @@ class KVCacheClient:
                    for s, pos in self._by_shard(hashes).items()]
         return LeaseFetch(self.transport, self.shards, len(hashes), futures)
 
-    def lease_kv_async(self, requests: Sequence[tuple[int, int]]) -> LeaseFetch:
-        """Zero-copy K+V reads of (page hash, layer) pairs from shards in this process (`leases.py`):
-        the stored pages themselves, unverified, held unchanged until `release()` (renew with
-        `PageLease.renew` within `lease_ttl_s`); the reader checks each against its checksum before
-        it trusts it. Shards in other processes answer only `get_kv_into_async`."""
+    def lease_kv_async(self, page_hashes: Sequence[int]) -> LeaseFetch:
+        """Zero-copy K+V reads of every layer of these pages from shards in this process
+        (`leases.py`; item i · num_layers + layer): the stored pages themselves, unverified, held
+        unchanged until `release()` (renew with `PageLease.renew` within `lease_ttl_s`); the reader
+        checks each against its checksum before it trusts it. Shards in other processes answer
+        only `get_kv_into_async`."""
         if not self.transport.shares_memory:
             raise ValueError("lease_kv_async needs shards in this process (transport.shares_memory); "
                              "others answer get_kv_into_async")
-        items = list(requests)
-        futures = [(s, pos, self.transport.submit(self.shards[s], "lease_kv", self.model_key,
-                                                  [items[i] for i in pos]))
-                   for s, pos in self._by_shard([h for h, _ in items]).items()]
-        return LeaseFetch(self.transport, self.shards, len(items), futures)
+        hashes, layers = list(page_hashes), self.model.num_layers
+        futures = []
+        for s, pos in self._by_shard(hashes).items():
+            items = (np.asarray(pos, np.int64)[:, None] * layers + np.arange(layers)).reshape(-1).tolist()
+            futures.append((s, items, self.transport.submit(self.shards[s], "lease_kv", self.model_key,
+                                                            [hashes[i] for i in pos], layers)))
+        return LeaseFetch(self.transport, self.shards, len(hashes) * layers, futures)
 
     def get_kv_packed_async(self, requests: Sequence[tuple[int, int]], out: np.ndarray) -> PackedFetch:
         """K+V payloads of (page hash, layer) pairs into the rows of out, as `get_index_packed_async`."""

@@ -150,13 +150,17 @@ class KVCacheShard:
         themselves, unverified, held until `release_lease`."""
         return self._lease("index", [index_key(model_key, h) for h in page_hashes])
 
-    def lease_kv(self, model_key: str, requests: Sequence[tuple[int, int]]) -> PageViews:
-        """Zero-copy K+V reads of (page hash, layer) pairs for a caller in this process: a
-        sparse-resident session's GPU kernels read the leased pages where they lie (pinned arena
-        segments, through UVA) and check each at first use. Held until `release_lease`; a lease
-        older than `lease_ttl_s` ends unless `renew_leases` refreshed it."""
+    def lease_kv(self, model_key: str, page_hashes: Sequence[int], num_layers: int) -> PageViews:
+        """Zero-copy K+V reads of every layer of these pages for a caller in this process (item
+        i · num_layers + layer: page i's K+V of that layer): a sparse-resident session's GPU kernels
+        read the leased pages where they lie (pinned arena segments, through UVA) and check each at
+        first use. Held until `release_lease`; a lease older than `lease_ttl_s` ends unless
+        `renew_leases` refreshed it. (A million-token session is 32K items: the keys are built
+        page by page, each page's hash formatted once.)"""
         prefix = kv_key(model_key, 0, 0)[: -len(f"{0:016x}/0")]  # kv_key's, formatted once
-        return self._lease("kv", [f"{prefix}{h:016x}/{layer}" for h, layer in requests])
+        layers = [f"/{layer}" for layer in range(num_layers)]
+        return self._lease("kv", [page + layer for page in (f"{prefix}{h:016x}" for h in page_hashes)
+                                  for layer in layers])
 
     def renew_leases(self, lease_ids: Sequence[int]) -> int:
         """Restart the TTL clock of these leases (a reader that holds pages for longer than

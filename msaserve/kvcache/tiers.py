@@ -127,14 +127,14 @@ class MemoryTier:
     def acquire_many(self, keys: Sequence[str]) -> list[StoredPage | None]:
         """`acquire` of each key in one call (a lease of a million-token session is 32K keys: the
         per-call overhead was most of its time)."""
-        get, touch, arena, out = self._pages.get, self._pages.move_to_end, self.arena, []
-        for key in keys:
-            page = get(key)
+        get, touch = self._pages.get, self._pages.move_to_end
+        acquire = None if self.arena is None else self.arena.acquire  # (a slot implies the arena)
+        out = [get(key) for key in keys]
+        for key, page in zip(keys, out, strict=True):
             if page is not None:
                 touch(key)
                 if page.slot is not None:
-                    arena.acquire(page.slot)
-            out.append(page)
+                    acquire(page.slot)
         return out
 
     def release(self, page: StoredPage) -> None:

@@ -103,6 +103,9 @@ class HostKV:
         """Leases of earlier sessions not yet released to the shards (`release_ended_leases`)."""
         self._lease_position = np.full((num_layers, max_pages), -1, dtype=np.int64)
         self._renewed = 0.0
+        self.reset_phases: dict[str, float] = {}
+        """Seconds of the last `reset`'s parts (the queued reads cancelled, the device synchronised, the
+        rest), on the host clock."""
         self.service_log: list[tuple[str, list[tuple[int, int]]]] = []
         """("demand" | "prefetch", (page, layer) items) of each service read, in the order they
         started (the first 10,000)."""
@@ -113,14 +116,18 @@ class HostKV:
         """Reuse this (pinned) memory for another session: nothing present, pages from `source`.
         The last session's queued background reads are cancelled; only a read already running is
         waited for (it writes into this memory)."""
+        t0 = time.perf_counter()
         self.cancel_pending()
+        t1 = time.perf_counter()
         if self.data.is_pinned():  # kernels of the last session may still read it (UVA): let them end
             torch.cuda.synchronize()
+        t2 = time.perf_counter()
         self.release_lease(later=True)
         self.present.zero_()
         self._requested.zero_()
         self.source = self._checked(source)
         self.service_log, self.service_reads, self.service_bytes = [], 0, 0
+        self.reset_phases = dict(cancel_s=t1 - t0, sync_s=t2 - t1, clear_s=time.perf_counter() - t2)
         return self
 
     def _checked(self, source: ServiceSource | None) -> ServiceSource | None:
@@ -150,8 +157,10 @@ class HostKV:
         client = source.client
         if not client.transport.shares_memory or "kv" not in client.arena_stores():
             return None
-        layers = self.present.shape[0]
-        return client.lease_kv_async([(h, layer) for h in hashes for layer in range(layers)])
+        if client.model.num_layers != self.present.shape[0]:
+            raise ValueError(f"the service's model has {client.model.num_layers} layers: allowed this host "
+                             f"tier's {self.present.shape[0]}")
+        return client.lease_kv_async(hashes)
 
     def attach_lease(self, fetch: LeaseFetch | None, readable: int, cuda: bool) -> int:
         """The lease `request_lease` asked for → pages (before `readable`) that kernels now read in
