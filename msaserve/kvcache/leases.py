@@ -29,7 +29,8 @@ class PageLease:
         self._parts = [(shard, np.asarray(positions, np.int64), views.lease_id)
                        for shard, positions, views in replies]
         self.released = False
-        self.views: list[np.ndarray | None] = [None] * size
+        self._size = size
+        self._views: list[np.ndarray | None] | None = None
         try:  # a shard's files this process cannot map (another node): end every lease, re-raise
             replies = [(shard, positions, views.mapped() if isinstance(views, SharedPageViews) else views)
                        for shard, positions, views in replies]
@@ -42,18 +43,30 @@ class PageLease:
         self.offsets = np.zeros(size, np.int64)
         self.segments: list[np.ndarray] = []
         """Every leased shard's arena segments, one list (`segment_of` indexes it)."""
+        self._replies = replies
         for _, positions, views in replies:
             pos = np.asarray(positions, np.int64)
-            for p, view in zip(positions, views.views, strict=True):
-                self.views[p] = view
             self.checksums[pos] = views.checksums
             in_arena = views.segment_of >= 0
             self.segment_of[pos] = np.where(in_arena, views.segment_of + len(self.segments), -1)
             self.offsets[pos] = views.offsets
             self.segments.extend(views.segments)
 
+    @property
+    def views(self) -> list[np.ndarray | None]:
+        """[n] each page's stored bytes (None where the service has none), in request order; merged
+        on first use (a reader of in-arena pages by address never needs them: 32K items for a
+        million-token session's K/V)."""
+        if self._views is None:
+            views: list[np.ndarray | None] = [None] * self._size
+            for _, positions, reply in self._replies:
+                for p, view in zip(positions, reply.views, strict=True):
+                    views[p] = view
+            self._views = views
+        return self._views
+
     def __len__(self) -> int:
-        return len(self.views)
+        return self._size
 
     def first_missing(self) -> int:
         """The first item the service has no page for (len(self) if none)."""
@@ -74,7 +87,7 @@ class PageLease:
         if self.released:
             return
         self.released = True
-        bad = np.zeros(len(self.views), bool)
+        bad = np.zeros(self._size, bool)
         if corrupt:
             bad[np.asarray(corrupt, np.int64)] = True
         calls = []
