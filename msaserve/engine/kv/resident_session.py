@@ -21,9 +21,7 @@ pages), never in page order, until the host tier holds every page.
 Layers that attend densely (no index branch) would read every page: not supported here.
 """
 
-import contextlib
 import dataclasses
-import sys
 import time
 from collections.abc import Sequence
 
@@ -89,23 +87,6 @@ def allocate_resident_caches(
         for pool in pools
     ]
     return caches, pools
-
-
-SWITCH_INTERVAL_S = 2e-4
-"""The interpreter's thread switch interval while an adoption's index loads beside its K/V lease."""
-
-
-@contextlib.contextmanager
-def _prompt_gil():
-    """While the shards' threads build a K/V lease (pure Python) beside the index load, the load's
-    thread gets the GIL back within SWITCH_INTERVAL_S after each GPU call that released it, instead of
-    the default 5 ms: at the default, the load took 125-150 ms on the H200 instead of 55-65."""
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(SWITCH_INTERVAL_S)
-    try:
-        yield
-    finally:
-        sys.setswitchinterval(before)
 
 
 class ResidentSession:
@@ -239,24 +220,24 @@ class ResidentSession:
             host.reset(source)
         t1 = time.perf_counter()
         session = cls(config, max_pages, budget_pages, host, device, dtype, index_dtype, per_head)
-        # Every stored page's K/V leased where it lies (shards in this process with a K/V arena); the
-        # miss fill then reads the pages in place. Asked now, so the shards' threads build the lease
-        # (32K items at 1M tokens) while the index loads.
-        lease = (host.request_lease(record.page_hashes)
-                 if lease_kv and session._host_src is not None else None)
         t2 = time.perf_counter()
         ring = session.ring
         # Index of every page at its logical page; the stored tail's K/V (it is written into
         # next) straight to its ring slot.
         fetcher = LazyPageFetcher(client, record, session.caches, list(range(max_pages)),
                                   kv_block_table=[p % ring for p in range(max_pages)])
-        with _prompt_gil() if lease is not None else contextlib.nullcontext():
-            covered = fetcher.load_index()
+        covered = fetcher.load_index()
         # The service provides the pages before the first one the session writes (the stored tail's
         # K/V came with the index; its host-tier copy is the session's write-back, never a read).
         source.readable_pages = covered // c.page_size
         t3 = time.perf_counter()
-        host.attach_lease(lease, source.readable, cuda=session.device.type == "cuda")
+        # Every stored page's K/V leased where it lies (shards in this process with a K/V arena); the
+        # miss fill then reads the pages in place. Asked after the index load, not beside it: the
+        # shards' threads building a 32K-page lease hold the GIL, and the load waited ~5 ms for it
+        # after each of its GPU calls (on the H200 the load took 125-150 ms instead of 65).
+        if lease_kv and session._host_src is not None:
+            host.attach_lease(host.request_lease(record.page_hashes[: source.readable]), source.readable,
+                              cuda=session.device.type == "cuda")
         session._use_lease()
         session._enter_page(covered // c.page_size, load=False)  # a loaded tail is already in its slot
         session.adopt_phases = dict(host_reset_s=t1 - t0, allocate_s=t2 - t1, index_s=t3 - t2,
