@@ -73,8 +73,9 @@ def _clear_last_cuda_error() -> None:
 def segment_allocators(device: torch.device | str, stores: tuple[str, ...] = ("index",)) -> dict | None:
     """What to give in-process shards (`KVCacheClient.in_process(..., segment_allocators=)`) for an
     engine on `device`: pinned arenas for `stores` on CUDA (the index store by default: the
-    adoption copies index pages to the GPU from there; K/V pages reach the GPU through the
-    session's own pinned host tier), None elsewhere (plain pages, as before)."""
+    adoption copies index pages to the GPU from there; with "kv" too, a sparse-resident adoption
+    leases its K/V pages and its kernels read them there, `HostKV.attach_lease`), None elsewhere
+    (plain pages, as before)."""
     if torch.device(device).type != "cuda":
         return None
     return {store: pinned_segment for store in stores}

@@ -14,6 +14,10 @@ and a K/V pool of `budget_pages` slots, whose policy (`residency.WorkingSet`'s) 
    (one sync) and make them present first;
 3. the wrapped `sparse_decode` attends through the layer's logical page → slot table.
 The K/V read are bit for bit the fully resident session's, so greedy tokens are identical.
+An adopted session whose service shards run in this process with a K/V arena leases every stored
+page instead (`adopt(lease_kv=True)`, the default): the miss fill reads them where the shards keep
+them, each checked on the device at its first copy (`check_pages` after the step), and no page is
+read into the host tier at all.
 Between steps, `prefetch` queues background service reads on the host tier's worker thread in
 predicted order (each layer's previous selection and the local window first, then the newest
 pages), never in page order, until the host tier holds every page.
