@@ -169,17 +169,14 @@ class PageStore:
         fastest = self.tiers[0]
         many = getattr(fastest, "acquire_many", None)
         out = many(keys) if many is not None else [_acquire(fastest, key) for key in keys]
-        hits = hit_bytes = 0
-        for i, page in enumerate(out):
-            if page is not None:
-                hits += 1
-                hit_bytes += page.payload.nbytes
-                continue
-            payload = self._find(keys[i], 1)
-            if payload is not None:  # promoted into the fastest tier if it fit, else its own array
-                out[i] = _acquire(fastest, keys[i]) or StoredPage(payload, checksum(payload))
-        self.stats.add(f"hits_{fastest.kind}", hits)
-        self.stats.add("bytes_read", hit_bytes)
+        found = [page for page in out if page is not None]
+        self.stats.add(f"hits_{fastest.kind}", len(found))
+        self.stats.add("bytes_read", sum(page.payload.nbytes for page in found))
+        if len(found) < len(out):
+            for i in [i for i, page in enumerate(out) if page is None]:
+                payload = self._find(keys[i], 1)
+                if payload is not None:  # promoted into the fastest tier if it fit, else its own array
+                    out[i] = _acquire(fastest, keys[i]) or StoredPage(payload, checksum(payload))
         return out
 
     def release(self, pages: Iterable[StoredPage | None]) -> None:
