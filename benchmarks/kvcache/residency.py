@@ -560,26 +560,24 @@ def report(args: argparse.Namespace, r: dict) -> None:
             f"{a['tpot_max'] * 1e3:.1f} ms, second token {a['second_token'] * 1e3:.1f} ms) vs the resident "
             f"graph "
             f"{graph_base * 1e3:.3f} ms; first token {a['ttft'] * 1e3:.1f} ms; tokens equal: {a['match']}")
-    filled = r.get("adoption_graph_filled")
-    if graph_base and filled:
-        f = filled
-        entries["kvcache.lazy_tpot_penalty_filled"] = dict(
-            value=round(f["tpot_mean"] / graph_base, 3),
-            unit="x resident TPOT (both CUDA graphs; mean over the first tokens)",
-            note=f"as kvcache.lazy_tpot_penalty, one adoption, without the lease (lease_kv=False): pages "
-            f"read into the host tier, filled in the background; steps replay with presence checks "
-            f"({f['reruns']} runs again after repairs); mean {f['tpot_mean'] * 1e3:.3f} ms, slowest "
-            f"{f['tpot_max'] * 1e3:.1f} ms, first token {f['ttft'] * 1e3:.1f} ms; tokens equal: {f['match']}")
-    host_variant = r.get("adoption_graph_host")
-    if graph_base and host_variant:
-        h = host_variant
-        entries["kvcache.lazy_tpot_penalty_host_steps"] = dict(
-            value=round(h["tpot_mean"] / graph_base, 3),
-            unit="x resident TPOT (both CUDA graphs; mean over the first tokens)",
-            note=f"as kvcache.lazy_tpot_penalty_filled, but the steps before the host tier holds "
-            f"every page run eagerly through the host ({h['eager_steps']} of them) instead of replaying "
-            f"with presence checks; mean {h['tpot_mean'] * 1e3:.3f} ms, slowest "
-            f"{h['tpot_max'] * 1e3:.1f} ms; tokens equal: {h['match']}")
+    comparisons = (
+        ("kvcache.lazy_tpot_penalty_filled", "adoption_graph_filled",
+         "as kvcache.lazy_tpot_penalty, one adoption, without the lease (lease_kv=False): pages read "
+         "into the host tier, filled in the background; steps replay with presence checks ({reruns} runs "
+         "again after repairs)"),
+        ("kvcache.lazy_tpot_penalty_host_steps", "adoption_graph_host",
+         "as kvcache.lazy_tpot_penalty_filled, but the steps before the host tier holds every page run "
+         "eagerly through the host ({eager_steps} of them) instead of replaying with presence checks"),
+    )
+    for key, run_key, how in comparisons:
+        c = r.get(run_key)
+        if graph_base and c:
+            entries[key] = dict(
+                value=round(c["tpot_mean"] / graph_base, 3),
+                unit="x resident TPOT (both CUDA graphs; mean over the first tokens)",
+                note=how.format(**c) + f"; mean {c['tpot_mean'] * 1e3:.3f} ms, slowest "
+                f"{c['tpot_max'] * 1e3:.1f} ms, first token {c['ttft'] * 1e3:.1f} ms; tokens equal: "
+                f"{c['match']}")
     if ten is not None:
         entries["kvcache.sparse_residency_bytes_per_step_10pct"] = dict(
             value=round(ten["bytes_per_step"]), unit="bytes",

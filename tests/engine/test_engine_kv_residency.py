@@ -259,14 +259,8 @@ def test_background_read_of_the_stored_tail_never_overwrites_its_write_back(mode
 def test_adoption_from_arena_pages_copied_directly_decodes_identical_tokens(model, resident):
     """The shards keep pages in arenas (pinned on CUDA; plain here): the index is copied from them
     directly and verified beside the copy (`direct_index.py`), and the tokens are the resident's."""
-    from msaserve.kvcache.arena import numpy_segment
-
-    prompt, state, want = resident
-    identity = identity_for(model.config, "tiny@seed0", torch.float32)
-    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20), identity,
-                                      segment_allocators={"index": numpy_segment, "kv": numpy_segment})
-    SessionWriter(client, "long").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
-                                       tail=True)
+    _, state, want = resident
+    client = leased_client(model, resident)
     session, covered = ResidentSession.adopt(client, client.get_session("long"), model.config,
                                              budget_pages=12, max_pages=state.max_pages,
                                              device=torch.device("cpu"), dtype=torch.float32)
