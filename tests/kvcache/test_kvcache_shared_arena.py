@@ -140,6 +140,24 @@ def test_shards_without_shared_arenas_answer_packed_reads_only(tmp_path):
         shards[0].lease_index_shared(client.model_key, hashes[:1])
 
 
+def test_kv_leases_need_shards_in_this_process_and_a_renewal_keeps_a_lease_past_its_ttl(tmp_path):
+    """K/V pages are leased in place only from shards in the reader's process (a sparse-resident
+    adoption's kernels read them through UVA); from these, `lease_kv_async` refuses. A renewal
+    restarts a lease's TTL clock: a renewed lease outlives `lease_ttl_s`, an unrenewed one expires,
+    and renewing it then says so."""
+    _, client, _, shards, hashes, _ = service(tmp_path, lease_ttl_s=0.2)
+    with pytest.raises(ValueError, match="lease_kv_async needs shards in this process"):
+        client.lease_kv_async(hashes)
+    shard = shards[0]
+    kept, dropped = (shard.lease_index(client.model_key, [0]).lease_id,
+                     shard.lease_index(client.model_key, [0]).lease_id)
+    for _ in range(3):
+        time.sleep(0.1)
+        assert shard.renew_leases([kept]) == 1
+    shard.lease_index(client.model_key, [0])  # any new lease ends the expired ones
+    assert shard.renew_leases([kept, dropped]) == 1 and shard.stats()["expired_leases"] >= 1
+
+
 def test_a_lease_its_reader_never_ends_expires(tmp_path):
     _, client, _, shards, hashes, _ = service(tmp_path, lease_ttl_s=0.05)
     shard = shards[0]
