@@ -396,11 +396,32 @@ def test_residency_benchmark_runs_and_reports_the_adoptions_mean(tmp_path):
     results = json.loads(out.read_text())
     penalty = "kvcache.sparse_residency_tpot_penalty_10pct"
     for key in ("kvcache.adopt_vs_reprefill", "kvcache.lazy_tpot_penalty", "kvcache.lazy_tpot_penalty_eager",
+                "kvcache.lazy_tpot_penalty_filled", "kvcache.lazy_tpot_penalty_host_steps",
                 penalty, f"{penalty}_per_page", f"{penalty}_eager"):
         assert results[key]["value"] > 0, key
     lazy = results["kvcache.lazy_tpot_penalty"]
     assert "mean over the first tokens" in lazy["unit"] and "second token" in lazy["note"]
     assert "tokens equal: True" in lazy["note"] and "over 2 runs" in lazy["note"]
+    assert "leased in place" in lazy["note"] and "0 steps through the host, 0 runs again" in lazy["note"]
+    assert "tokens equal: True" in results["kvcache.lazy_tpot_penalty_filled"]["note"]
+
+
+def test_kv_lease_profile_runs_and_leases_every_item(tmp_path):
+    """benchmarks/kvcache/profile_kv_lease.py at a small size: both keys written (it refuses to
+    report a lease that did not cover every item)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "lease.json"
+    script = root / "benchmarks" / "kvcache" / "profile_kv_lease.py"
+    subprocess.run([sys.executable, str(script), "--pages", "64", "--layers", "2", "--shards", "2", "--repeats",
+                    "1", "--output", str(out)], check=True, cwd=root, capture_output=True, timeout=300)
+    results = json.loads(out.read_text())
+    assert results["kvcache.kv_lease_cpu_ms"]["value"] > 0
+    assert "128 items" in results["kvcache.kv_lease_one_shard_cpu_us_per_item"]["workload"]
 
 
 @pytest.mark.parametrize("prefetch_items", [0, 64])

@@ -1,0 +1,127 @@
+"""What an adoption's K/V lease costs (`HostKV.request_lease` + `attach_lease`), and where.
+
+A sparse-resident adoption leases every stored page's K/V where the in-process shards keep it
+(`engine/kv/host_tier.py`); on the H200 that was ~50 ms of a 134 ms first token at 1M tokens
+(`residency.py`, git 7a13dbb), all of it Python on the host. This measures, for `--pages` pages of
+`--layers` layers in `--shards` in-process shards with a K/V arena (pinned on CUDA, plain on the
+CPU):
+- `lease_kv` of one shard, alone (its keys, lookups and slot refcounts), for all the items;
+- the whole lease as an adoption asks for it (`request_lease` + `attach_lease`: the shards' threads
+  and the reader's merge);
+- the release.
+Median of `--repeats`. Prints a table last; writes benchmarks/results/kvcache_kv_lease[_cpu].json.
+
+    python benchmarks/kvcache/profile_kv_lease.py                  # 8,192 pages x 4 layers (1M tokens)
+    python benchmarks/kvcache/profile_kv_lease.py --pages 1024     # a quick run
+"""
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(ROOT), str(HERE)]
+
+from adopt import git_revision, hardware, merge_results  # noqa: E402
+
+from msaserve.engine.kv.host_tier import HostKV, ServiceSource  # noqa: E402
+from msaserve.engine.kv.pinned_segments import segment_allocators  # noqa: E402
+from msaserve.kvcache.arena import numpy_segment  # noqa: E402
+from msaserve.kvcache.client import KVCacheClient  # noqa: E402
+from msaserve.kvcache.config import ServiceConfig  # noqa: E402
+from msaserve.kvcache.keys import ModelIdentity  # noqa: E402
+
+PAGE_SHAPE = (8, 1, 32)
+"""(P, Hkv, D) of the stored pages: small (1 KiB), since the cost measured is per item, not per byte."""
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times) * 1e3
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--pages", type=int, default=8192)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--shards", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    identity = ModelIdentity("lease-profile", args.layers, *PAGE_SHAPE, 1, 32, "bfloat16", "bfloat16")
+    allocators = segment_allocators(device, ("kv",)) or {"kv": numpy_segment}
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=args.shards, memory_bytes=2 << 30), identity,
+                                      segment_allocators=allocators)
+    rng = random.Random(0)
+    hashes = [rng.getrandbits(63) for _ in range(args.pages)]
+    payload = np.zeros(2 * int(np.prod(PAGE_SHAPE)) * 2, np.uint8)
+    client.put_pages([(h, [payload] * args.layers, None) for h in hashes])
+    host = HostKV(args.layers, args.pages, PAGE_SHAPE, torch.bfloat16, pin=device.type == "cuda",
+                  source=ServiceSource(client, hashes, "profile"))
+    items = args.pages * args.layers
+
+    shard = client.shards[0]
+    one_shard_ms = median_ms(lambda: shard.release_lease(
+        shard.lease_kv(client.model_key, hashes, args.layers).lease_id), args.repeats)
+    leased = []
+
+    def lease() -> None:
+        leased.append(host.attach_lease(host.request_lease(hashes), args.pages, cuda=device.type == "cuda"))
+        host.release_lease()
+
+    lease_ms = median_ms(lease, args.repeats)
+    releases = []
+    for _ in range(args.repeats):  # the release alone
+        host.attach_lease(host.request_lease(hashes), args.pages, cuda=device.type == "cuda")
+        start = time.perf_counter()
+        host.release_lease()
+        releases.append(time.perf_counter() - start)
+    release_ms = statistics.median(releases) * 1e3
+    if min(leased) != items:
+        raise SystemExit(f"leased {min(leased)} of {items} items: the K/V arena did not hold every page")
+
+    meta = dict(
+        command="python benchmarks/kvcache/profile_kv_lease.py " + " ".join(sys.argv[1:]),
+        hardware=hardware(device), date=datetime.now(UTC).isoformat(timespec="seconds"),
+        git_revision=os.environ.get("MSASERVE_GIT_REVISION") or git_revision(),
+        workload=f"{args.pages} pages x {args.layers} layers ({items} items) in {args.shards} in-process "
+        f"shards, median of {args.repeats}",
+    )
+    suffix = "" if device.type == "cuda" else "_cpu"
+    entries = {
+        f"kvcache.kv_lease{suffix}_ms": dict(
+            value=round(lease_ms, 2), unit="ms",
+            note="HostKV.request_lease + attach_lease + release_lease of every item, as an adoption does",
+            **meta),
+        f"kvcache.kv_lease_one_shard{suffix}_us_per_item": dict(
+            value=round(one_shard_ms * 1e3 / items, 3), unit="us per item",
+            note=f"KVCacheShard.lease_kv + release_lease of all {items} items in one shard, alone "
+            f"({one_shard_ms:.1f} ms)", **meta),
+    }
+    out = merge_results(args.output or ROOT / "benchmarks" / "results" / f"kvcache_kv_lease{suffix}.json",
+                        entries)
+    print(f"\n{meta['workload']}, {meta['hardware']}; results → {out}")
+    print(f"{'part':<52}{'ms':>9}{'us/item':>9}")
+    for name, ms in (("one shard's lease_kv + release, all items", one_shard_ms),
+                     ("request + attach + release (as adoption)", lease_ms),
+                     ("release alone", release_ms)):
+        print(f"{name:<52}{ms:>9.2f}{ms * 1e3 / items:>9.3f}")
+
+
+if __name__ == "__main__":
+    main()
