@@ -417,8 +417,9 @@ def test_kv_lease_profile_runs_and_leases_every_item(tmp_path):
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "lease.json"
     script = root / "benchmarks" / "kvcache" / "profile_kv_lease.py"
-    subprocess.run([sys.executable, str(script), "--pages", "64", "--layers", "2", "--shards", "2", "--repeats",
-                    "1", "--output", str(out)], check=True, cwd=root, capture_output=True, timeout=300)
+    subprocess.run([sys.executable, str(script), "--pages", "64", "--layers", "2", "--shards", "2",
+                    "--repeats", "1", "--output", str(out)], check=True, cwd=root, capture_output=True,
+                   timeout=300)
     results = json.loads(out.read_text())
     assert results["kvcache.kv_lease_cpu_ms"]["value"] > 0
     assert "128 items" in results["kvcache.kv_lease_one_shard_cpu_us_per_item"]["workload"]
