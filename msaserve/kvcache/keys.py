@@ -56,6 +56,13 @@ def kv_key(model_key: str, page_hash: int, layer: int) -> str:
     return f"kv/{model_key}/{page_hash:016x}/{layer}"
 
 
+def kv_keys(model_key: str, page_hashes: Sequence[int], num_layers: int) -> list[str]:
+    """`kv_key` of every layer of each page, page-major (item i · num_layers + layer), each page's
+    hash formatted once (a million-token session is 32K keys)."""
+    layers = [f"/{layer}" for layer in range(num_layers)]
+    return [page + layer for page in (f"kv/{model_key}/{h:016x}" for h in page_hashes) for layer in layers]
+
+
 def index_key(model_key: str, page_hash: int) -> str:
     """Key of one page's index-K in every layer (the index is loaded whole, before any KV)."""
     return f"ix/{model_key}/{page_hash:016x}"

@@ -17,7 +17,7 @@ import numpy as np
 from msaserve.kvcache.arena import SegmentAllocator
 from msaserve.kvcache.codec import Payload, as_payload
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.keys import index_key, kv_key
+from msaserve.kvcache.keys import index_key, kv_key, kv_keys
 from msaserve.kvcache.session_records import SessionRecord, SessionStore
 from msaserve.kvcache.shared_segments import SharedSegments
 from msaserve.kvcache.store import PageStore
@@ -120,7 +120,7 @@ class KVCacheShard:
 
     def delete_pages(self, model_key: str, page_hashes: Sequence[int], num_layers: int) -> None:
         """Remove pages (index and every layer's K+V) and any pins on them."""
-        self.stores["kv"].delete([kv_key(model_key, h, i) for h in page_hashes for i in range(num_layers)])
+        self.stores["kv"].delete(kv_keys(model_key, page_hashes, num_layers))
         self.stores["index"].delete([index_key(model_key, h) for h in page_hashes])
         self._publish()
 
@@ -128,9 +128,8 @@ class KVCacheShard:
         self, model_key: str, page_hashes: Sequence[int], num_layers: int, pin: bool = True
     ) -> None:
         """Take (pin=True) or release one pin on the index and every layer's K+V of each page."""
-        kv_keys = [kv_key(model_key, h, layer) for h in page_hashes for layer in range(num_layers)]
         ix_keys = [index_key(model_key, h) for h in page_hashes]
-        for name, keys in (("kv", kv_keys), ("index", ix_keys)):
+        for name, keys in (("kv", kv_keys(model_key, page_hashes, num_layers)), ("index", ix_keys)):
             (self.stores[name].pin if pin else self.stores[name].unpin)(keys)
 
     def _get_packed(
@@ -155,12 +154,8 @@ class KVCacheShard:
         i · num_layers + layer: page i's K+V of that layer): a sparse-resident session's GPU kernels
         read the leased pages where they lie (pinned arena segments, through UVA) and check each at
         first use. Held until `release_lease`; a lease older than `lease_ttl_s` ends unless
-        `renew_leases` refreshed it. (A million-token session is 32K items: the keys are built
-        page by page, each page's hash formatted once.)"""
-        prefix = kv_key(model_key, 0, 0)[: -len(f"{0:016x}/0")]  # kv_key's, formatted once
-        layers = [f"/{layer}" for layer in range(num_layers)]
-        return self._lease("kv", [page + layer for page in (f"{prefix}{h:016x}" for h in page_hashes)
-                                  for layer in layers])
+        `renew_leases` refreshed it."""
+        return self._lease("kv", kv_keys(model_key, page_hashes, num_layers))
 
     def renew_leases(self, lease_ids: Sequence[int]) -> int:
         """Restart the TTL clock of these leases (a reader that holds pages for longer than

@@ -119,14 +119,11 @@ class MemoryTier:
     def acquire(self, key: str) -> StoredPage | None:
         """`get`, and the page's bytes stay as they are until `release(page)` (unverified: the
         reader checks them against `page.checksum`)."""
-        page = self.get(key)
-        if page is not None and page.slot is not None:
-            self.arena.acquire(page.slot)
-        return page
+        return self.acquire_many([key])[0]
 
     def acquire_many(self, keys: Sequence[str]) -> list[StoredPage | None]:
-        """`acquire` of each key in one call (a lease of a million-token session is 32K keys: the
-        per-call overhead was most of its time)."""
+        """`acquire` of each key in one call (a lease of a million-token session is 32K keys: a
+        call per key was most of its time)."""
         get, touch = self._pages.get, self._pages.move_to_end
         acquire = None if self.arena is None else self.arena.acquire  # (a slot implies the arena)
         out = [get(key) for key in keys]

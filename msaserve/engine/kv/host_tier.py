@@ -90,8 +90,7 @@ class HostKV:
         self._pending: list[tuple[Future, list[tuple[int, int]]]] = []
         self._worker: ThreadPoolExecutor | None = None
         self._lock = threading.Lock()
-        self.byte_offsets = np.arange(num_layers * max_pages, dtype=np.int64).reshape(num_layers, max_pages)
-        self.byte_offsets *= self.page_bytes
+        self.byte_offsets = self._own_rows()
         """[L, max_pages] where each (layer, page) lies, in bytes from `data`'s first byte: its own row,
         or (a leased page) the service's copy in a shard's arena (`lease`)."""
         self.leased = np.zeros((num_layers, max_pages), dtype=bool)
@@ -145,12 +144,18 @@ class HostKV:
     def page_bytes(self) -> int:
         return self.data[0, 0].numel() * self.data.element_size()
 
+    def _own_rows(self) -> np.ndarray:
+        """[L, max_pages] byte offset of each (layer, page)'s own row in `data`."""
+        layers, max_pages = self.present.shape
+        return np.arange(layers * max_pages, dtype=np.int64).reshape(layers, max_pages) * self.page_bytes
+
     # ---- pages read in place from the service ---------------------------------------------------
     def request_lease(self, hashes: Sequence[int]) -> LeaseFetch | None:
         """Ask the service to lease every layer's K/V of these pages (logical page i = hashes[i]),
         where a kernel can read them in place: shards in this process that keep K/V in an arena.
-        None where they do not (the pages then come by reads). Asked before the index load, so
-        that the shards answer while it runs."""
+        None where they do not (the pages then come by reads). `ResidentSession.adopt` asks after
+        the index load: beside it, the shards' threads building the lease held the GIL and slowed
+        the load more than the lease costs."""
         source = self.source
         if source is None or not hashes:
             return None
@@ -229,9 +234,7 @@ class HostKV:
         else:
             lease.release(corrupt=list(corrupt))
         self.present[torch.from_numpy(self.leased)] = False
-        layers, max_pages = self.present.shape
-        self.byte_offsets[:] = np.arange(layers * max_pages, dtype=np.int64).reshape(layers, max_pages)
-        self.byte_offsets *= self.page_bytes
+        self.byte_offsets = self._own_rows()
         self.leased[:] = False
         self._lease_position[:] = -1
 

@@ -17,7 +17,7 @@ only the base address, the dtype and the page layout; src_pages (and `present`) 
 
 import torch
 
-from msaserve.kernels.page_gather.naive import check_src_offsets, gather_head_pages_naive, gather_pages_naive
+from msaserve.kernels.page_gather.naive import gather_head_pages_naive, gather_pages_naive
 from msaserve.kernels.page_gather.uva import host_view
 
 
@@ -26,7 +26,6 @@ def gather_pages(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Tensor,
     """dst [S, ...] and src [N, ...] pages of one shape; dst_slots, src_pages [M] int (-1 in
     dst_slots: skip); src_offsets [N] int64 on dst's device (optional: the pages' element offsets
     from src's address, see above). Triton on CUDA (no host sync), the naive reference elsewhere."""
-    check_src_offsets(src_offsets)
     if dst.shape[1:] != src.shape[1:] or dst.dtype != src.dtype:
         raise ValueError(f"dst pages {tuple(dst.shape[1:])} {dst.dtype} and src pages {tuple(src.shape[1:])} "
                          f"{src.dtype} differ: allowed the same page shape and dtype")
@@ -54,7 +53,6 @@ def gather_head_pages(dst: torch.Tensor, dst_slots: torch.Tensor, src: torch.Ten
     src_offsets [N] int64 on dst's device (optional): leased pages, page n at element
     src_offsets[n] from src's address, laid out as src[0] (see above); present is indexed by the
     same page numbers."""
-    check_src_offsets(src_offsets)
     if dst.dtype != src.dtype:
         raise ValueError(f"dst is {dst.dtype} and src {src.dtype}: allowed one dtype")
     if (present is None) != (skipped is None):
