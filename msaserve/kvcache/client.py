@@ -261,9 +261,10 @@ class KVCacheClient:
         hashes, layers = list(page_hashes), self.model.num_layers
         futures = []
         for s, pos in self._by_shard(hashes).items():
-            items = (np.asarray(pos, np.int64)[:, None] * layers + np.arange(layers)).reshape(-1).tolist()
-            futures.append((s, items, self.transport.submit(self.shards[s], "lease_kv", self.model_key,
-                                                            [hashes[i] for i in pos], layers)))
+            mine = [hashes[i] for i in pos]  # (before the items: the shard starts at once)
+            future = self.transport.submit(self.shards[s], "lease_kv", self.model_key, mine, layers)
+            items = (np.asarray(pos, np.int64)[:, None] * layers + np.arange(layers)).reshape(-1)
+            futures.append((s, items, future))
         return LeaseFetch(self.transport, self.shards, len(hashes) * layers, futures)
 
     def get_kv_packed_async(self, requests: Sequence[tuple[int, int]], out: np.ndarray) -> PackedFetch:

@@ -12,6 +12,7 @@ reused even if the page is evicted or replaced), so what the reader checks is wh
 """
 
 import contextlib
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -22,7 +23,7 @@ from msaserve.kvcache.views import PageViews, SharedPageViews
 
 class PageLease:
     def __init__(self, transport: Transport, shards: list[Any], size: int,
-                 replies: list[tuple[int, list[int], PageViews]]) -> None:
+                 replies: list[tuple[int, Sequence[int] | np.ndarray, PageViews]]) -> None:
         """replies: (shard index, request positions, that shard's PageViews — or SharedPageViews
         from a shard in another process, mapped here) per shard called."""
         self._transport, self._shards = transport, shards
@@ -41,6 +42,8 @@ class PageLease:
         self.segment_of = np.full(size, -1, np.int64)
         """[n] index into `segments` of each page's bytes, -1 where not in an arena (or missing)."""
         self.offsets = np.zeros(size, np.int64)
+        self.nbytes = np.full(size, -1, np.int64)
+        """[n] each page's size, -1 where the service has none."""
         self.segments: list[np.ndarray] = []
         """Every leased shard's arena segments, one list (`segment_of` indexes it)."""
         self._replies = replies
@@ -50,6 +53,7 @@ class PageLease:
             in_arena = views.segment_of >= 0
             self.segment_of[pos] = np.where(in_arena, views.segment_of + len(self.segments), -1)
             self.offsets[pos] = views.offsets
+            self.nbytes[pos] = views.nbytes
             self.segments.extend(views.segments)
 
     @property
@@ -70,7 +74,8 @@ class PageLease:
 
     def first_missing(self) -> int:
         """The first item the service has no page for (len(self) if none)."""
-        return next((i for i, view in enumerate(self.views) if view is None), len(self.views))
+        missing = np.flatnonzero(self.nbytes < 0)
+        return int(missing[0]) if len(missing) else self._size
 
     def renew(self) -> bool:
         """Restart every shard's TTL clock of this lease (`ServiceConfig.lease_ttl_s`) → whether
@@ -101,7 +106,7 @@ class LeaseFetch:
     """Leases in flight; `result()` waits for every shard and merges their answers."""
 
     def __init__(self, transport: Transport, shards: list[Any], size: int,
-                 futures: list[tuple[int, list[int], Any]]) -> None:
+                 futures: list[tuple[int, Sequence[int] | np.ndarray, Any]]) -> None:
         self._transport, self._shards, self._size, self._futures = transport, shards, size, futures
         self._lease: PageLease | None = None
         self._error: Exception | None = None

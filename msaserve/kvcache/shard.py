@@ -17,10 +17,10 @@ import numpy as np
 from msaserve.kvcache.arena import SegmentAllocator
 from msaserve.kvcache.codec import Payload, as_payload
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.keys import index_key, kv_key, kv_keys
+from msaserve.kvcache.keys import KV_GROUPS, index_key, kv_key, kv_keys, kv_page_key
 from msaserve.kvcache.session_records import SessionRecord, SessionStore
 from msaserve.kvcache.shared_segments import SharedSegments
-from msaserve.kvcache.store import PageStore
+from msaserve.kvcache.store import GroupLease, PageStore
 from msaserve.kvcache.tiers import StoredPage
 from msaserve.kvcache.views import PageViews, SharedPageViews
 
@@ -54,12 +54,14 @@ class KVCacheShard:
                 disk_bytes=config.split(config.disk_bytes, index),
                 write_through=config.write_through, fsync=config.fsync,
                 segment_allocator=allocators.get(name),
+                key_groups=KV_GROUPS if name == "kv" else None,
             )
 
         self.stores = {"kv": store("kv", index=False), "index": store("index", index=True)}
         self.arena_stores = frozenset(allocators)
         """Stores whose memory tier keeps its pages in an arena (`arena.py`)."""
-        self._leases: dict[int, tuple[str, list[str], list[StoredPage | None]]] = {}
+        self._leases: dict[int, tuple[str, list[str], list[StoredPage | None]] | GroupLease] = {}
+        """Open leases: (store, keys, pages) by key (`_lease`), or a K/V lease of whole pages."""
         self._lease_started: dict[int, float] = {}
         self._next_lease = 0
         self.expired_leases = 0
@@ -154,8 +156,45 @@ class KVCacheShard:
         i · num_layers + layer: page i's K+V of that layer): a sparse-resident session's GPU kernels
         read the leased pages where they lie (pinned arena segments, through UVA) and check each at
         first use. Held until `release_lease`; a lease older than `lease_ttl_s` ends unless
-        `renew_leases` refreshed it."""
-        return self._lease("kv", kv_keys(model_key, page_hashes, num_layers))
+        `renew_leases` refreshed it. Where the K/V memory tier has an arena, one lookup per page
+        (its layers' slots are kept under `kv_page_key`), not one per layer."""
+        store = self.stores["kv"]
+        if getattr(store.memory, "groups", None) is None:
+            return self._lease("kv", kv_keys(model_key, page_hashes, num_layers))
+        start = time.perf_counter()
+        self._expire_leases()
+        lease = store.lease_groups([kv_page_key(model_key, h) for h in page_hashes], num_layers)
+        out = self._views(self._open(lease), store, lease.ids, lease.loose)
+        if self.metrics is not None:
+            self.metrics.observe_fetch("kv", time.perf_counter() - start)
+        return out
+
+    @staticmethod
+    def _views(lease_id: int, store: PageStore, ids: np.ndarray, loose: dict[int, StoredPage]) -> PageViews:
+        """A lease's answer: items in the memory tier's arena by slot id (-1: not there), the
+        others (`loose`: pages outside the arena) by their bytes."""
+        n, held = len(ids), ids >= 0
+        checksums, nbytes = np.zeros(n, np.uint64), np.full(n, -1, np.int64)
+        segment_of, offsets = np.full(n, -1, np.int64), np.zeros(n, np.int64)
+        arena = getattr(store.memory, "arena", None)
+        if held.any():
+            segment_of[held], offsets[held], nbytes[held] = arena.where(ids[held])
+            checksums[held] = store.memory.checksums_of(ids[held])
+        for i, page in loose.items():
+            checksums[i], nbytes[i] = page.checksum, page.payload.nbytes
+        segments = [] if arena is None else arena.segments
+        return PageViews(lease_id, checksums, segments, segment_of, offsets, nbytes,
+                         {i: page.payload for i, page in loose.items()})
+
+    def open_lease_stores(self) -> list[str]:
+        """The store ("index" or "kv") of each open lease, oldest first."""
+        return ["kv" if isinstance(lease, GroupLease) else lease[0] for lease in self._leases.values()]
+
+    def _open(self, lease: "tuple[str, list[str], list[StoredPage | None]] | GroupLease") -> int:
+        lease_id, self._next_lease = self._next_lease, self._next_lease + 1
+        self._leases[lease_id] = lease
+        self._lease_started[lease_id] = time.monotonic()
+        return lease_id
 
     def renew_leases(self, lease_ids: Sequence[int]) -> int:
         """Restart the TTL clock of these leases (a reader that holds pages for longer than
@@ -176,12 +215,10 @@ class KVCacheShard:
             raise ValueError(f"shard {self.shard_id}: lease_index_shared needs "
                              "ServiceConfig.shared_index_arena")
         views = self.lease_index(model_key, page_hashes)
-        nbytes = np.array([-1 if v is None else v.nbytes for v in views.views], np.int64)
-        loose = {i: np.array(v) for i, v in enumerate(views.views)
-                 if v is not None and views.segment_of[i] < 0}
+        loose = {i: np.array(v) for i, v in views.loose.items()}  # copied: no file holds them
         return SharedPageViews(views.lease_id, views.checksums, str(self.shared_segments.directory),
-                               list(self.shared_segments.names), views.segment_of, views.offsets, nbytes,
-                               loose)
+                               list(self.shared_segments.names), views.segment_of, views.offsets,
+                               views.nbytes, loose)
 
     def shared_arena_stores(self) -> frozenset[str]:
         """The stores a reader in another process can lease from (`lease_index_shared`)."""
@@ -193,12 +230,16 @@ class KVCacheShard:
         if lease_id not in self._leases:
             return
         self._lease_started.pop(lease_id, None)
-        store_name, keys, pages = self._leases.pop(lease_id)
-        store = self.stores[store_name]
-        for i in corrupt:
-            if pages[i] is not None:
-                store.drop_corrupt(keys[i], pages[i])
-        store.release(pages)
+        lease = self._leases.pop(lease_id)
+        if isinstance(lease, GroupLease):
+            self.stores["kv"].release_groups(lease, corrupt)
+        else:
+            store_name, keys, pages = lease
+            store = self.stores[store_name]
+            for i in corrupt:
+                if pages[i] is not None:
+                    store.drop_corrupt(keys[i], pages[i])
+            store.release(pages)
         self._publish()
 
     def _expire_leases(self) -> None:
@@ -213,17 +254,11 @@ class KVCacheShard:
         self._expire_leases()
         store = self.stores[store_name]
         pages = store.lease(keys)
-        lease_id, self._next_lease = self._next_lease, self._next_lease + 1
-        self._leases[lease_id] = (store_name, keys, pages)
-        self._lease_started[lease_id] = time.monotonic()
-        arena = getattr(store.memory, "arena", None)
-        views = [None if page is None else page.payload for page in pages]
-        checksums = np.array([0 if page is None else page.checksum for page in pages], np.uint64)
-        slots = [None if page is None else page.slot for page in pages]
-        segment_of = np.array([-1 if slot is None else slot.segment for slot in slots], np.int64)
-        offsets = np.array([0 if slot is None else slot.offset for slot in slots], np.int64)
-        segments = [] if arena is None else arena.segments
-        out = PageViews(lease_id, views, checksums, segments, segment_of, offsets)
+        lease_id = self._open((store_name, keys, pages))
+        ids = np.fromiter((-1 if page is None or page.slot is None else page.slot.id for page in pages),
+                          np.int64, len(pages))
+        loose = {i: page for i, page in enumerate(pages) if page is not None and page.slot is None}
+        out = self._views(lease_id, store, ids, loose)
         if self.metrics is not None:
             self.metrics.observe_fetch(store_name, time.perf_counter() - start)
         return out

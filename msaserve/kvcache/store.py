@@ -19,11 +19,13 @@ Pure Python: the Ray actor (`shard.py`) wraps it, and tests drive it directly. T
 import os
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from msaserve.kvcache.arena import PageArena, SegmentAllocator
 from msaserve.kvcache.codec import Payload, as_payload, checksum
+from msaserve.kvcache.keys import KeyGroups
 from msaserve.kvcache.tiers import StoredPage, Tier, make_tier
 
 
@@ -55,6 +57,21 @@ class StoreStats:
         return dict(self._counts)
 
 
+@dataclass
+class GroupLease:
+    """`PageStore.lease_groups`'s answer: item i is member i % members of group i // members."""
+
+    groups: list[str]
+    members: int
+    ids: np.ndarray
+    """[n] int64: the arena slot id of each item, held until `release_groups`; -1 where none."""
+    loose: dict[int, StoredPage]
+    """Items held outside the arena (no slot), by position."""
+
+    def key(self, item: int, key_groups: KeyGroups) -> str:
+        return key_groups.join(self.groups[item // self.members], item % self.members)
+
+
 class PageStore:
     """Pages by string key over a chain of tiers. `write_through` also writes every put to the
     last durable tier at once (so a restart keeps it); otherwise pages reach slower tiers only when
@@ -71,12 +88,14 @@ class PageStore:
         fsync: bool = False,
         tiers: Sequence[Tier] | None = None,
         segment_allocator: SegmentAllocator | None = None,
+        key_groups: KeyGroups | None = None,
     ) -> None:
         """segment_allocator: the memory tier keeps its pages in a `PageArena` of segments from it
-        (pinned host memory for an engine in this process that copies pages to a GPU)."""
+        (pinned host memory for an engine in this process that copies pages to a GPU); key_groups:
+        its keys form groups (`group/member`) that `lease_groups` leases whole."""
         if tiers is None:
             arena = None if segment_allocator is None else PageArena(memory_bytes, segment_allocator)
-            tiers = [make_tier("memory", capacity_bytes=memory_bytes, arena=arena)]
+            tiers = [make_tier("memory", capacity_bytes=memory_bytes, arena=arena, groups=key_groups)]
             if disk_path is not None and disk_bytes > 0:
                 tiers.append(make_tier("disk", path=disk_path, capacity_bytes=disk_bytes, fsync=fsync))
         if not tiers:
@@ -184,6 +203,49 @@ class PageStore:
         for page in pages:
             if page is not None:
                 _release(self.tiers[0], page)
+
+    def lease_groups(self, groups: Sequence[str], members: int) -> "GroupLease":
+        """`lease` of members 0..members-1 of each group (keys `groups.join(group, member)`,
+        group-major), with one lookup per group where the fastest tier keeps groups in its arena
+        (`MemoryTier.acquire_groups`: a million-token session's K/V is 8K pages of 4 layers). A
+        member it does not hold there is leased by key, as `lease` does (promoted from a slower
+        tier, or a page outside the arena)."""
+        fastest = self.tiers[0]
+        key_groups = getattr(fastest, "groups", None)
+        if key_groups is None:
+            raise ValueError("lease_groups needs a memory tier with an arena and key groups")
+        ids = fastest.acquire_groups(groups, members).reshape(-1)
+        held = ids[ids >= 0]
+        _, _, nbytes = fastest.arena.where(held)
+        self.stats.add(f"hits_{fastest.kind}", len(held))
+        self.stats.add("bytes_read", int(nbytes.sum()))
+        lease = GroupLease(list(groups), members, ids, {})
+        missing = np.flatnonzero(ids < 0).tolist()
+        if missing:
+            keys = [lease.key(i, key_groups) for i in missing]
+            for i, page in zip(missing, self.lease(keys), strict=True):
+                if page is None:
+                    continue
+                if page.slot is not None:
+                    ids[i] = page.slot.id  # held by `lease`, released with the others
+                else:
+                    lease.loose[i] = page
+        return lease
+
+    def release_groups(self, lease: "GroupLease", corrupt: Sequence[int] = ()) -> None:
+        """End `lease_groups`'s lease; `corrupt`: items whose bytes failed the reader's check
+        (dropped where the fastest tier still holds them, and counted). Every leased page still
+        held counts as used now (LRU)."""
+        fastest = self.tiers[0]
+        for i in corrupt:
+            key = lease.key(i, fastest.groups)
+            slot_id = int(lease.ids[i])
+            if (fastest.holds_slot(key, slot_id) if slot_id >= 0
+                    else i in lease.loose and fastest.holds(key, lease.loose[i])):
+                fastest.pop(key)
+            self.stats.add("corruptions")
+        fastest.release_ids(lease.ids[lease.ids >= 0])
+        fastest.touch(fastest.groups.join_all(lease.groups, lease.members))
 
     def drop_corrupt(self, key: str, page: StoredPage) -> None:
         """A leased page failed the reader's check: drop that copy (if still stored) and count it."""

@@ -6,10 +6,11 @@ what to evict (the store does, so that pins and the fastest → slowest → drop
 place). Tiers return the checksum that was stored with a page; the store verifies it.
 """
 
+import itertools
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -19,6 +20,7 @@ import xxhash
 
 from msaserve.kvcache.arena import PageArena, Slot
 from msaserve.kvcache.codec import Payload
+from msaserve.kvcache.keys import KeyGroups
 
 _DISK_MAGIC = b"MSAKVPG1"
 _DISK_HEADER = struct.Struct("<8sQQI")  # magic, checksum, payload bytes, key bytes
@@ -79,18 +81,26 @@ class MemoryTier:
     engine reading them is on a GPU), else (no arena, or no slot fits) in an array of its own.
 
     `acquire` hands a reader the stored bytes themselves (zero-copy) and keeps them from being
-    overwritten until `release`, even if the page is removed or replaced meanwhile."""
+    overwritten until `release`, even if the page is removed or replaced meanwhile.
+
+    With `groups` (keys `group/member`, `keys.KeyGroups`) and an arena, the tier also keeps, per
+    group, the arena slot id of each member it holds there, and each slot's checksum, so that
+    `acquire_groups` leases many groups' members in one lookup per group and one numpy call."""
 
     kind = "memory"
     durable = False
 
-    def __init__(self, capacity_bytes: int, arena: PageArena | None = None) -> None:
+    def __init__(self, capacity_bytes: int, arena: PageArena | None = None,
+                 groups: KeyGroups | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"memory capacity_bytes={capacity_bytes} must be ≥ 0")
         self.capacity_bytes = capacity_bytes
         self.bytes_used = 0
         self.arena = arena
         self._pages: OrderedDict[str, StoredPage] = OrderedDict()
+        self.groups = groups if arena is not None else None
+        self._members: dict[str, list[int]] = {}  # group → slot id of each member (-1: not in the arena)
+        self._checksum_of = np.zeros(0, np.uint64)  # per arena slot id
 
     def __contains__(self, key: str) -> bool:
         return key in self._pages
@@ -107,8 +117,33 @@ class MemoryTier:
         else:
             stored = self.arena.view(slot)
             stored[:] = payload
+            self._slot_taken(key, slot, page_checksum)
         self._pages[key] = StoredPage(stored, page_checksum, slot)
         self.bytes_used += payload.nbytes
+
+    def _slot_taken(self, key: str, slot: Slot, page_checksum: int) -> None:
+        if slot.id >= len(self._checksum_of):
+            grown = np.zeros(len(self.arena.readers), np.uint64)
+            grown[: len(self._checksum_of)] = self._checksum_of
+            self._checksum_of = grown
+        self._checksum_of[slot.id] = page_checksum
+        split = None if self.groups is None else self.groups.split(key)
+        if split is not None:
+            group, member = split
+            ids = self._members.setdefault(group, [])
+            if member >= len(ids):
+                ids.extend([-1] * (member + 1 - len(ids)))
+            ids[member] = slot.id
+
+    def _slot_given_up(self, key: str, slot: Slot) -> None:
+        split = None if self.groups is None else self.groups.split(key)
+        if split is not None:
+            group, member = split
+            ids = self._members.get(group)
+            if ids is not None and member < len(ids) and ids[member] == slot.id:
+                ids[member] = -1
+                if max(ids) < 0:
+                    del self._members[group]
 
     def get(self, key: str) -> StoredPage | None:
         page = self._pages.get(key)
@@ -138,15 +173,50 @@ class MemoryTier:
         if page.slot is not None:
             self.arena.release(page.slot)
 
+    def acquire_groups(self, groups: Sequence[str], members: int) -> np.ndarray:
+        """The arena slot id of members 0..members-1 of each group → int64 [len(groups), members],
+        -1 where the tier holds no such member in its arena; each slot found is held as `acquire`
+        holds it, until `release_ids`. One dictionary lookup per group; no LRU touch (`touch`
+        that at the lease's end: a page in use for minutes should count as used when it ends)."""
+        if self.groups is None:
+            raise ValueError("acquire_groups needs a memory tier with an arena and key groups")
+        rows, pad = list(map(self._members.get, groups)), [-1] * members
+        if None in rows or set(map(len, rows)) - {members}:  # (usually every group is whole)
+            rows = [pad if ids is None else (ids + pad)[:members] for ids in rows]
+        flat = np.fromiter(itertools.chain.from_iterable(rows), np.int64, len(groups) * members)
+        self.arena.acquire_ids(flat[flat >= 0])
+        return flat.reshape(len(groups), members)
+
+    def checksums_of(self, ids: np.ndarray) -> np.ndarray:
+        """The checksum stored with the page in each slot id (uint64; ids ≥ 0, slots in use)."""
+        return self._checksum_of[ids]
+
+    def release_ids(self, ids: np.ndarray) -> None:
+        """End the holds `acquire_groups` took (ids ≥ 0)."""
+        self.arena.release_ids(ids)
+
+    def touch(self, keys: Iterable[str]) -> None:
+        """Mark these keys (those still held) most recently used."""
+        pages, touch = self._pages, self._pages.move_to_end
+        for key in keys:
+            if key in pages:
+                touch(key)
+
     def holds(self, key: str, page: StoredPage) -> bool:
         """Whether `page` (from `acquire`) is still the stored copy of key (not replaced since)."""
         return self._pages.get(key) is page
+
+    def holds_slot(self, key: str, slot_id: int) -> bool:
+        """Whether key's stored copy is the one in arena slot `slot_id` (from `acquire_groups`)."""
+        page = self._pages.get(key)
+        return page is not None and page.slot is not None and page.slot.id == slot_id
 
     def pop(self, key: str) -> StoredPage | None:
         page = self._pages.pop(key, None)
         if page is not None:
             self.bytes_used -= page.payload.nbytes
             if page.slot is not None:
+                self._slot_given_up(key, page.slot)
                 self.arena.free(page.slot)
         return page
 

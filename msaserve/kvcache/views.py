@@ -17,11 +17,10 @@ from msaserve.kvcache import shared_segments
 
 @dataclass
 class PageViews:
-    """One shard's answer to a lease of n pages."""
+    """One shard's answer to a lease of n pages: where each page's stored bytes lie (the reader's
+    kernels may read them there by address), their checksums, and `views` of them."""
 
     lease_id: int
-    views: list[np.ndarray | None]
-    """[n] the stored bytes of each page (read-only by contract), None where the shard has none."""
     checksums: np.ndarray
     """[n] uint64: the xxh3_64 stored with each page (0 where missing)."""
     segments: list[np.ndarray]
@@ -30,6 +29,28 @@ class PageViews:
     """[n] int64: the segment index of each page's bytes, -1 where they are not in the arena."""
     offsets: np.ndarray
     """[n] int64: byte offset of each page in its segment (0 where not in the arena)."""
+    nbytes: np.ndarray
+    """[n] int64: each page's size, -1 where the shard has no page."""
+    loose: dict[int, np.ndarray] = field(default_factory=dict)
+    """Pages held outside the arena (it was full, or read back from disk): their stored bytes."""
+    _views: list[np.ndarray | None] | None = field(default=None, repr=False)
+
+    @property
+    def views(self) -> list[np.ndarray | None]:
+        """[n] the stored bytes of each page (read-only by contract), None where the shard has none:
+        built on first use (a reader of in-arena pages by address never needs them)."""
+        if self._views is None:
+            views: list[np.ndarray | None] = []
+            for i, (segment, offset, size) in enumerate(zip(self.segment_of.tolist(), self.offsets.tolist(),
+                                                            self.nbytes.tolist(), strict=True)):
+                if size < 0:
+                    views.append(None)
+                elif segment < 0:
+                    views.append(self.loose[i])
+                else:
+                    views.append(self.segments[segment][offset : offset + size])
+            self._views = views
+        return self._views
 
 
 @dataclass
@@ -55,13 +76,5 @@ class SharedPageViews:
         used = set(self.segment_of[self.segment_of >= 0].tolist())  # map only the files read
         segments = [shared_segments.map_segment(self.directory, name) if i in used else np.empty(0, np.uint8)
                     for i, name in enumerate(self.segment_names)]
-        views: list[np.ndarray | None] = []
-        for i, (segment, offset, size) in enumerate(zip(self.segment_of.tolist(), self.offsets.tolist(),
-                                                        self.nbytes.tolist(), strict=True)):
-            if size < 0:
-                views.append(None)
-            elif segment < 0:
-                views.append(self.loose[i])
-            else:
-                views.append(segments[segment][offset : offset + size])
-        return PageViews(self.lease_id, views, self.checksums, segments, self.segment_of, self.offsets)
+        return PageViews(self.lease_id, self.checksums, segments, self.segment_of, self.offsets, self.nbytes,
+                         self.loose)

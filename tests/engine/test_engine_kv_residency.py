@@ -6,6 +6,8 @@ adopted from the KV cache service.
 tiny: P=16, K=4, Hkv=2, so one step selects at most 8 pages per layer; the 600-token session has
 38 pages and the working set 10 or 12."""
 
+import gc
+
 import pytest
 import torch
 from reference_decode import SequenceState
@@ -268,7 +270,7 @@ def test_adoption_from_arena_pages_copied_directly_decodes_identical_tokens(mode
     arenas = [shard.stores["index"].memory.arena for shard in client.shards]
     assert all(a.stats.slots_in_use > 0 and a.stats.retired_slots == 0 for a in arenas)
     # The index lease ended; the K/V lease is held while the session reads its pages in place.
-    assert all([store for store, _, _ in shard._leases.values()] == ["kv"] for shard in client.shards)
+    assert all(shard.open_lease_stores() == ["kv"] for shard in client.shards)
     assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=8) == want
     assert session.host.service_reads == 0
     # A reused host tier ends it; the shards hear of it at the next session's second step (off
@@ -588,3 +590,15 @@ def test_a_host_tier_never_writes_over_a_leased_page(model, resident):
     page = torch.zeros(1, *session.host.data.shape[2:])
     with pytest.raises(ValueError, match="leased from the service"):
         session.host.write(0, [2], page)
+
+
+def test_the_garbage_collector_waits_until_an_adoption_is_done():
+    from msaserve.engine.kv import resident_session
+
+    seen = []
+    with resident_session.gc_paused():
+        seen.append(gc.isenabled())
+        with resident_session.gc_paused():  # nested: still paused inside, and after the inner one
+            seen.append(gc.isenabled())
+        seen.append(gc.isenabled())
+    assert seen == [False, False, False] and gc.isenabled()

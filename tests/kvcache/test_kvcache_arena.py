@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from msaserve.kvcache.arena import PageArena, numpy_segment
+from msaserve.kvcache.keys import KV_GROUPS
 from msaserve.kvcache.store import PageStore
 
 PAGE = 256
@@ -99,3 +100,75 @@ def test_a_leased_page_reported_corrupt_is_dropped_and_counted_and_a_miss_is_non
     store.drop_corrupt("a", leased)
     store.release([leased])
     assert store.get("a") is None and store.stats.corruptions == 1
+
+
+def test_slots_held_and_released_by_id_retire_and_recycle_like_single_ones():
+    arena = PageArena(4 * PAGE, segment_bytes=4 * PAGE)
+    slots = [arena.allocate(PAGE) for _ in range(3)]
+    ids = np.array([s.id for s in slots] + [slots[0].id])  # slot 0 held twice
+    arena.acquire_ids(ids)
+    assert arena.readers[slots[0].id] == 2 and arena.readers[slots[2].id] == 1
+    segment, offset, nbytes = arena.where(ids[:3])
+    assert segment.tolist() == [0, 0, 0] and offset.tolist() == [0, 256, 512] and (nbytes == PAGE).all()
+    arena.free(slots[0])
+    assert arena.stats.retired_slots == 1
+    arena.release_ids(ids[:3])  # slot 0 still held once
+    assert arena.stats.retired_slots == 1 and arena.allocate(PAGE).offset == 768
+    arena.release_ids(ids[3:])
+    assert arena.stats.retired_slots == 0
+    again = arena.allocate(PAGE)
+    assert (again.offset, again.id) == (0, slots[0].id)  # the slot comes back with its id
+    with pytest.raises(ValueError, match="released more often"):
+        arena.release_ids(np.array([slots[1].id]))
+    assert arena.readers[slots[1].id] == 0  # a refused release changes nothing
+
+
+def grouped_store(pages: int) -> PageStore:
+    store = PageStore(memory_bytes=pages * PAGE, segment_allocator=numpy_segment, key_groups=KV_GROUPS)
+    store.memory.arena.segment_bytes = 4 * PAGE
+    return store
+
+
+def test_a_lease_of_whole_groups_holds_the_same_pages_a_lease_by_key_does():
+    store = grouped_store(pages=16)
+    for g in range(3):
+        for m in range(2):
+            store.put(f"kv/m/{g}/{m}", page(10 * g + m))
+    store.put("kv/m/2/1", page(99))  # replaced: the group now names the new slot
+    store.delete(["kv/m/1/0"])  # missing member
+    lease = store.lease_groups(["kv/m/0", "kv/m/1", "kv/m/2", "kv/m/9"], 2)
+    by_key = store.lease(KV_GROUPS.join_all(["kv/m/0", "kv/m/1", "kv/m/2", "kv/m/9"], 2))
+    arena = store.memory.arena
+    for i, stored in enumerate(by_key):
+        if stored is None:
+            assert lease.ids[i] < 0
+            continue
+        assert lease.ids[i] == stored.slot.id and arena.readers[stored.slot.id] == 2
+        assert store.memory.checksums_of(lease.ids[i : i + 1])[0] == stored.checksum
+        segment, offset, nbytes = arena.where(lease.ids[i : i + 1])
+        assert np.array_equal(arena.segments[segment[0]][offset[0] : offset[0] + nbytes[0]], stored.payload)
+    assert lease.ids.tolist()[2:4] == [-1, by_key[3].slot.id] and lease.ids[6:].tolist() == [-1, -1]
+    assert np.array_equal(store.get("kv/m/2/1"), page(99))
+    store.release(by_key)
+    store.release_groups(lease)
+    assert arena.readers.sum() == 0
+
+
+def test_a_group_lease_keeps_bytes_through_eviction_drops_reported_pages_and_touches_at_its_end():
+    store = grouped_store(pages=4)
+    for g in range(2):
+        for m in range(2):
+            store.put(f"kv/m/{g}/{m}", page(10 * g + m))
+    lease = store.lease_groups(["kv/m/0"], 2)
+    store.put("kv/m/5/0", page(50))  # evicts kv/m/0/0 (least recently used) while leased
+    assert "kv/m/0/0" not in store.memory and store.memory.arena.stats.retired_slots == 1
+    segment, offset, nbytes = store.memory.arena.where(lease.ids[:1])
+    assert np.array_equal(store.memory.arena.segments[segment[0]][offset[0] : offset[0] + nbytes[0]], page(0))
+    store.release_groups(lease, corrupt=[1])  # kv/m/0/1 failed the reader's check
+    assert "kv/m/0/1" not in store.memory and store.stats.corruptions == 1
+    assert store.memory.arena.stats.retired_slots == 0
+    lease = store.lease_groups(["kv/m/1"], 2)
+    store.put("kv/m/6/0", page(60))
+    store.release_groups(lease)  # its pages count as used now: the next eviction takes another
+    store.put("kv/m/7/0", page(70))
+    assert "kv/m/1/0" in store.memory and "kv/m/1/1" in store.memory

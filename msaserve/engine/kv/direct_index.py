@@ -174,10 +174,11 @@ def _begin(fetch: LeaseFetch, start: int, row_bytes: int, on_host: bool) -> _Gro
     (`on_host`; else the device checks them after the copy, `_check_on_device`)."""
     lease = fetch.result()
     limit = lease.first_missing()
-    for i in range(limit):
-        if lease.views[i].nbytes != row_bytes:
-            raise ValueError(f"index page {start + i} has {lease.views[i].nbytes} bytes; the reader's "
-                             f"layout needs {row_bytes} (a model identity mismatch)")
+    wrong = np.flatnonzero(lease.nbytes[:limit] != row_bytes)
+    if len(wrong):
+        i = int(wrong[0])
+        raise ValueError(f"index page {start + i} has {lease.nbytes[i]} bytes; the reader's "
+                         f"layout needs {row_bytes} (a model identity mismatch)")
     if not on_host:
         return _Group(start, lease, limit, [])
     checksums = lease.checksums[:limit].tolist()
