@@ -18,7 +18,9 @@ a step, not to its wall time.
   attention  q/k/v/o projections, QK norms, rotary, K/V cache writes, and the attention kernels
              (sparse over the selected blocks, or dense)
   indexer    the index projections (q, k, norms, rotary, index-K write) and the block selection
-             (score + top-k: indexer_prefill / indexer_decode)
+             (score + top-k: indexer_prefill / indexer_decode); M3 runs its index projections in
+             the attention's one GEMM and head kernel (models/minimax_m3/attention.py), so there
+             they count for attention and only the selection here
   moe        router, routed experts, shared expert
   dense_mlp  the dense MLP of the leading layers
   rest       everything else

@@ -14,9 +14,17 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "kernels"))
 
 from reference_decode import SequenceState, step_metadata
-from test_kernels_layer_ops_cases import check_add_rms_norm, check_rotary_and_write, check_silu_mul
+from test_kernels_layer_ops_cases import (
+    check_add_offset_rms_norm,
+    check_add_rms_norm,
+    check_m3_attention_heads,
+    check_rotary_and_write,
+    check_silu_mul,
+)
 
 from msaserve.kernels.layer_ops import get_layer_ops
+from msaserve.kernels.layer_ops import triton as layer_triton
+from msaserve.kernels.layer_ops.naive import M3HeadLayout
 from msaserve.models.loader import load_model
 
 TRITON, NAIVE = get_layer_ops("cuda"), get_layer_ops("cpu")  # the spec runs on any device
@@ -93,3 +101,19 @@ def test_offset_rms_norm_compiled_matches_m3s_spec(shape: tuple[int, ...]) -> No
     step = (want.float().abs() * 2**-7).clamp_min(1e-30)
     assert ((out.float() - want.float()).abs() <= step).all()
     assert (out != want).float().mean() < 0.02
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("rows", [1, 300])
+def test_add_offset_rms_norm_compiled(rows: int, residual: bool) -> None:
+    """M3's residual add + RMSNorm in one launch at the model width: the sum exact, the norm a step
+    at most from the spec's."""
+    check_add_offset_rms_norm(layer_triton, rows, 6144, BF16, "cuda", residual, seed=rows)
+
+
+@pytest.mark.parametrize("layout", [M3HeadLayout(64, 4, 128, 4, 1, 128), M3HeadLayout(64, 4, 128)])
+@pytest.mark.parametrize("tokens", [1, 999])
+def test_m3_attention_heads_compiled(tokens: int, layout: M3HeadLayout) -> None:
+    """M3's attention input at the M3 shape (64 + 4 + 4 heads of 128, 4 index queries and one index
+    key of 128, 64 dims rotated) in one launch against the spec's PyTorch steps."""
+    check_m3_attention_heads(layer_triton, tokens, layout, BF16, "cuda", 64, seed=tokens)

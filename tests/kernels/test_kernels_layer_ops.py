@@ -8,14 +8,18 @@ import torch
 if torch.cuda.is_available():
     pytest.skip("CUDA present: tests/gpu tests the compiled kernels", allow_module_level=True)
 
+from kernel_testing import import_interpreted
 from test_kernels_layer_ops_cases import (
+    check_add_offset_rms_norm,
     check_add_rms_norm,
+    check_m3_attention_heads,
     check_rotary_and_write,
     check_silu_mul,
     interpreted_triton_ops,
 )
 
 from msaserve.kernels.layer_ops import get_layer_ops
+from msaserve.kernels.layer_ops.naive import M3HeadLayout
 from msaserve.kernels.rotary import rotary_cos_sin
 
 TRITON = interpreted_triton_ops()
@@ -114,3 +118,33 @@ def test_offset_rms_norm_matches_m3s_spec(shape: tuple[int, ...], dtype: torch.d
         assert ((out.float() - want.float()).abs() <= step).all()
     with pytest.raises(ValueError, match=r"weight has shape \(3,\), expected \[" + str(shape[-1]) + r"\]"):
         layer_triton.offset_rms_norm(x, weight[:3], 1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("shape", [(1, 6144), (5, 100), (3, 4, 32)])
+def test_add_offset_rms_norm_matches_spec(shape: tuple[int, ...], residual: bool, dtype: torch.dtype) -> None:
+    """M3's residual add + RMSNorm as one launch (the decoder layer's two per layer, and the last)."""
+    (module,) = import_interpreted("msaserve.kernels.layer_ops.triton")
+    rows, cols = (shape[0] * (shape[1] if len(shape) > 2 else 1)), shape[-1]
+    check_add_offset_rms_norm(module, rows, cols, dtype, "cpu", residual, seed=rows + cols)
+
+
+M3_LAYOUTS = [
+    M3HeadLayout(4, 2, 32, 2, 1, 16),  # M3_MINI_SMALL's shape: index heads narrower than the main ones
+    M3HeadLayout(5, 1, 16, 1, 1, 32),  # odd head counts; index heads wider
+    M3HeadLayout(3, 3, 16),  # a full_attention layer: no index branch
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("layout", "rotary_dim"), [(M3_LAYOUTS[0], 16), (M3_LAYOUTS[1], 8),
+                                                    (M3_LAYOUTS[1], 16), (M3_LAYOUTS[2], 16)])
+@pytest.mark.parametrize("tokens", [1, 7])
+def test_m3_attention_heads_matches_spec(tokens: int, layout: M3HeadLayout, rotary_dim: int,
+                                         dtype: torch.dtype) -> None:
+    """M3's attention input in one launch: q, k (and index q, index k) normed per head and partly
+    rotated, K/V and index K written at their slots; rotary_dim 16 with index dim 16 turns the
+    whole index head, and with index dim 32 half of it."""
+    (module,) = import_interpreted("msaserve.kernels.layer_ops.triton")
+    check_m3_attention_heads(module, tokens, layout, dtype, "cpu", rotary_dim, seed=tokens + rotary_dim)

@@ -85,3 +85,76 @@ def check_silu_mul(ops: LayerOps, rows: int, cols: int, dtype: torch.dtype, devi
     tol = _tolerance(dtype)
     got, want = ops.silu_mul(gate_up), spec.silu_mul(gate_up)
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+
+
+def check_add_offset_rms_norm(module, rows: int, cols: int, dtype: torch.dtype, device: str,
+                              residual: bool, seed: int = 0) -> None:
+    """M3's residual add + RMSNorm (`add_offset_rms_norm` of the module given) against the spec."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    x = (3 * torch.randn(rows, cols, generator=gen)).to(device=device, dtype=dtype)
+    res = (3 * torch.randn(rows, cols, generator=gen)).to(device=device, dtype=dtype) if residual else None
+    weight = (0.1 * torch.randn(cols, generator=gen)).to(device=device, dtype=dtype)
+    want_out, want_sum = spec.add_offset_rms_norm(x, res, weight, 1e-6)
+    got_out, got_sum = module.add_offset_rms_norm(x, res, weight, 1e-6)
+    assert got_out.dtype == dtype and got_out.shape == x.shape and got_sum.shape == x.shape
+    exact = device == "cuda" or dtype == torch.float32  # the interpreter truncates fp32 → bf16
+    tol = 0 if exact else _tolerance(dtype)
+    torch.testing.assert_close(got_sum, want_sum, rtol=tol, atol=tol)
+    # the norm of the sum the kernel made (the interpreter's truncated sum may be a step off)
+    _within_one_step(got_out, spec.offset_rms_norm(got_sum, weight, 1e-6) if not exact else want_out)
+
+
+def _within_one_step(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Elementwise at most one step of the dtype apart (fp32: 1e-5 relative): sums in another
+    order, or the interpreter's truncation where the GPU rounds to nearest."""
+    assert got.shape == want.shape and got.dtype == want.dtype
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        return
+    step = (want.float().abs() * 2 ** -7).clamp_min(1e-30) * 1.01
+    diff = (got.float() - want.float()).abs()
+    assert (diff <= step).all(), f"max difference {float(diff.max())} beyond one step"
+
+
+def check_m3_attention_heads(module, tokens: int, layout, dtype: torch.dtype, device: str,
+                             rotary_dim: int, seed: int = 0) -> None:
+    """M3's attention input (`m3_attention_heads`: per-head norms, partial rotary, K/V and index-K
+    writes) of the module given against the spec: the projection a strided view's rows as the
+    fused GEMM gives them, slots scattered over pages (K/V and index slots apart, as under sparse
+    residency), caches poisoned first."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    width = sum(layout.widths)
+    projected = (3 * torch.randn(tokens, width + 5, generator=gen)).to(device=device, dtype=dtype)[:, :width]
+    positions = torch.randint(0, 100_000, (tokens,), generator=gen).to(device)
+    cos, sin = rotary_cos_sin(positions, rotary_dim, 5e6, dtype)
+    dims = (layout.head_dim, layout.head_dim, layout.index_dim, layout.index_dim)
+    weights = tuple((0.3 * torch.randn(d, generator=gen)).to(device=device, dtype=dtype)
+                    for d in dims[: 4 if layout.index_heads else 2])
+    page_size, num_pages = 4, tokens + 3
+    kv_slots = torch.randperm(num_pages * page_size, generator=gen)[:tokens].to(device)
+    index_slots = torch.randperm(num_pages * page_size, generator=gen)[:tokens].to(device)
+    cache_heads = ((layout.num_kv_heads, layout.head_dim),) * 2 + (
+        (max(1, layout.index_key_heads), layout.index_dim or layout.head_dim),)
+    outputs = []
+    for impl in (spec, module):
+        caches = [torch.full((num_pages, page_size, heads, d), POISON, device=device, dtype=dtype)
+                  for heads, d in cache_heads]
+        index_cache = caches[2] if layout.index_heads else None
+        heads = impl.m3_attention_heads(projected, layout, weights, 1e-6, cos, sin, kv_slots, caches[0],
+                                        caches[1], index_slots, index_cache)
+        outputs.append((*heads, *caches[: 3 if layout.index_heads else 2]))
+    names = ("q", "index q", "index k", "k cache", "v cache", "index cache")[: len(outputs[0])]
+    for name, want, got in zip(names, *outputs, strict=True):
+        if want is None:
+            assert got is None, f"{name}: expected None"
+            continue
+        assert torch.isfinite(got.float()).all(), f"{name}: NaN or inf"
+        # a norm summed in another order can move a value a step, and a rotation's sum that cancels
+        # keeps that step's absolute size: compare at the dtype's tolerance, and compiled, also
+        # count the values that differ at all
+        tol = _tolerance(dtype)
+        torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol, msg=name)
+        if device == "cuda":
+            assert (got != want).float().mean() < 0.02, f"{name}: too many values differ"
+        if name.endswith("cache"):  # the same slots written, nothing else
+            assert torch.equal(got == POISON, want == POISON), f"{name}: writes outside the slots"

@@ -211,6 +211,22 @@ def test_triton_clamped_swiglu_matches_torch(rows: int, inter: int, dtype: torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rows", "inter"), [(1, 8), (7, 24), (2, 1100)])
+def test_triton_clamped_swiglu_round_steps_matches_spec(rows: int, inter: int, dtype: torch.dtype) -> None:
+    """round_steps (M3's dense MLP and shared expert on CUDA) rounds where the spec's seven PyTorch
+    ops do: fp32 equal up to sigmoid's last bit; bf16 within a step, which here is the interpreter's
+    truncation (compiled, tests/gpu checks that nearly every value is equal)."""
+    gate_up = (torch.randn(rows, 2 * inter, generator=torch.Generator().manual_seed(rows + 1)) * 6).to(dtype)
+    out = moe_triton.clamped_swiglu(gate_up, ALPHA, LIMIT, round_steps=True)
+    want = naive.clamped_swiglu(gate_up, ALPHA, LIMIT)
+    assert out.dtype == dtype and out.shape == want.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+    else:  # each of five roundings may truncate: a few steps of the output's size at most
+        torch.testing.assert_close(out.float(), want.float(), rtol=4 * 2**-7, atol=1e-2)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("tokens", "top_k", "width"), [(1, 1, 8), (7, 3, 40), (5, 4, 1500)])
 def test_triton_combine_matches_torch(tokens: int, top_k: int, width: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(tokens * top_k)

@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from msaserve.kernels.layer_ops.naive import check_rotary_dim
+from msaserve.kernels.layer_ops.naive import M3HeadLayout, check_rotary_dim
 from msaserve.kernels.triton_common import check, check_last_contiguous, pow2
 
 # ---------------------------------------------------------------- jit kernels
@@ -80,18 +80,118 @@ def _rotary_write_kernel(
 
 
 @triton.jit
-def _offset_rms_norm_kernel(x_ptr, weight_ptr, out_ptr, n_rows, n_cols, eps, ROWS: tl.constexpr,
-                            BLOCK: tl.constexpr):
-    """ROWS contiguous rows: x · rsqrt(mean(x²) + eps) · (1 + weight), all in fp32, rounded once."""
+def _offset_rms_norm_kernel(x_ptr, res_ptr, weight_ptr, out_ptr, sum_ptr, n_rows, n_cols, eps,
+                            ROWS: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr):
+    """ROWS contiguous rows: x · rsqrt(mean(x²) + eps) · (1 + weight), all in fp32, rounded once;
+    with a residual, x + residual first (rounded to x's dtype, as PyTorch's add, and stored)."""
     rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     mask = (rows < n_rows)[:, None] & (cols < n_cols)[None, :]
     offs = rows[:, None] * n_cols + cols[None, :]
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        residual = tl.load(res_ptr + offs, mask=mask, other=0.0)
+        x = (x.to(tl.float32) + residual.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + offs, x, mask=mask)
+    x = x.to(tl.float32)
     inv = tl.math.rsqrt(tl.sum(x * x, axis=1) / n_cols + eps)
     w = tl.load(weight_ptr + cols, mask=cols < n_cols, other=0.0).to(tl.float32)
     out = (x * inv[:, None]) * (1.0 + w[None, :])
     tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _m3_head_values(src_ptr, heads, ok, w_ptr, cos_ptr, sin_ptr, eps,
+                    D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, ROTATE: tl.constexpr):
+    """Heads [HB, D] of one token's projection row at src_ptr: RMS-normed with (1 + weight) in fp32
+    and rounded (NORM), then the first R dims rotated (ROTATE), each product and the sum rounded as
+    PyTorch's bf16 steps are. The rotation's partner values are loaded and normed again rather than
+    permuted in registers: the same arithmetic on the same inputs, so the same bits."""
+    offs_d = tl.arange(0, D)
+    x = tl.load(src_ptr + heads[:, None] * D + offs_d[None, :], mask=ok, other=0.0)
+    dtype = x.dtype
+    if NORM:
+        x32 = x.to(tl.float32)
+        inv = tl.math.rsqrt(tl.sum(x32 * x32, axis=1) / D + eps)
+        w = tl.load(w_ptr + offs_d).to(tl.float32)
+        x = ((x32 * inv[:, None]) * (1.0 + w[None, :])).to(dtype)
+    if ROTATE:
+        half: tl.constexpr = R // 2
+        rotated = offs_d < R
+        partner_d = tl.where(rotated, (offs_d + half) % R, offs_d)
+        partner = tl.load(src_ptr + heads[:, None] * D + partner_d[None, :], mask=ok, other=0.0)
+        if NORM:
+            w_partner = tl.load(w_ptr + partner_d).to(tl.float32)
+            partner = ((partner.to(tl.float32) * inv[:, None]) * (1.0 + w_partner[None, :])).to(dtype)
+        partner = partner.to(tl.float32)
+        partner = tl.where(offs_d[None, :] < half, -partner, partner)  # rotate_half(x[..., :R])
+        cos = tl.load(cos_ptr + offs_d, mask=rotated, other=1.0).to(tl.float32)
+        sin = tl.load(sin_ptr + offs_d, mask=rotated, other=0.0).to(tl.float32)
+        a = (x.to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32)
+        b = (partner * sin[None, :]).to(dtype).to(tl.float32)
+        x = tl.where(rotated[None, :], (a + b).to(dtype), x)
+    return x
+
+
+@triton.jit
+def _m3_store_heads(dst_ptr, stride_head, heads, ok, x, D: tl.constexpr):
+    offs_d = tl.arange(0, D)
+    ptrs = dst_ptr + heads[:, None] * stride_head + offs_d[None, :]
+    tl.store(ptrs, x.to(dst_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _m3_attention_heads_kernel(
+    proj_ptr, cos_ptr, sin_ptr, kv_slot_ptr, index_slot_ptr, q_ptr, index_q_ptr, index_k_ptr,
+    k_cache_ptr, v_cache_ptr, index_cache_ptr, wq_ptr, wk_ptr, wiq_ptr, wik_ptr,
+    stride_pt, stride_ct, stride_st, stride_kp, stride_kt, stride_kh, stride_vp, stride_vt, stride_vh,
+    stride_ip, stride_it, stride_ih, kv_page_size, index_page_size, eps,
+    HQ: tl.constexpr, HKV: tl.constexpr, HI: tl.constexpr, HKI: tl.constexpr, D: tl.constexpr,
+    DI: tl.constexpr, R: tl.constexpr, RI: tl.constexpr, HBQ: tl.constexpr, HBK: tl.constexpr,
+    HBI: tl.constexpr, HBIK: tl.constexpr, WRITE_INDEX: tl.constexpr,
+):
+    """One token, one block of heads of one kind (axis 1: q blocks, k, v, index q, index k)."""
+    t = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    nb_q: tl.constexpr = (HQ + HBQ - 1) // HBQ
+    nb_k: tl.constexpr = (HKV + HBK - 1) // HBK
+    nb_i: tl.constexpr = (HI + HBI - 1) // HBI
+    row = proj_ptr + t * stride_pt
+    cos = cos_ptr + t * stride_ct
+    sin = sin_ptr + t * stride_st
+    if block < nb_q:
+        heads = block * HBQ + tl.arange(0, HBQ)
+        ok = (heads < HQ)[:, None]
+        x = _m3_head_values(row, heads, ok, wq_ptr, cos, sin, eps, D, R, True, True)
+        _m3_store_heads(q_ptr + t * (HQ * D), D, heads, ok, x, D)
+    elif block < nb_q + 2 * nb_k:  # k (normed, rotated) or v (as projected), into their caches
+        is_v = block >= nb_q + nb_k
+        heads = (block - nb_q - nb_k * is_v.to(tl.int32)) * HBK + tl.arange(0, HBK)
+        ok = (heads < HKV)[:, None]
+        slot = tl.load(kv_slot_ptr + t)
+        page, offset = slot // kv_page_size, slot % kv_page_size
+        if is_v:
+            x = _m3_head_values(row + (HQ + HKV) * D, heads, ok, wk_ptr, cos, sin, eps, D, R, False, False)
+            _m3_store_heads(v_cache_ptr + page * stride_vp + offset * stride_vt, stride_vh, heads, ok, x, D)
+        else:
+            x = _m3_head_values(row + HQ * D, heads, ok, wk_ptr, cos, sin, eps, D, R, True, True)
+            _m3_store_heads(k_cache_ptr + page * stride_kp + offset * stride_kt, stride_kh, heads, ok, x, D)
+    elif block < nb_q + 2 * nb_k + nb_i:
+        heads = (block - nb_q - 2 * nb_k) * HBI + tl.arange(0, HBI)
+        ok = (heads < HI)[:, None]
+        x = _m3_head_values(row + (HQ + 2 * HKV) * D, heads, ok, wiq_ptr, cos, sin, eps, DI, RI, True, True)
+        _m3_store_heads(index_q_ptr + t * (HI * DI), DI, heads, ok, x, DI)
+    else:
+        heads = (block - nb_q - 2 * nb_k - nb_i) * HBIK + tl.arange(0, HBIK)
+        ok = (heads < HKI)[:, None]
+        x = _m3_head_values(row + (HQ + 2 * HKV) * D + HI * DI, heads, ok, wik_ptr, cos, sin, eps, DI, RI,
+                            True, True)
+        _m3_store_heads(index_k_ptr + t * (HKI * DI), DI, heads, ok, x, DI)
+        if WRITE_INDEX:
+            slot = tl.load(index_slot_ptr + t)
+            page, offset = slot // index_page_size, slot % index_page_size
+            dst = index_cache_ptr + page * stride_ip + offset * stride_it
+            _m3_store_heads(dst, stride_ih, heads, ok, x, DI)
 
 
 @triton.jit
@@ -140,21 +240,100 @@ def add_rms_norm(
 def offset_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """`naive.offset_rms_norm` (MiniMax-M3's RMSNorm over the last dim) as one launch: x of any
     shape, contiguous; several rows per program when rows are short (M3's per-head q/k norms)."""
+    return add_offset_rms_norm(x, None, weight, eps)[0]
+
+
+def add_offset_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`naive.add_offset_rms_norm` as one launch: x (and residual, same shape and dtype) contiguous,
+    any shape → (the norm over the last dim of x + residual, x + residual); residual None → x."""
     cols = x.shape[-1]
     check(weight.shape == (cols,),
           f"weight has shape {tuple(weight.shape)}, expected [{cols}] (x's last dim)")
     check(x.is_contiguous(), f"offset_rms_norm takes a contiguous x, got strides {x.stride()}")
+    if residual is not None:
+        check(residual.shape == x.shape and residual.dtype == x.dtype and residual.is_contiguous(),
+              f"residual has shape {tuple(residual.shape)} {residual.dtype}, expected a contiguous "
+              f"{tuple(x.shape)} {x.dtype}")
     out = torch.empty_like(x)
+    summed = x if residual is None else torch.empty_like(x)
     rows = x.numel() // max(cols, 1)
     if rows == 0:
-        return out
+        return out, summed
     block = pow2(cols)
     per_program = max(1, min(16, 4096 // block))
     _offset_rms_norm_kernel[(triton.cdiv(rows, per_program),)](
-        x, weight, out, rows, cols, float(eps), ROWS=per_program, BLOCK=block,
+        x, residual if residual is not None else x, weight, out, summed, rows, cols, float(eps),
+        ROWS=per_program, BLOCK=block, HAS_RESIDUAL=residual is not None,
         num_warps=min(16, max(1, block * per_program // 1024)),
     )
-    return out
+    return out, summed
+
+
+def _heads_per_program(heads: int, dim: int) -> int:
+    """About 2048 elements per program (16 per thread at 4 warps)."""
+    return min(pow2(heads), max(1, 2048 // dim))
+
+
+def m3_attention_heads(
+    projected: torch.Tensor,
+    layout: M3HeadLayout,
+    norm_weights: tuple[torch.Tensor, ...],
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv_slots: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    index_slots: torch.Tensor | None = None,
+    index_cache: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`naive.m3_attention_heads` as one launch per layer (it replaces two GEMM-side norms, four
+    rotaries of about five launches each and three scatter writes). Head dims must be powers of two;
+    the caches take the projection's dtype (no conversion on the way in)."""
+    tokens = projected.shape[0]
+    d, di = layout.head_dim, layout.index_dim
+    indexed = layout.index_heads > 0
+    check(projected.dim() == 2 and projected.shape[1] == sum(layout.widths) and projected.stride(1) == 1,
+          f"projected has shape {tuple(projected.shape)}, expected [T, {sum(layout.widths)}] with a "
+          f"contiguous last dim")
+    check(d == pow2(d) and (not indexed or di == pow2(di)),
+          f"m3_attention_heads needs power-of-two head dims, got {d} and {di}")
+    rotated = check_rotary_dim(d, cos.shape[-1], cos.shape[-1])
+    check_last_contiguous(cos=cos, sin=sin)
+    for name, cache, heads, dim in (("k_cache", k_cache, layout.num_kv_heads, d),
+                                    ("v_cache", v_cache, layout.num_kv_heads, d),
+                                    ("index_cache", index_cache, layout.index_key_heads, di)):
+        if cache is not None:
+            fits = cache.shape[2:] == (heads, dim) and cache.stride(-1) == 1
+            check(fits and cache.dtype == projected.dtype,
+                  f"{name} has shape {tuple(cache.shape)} {cache.dtype}, expected [pages, P, {heads}, {dim}] "
+                  f"{projected.dtype}")
+    q = projected.new_empty((tokens, layout.num_heads, d))
+    index_q = projected.new_empty((tokens, layout.index_heads, di)) if indexed else None
+    index_k = projected.new_empty((tokens, layout.index_key_heads, di)) if indexed else None
+    if tokens == 0:
+        return q, index_q, index_k
+    write_index = indexed and index_cache is not None
+    idx_cache = index_cache if write_index else k_cache
+    hbq, hbk = _heads_per_program(layout.num_heads, d), _heads_per_program(layout.num_kv_heads, d)
+    hbi = _heads_per_program(layout.index_heads, di) if indexed else 1
+    hbik = _heads_per_program(layout.index_key_heads, di) if indexed else 1
+    blocks = triton.cdiv(layout.num_heads, hbq) + 2 * triton.cdiv(layout.num_kv_heads, hbk)
+    if indexed:
+        blocks += triton.cdiv(layout.index_heads, hbi) + triton.cdiv(layout.index_key_heads, hbik)
+    weights = tuple(norm_weights) + (norm_weights[0],) * (4 - len(norm_weights))
+    _m3_attention_heads_kernel[(tokens, blocks)](
+        projected, cos, sin, kv_slots, index_slots if write_index else kv_slots, q,
+        index_q if indexed else q, index_k if indexed else q, k_cache, v_cache, idx_cache, *weights,
+        projected.stride(0), cos.stride(0), sin.stride(0), *k_cache.stride()[:3], *v_cache.stride()[:3],
+        *idx_cache.stride()[:3], k_cache.shape[1], idx_cache.shape[1], float(eps),
+        HQ=layout.num_heads, HKV=layout.num_kv_heads, HI=layout.index_heads, HKI=layout.index_key_heads,
+        D=d, DI=di if indexed else d, R=rotated, RI=min(rotated, di) if indexed else rotated,
+        HBQ=hbq, HBK=hbk, HBI=hbi, HBIK=hbik, WRITE_INDEX=write_index, num_warps=4,
+    )
+    return q, index_q, index_k
 
 
 def rotary_and_write(

@@ -52,17 +52,25 @@ def _route_kernel(
 @triton.jit
 def _clamped_swiglu_kernel(
     gate_up_ptr, out_ptr, stride_g, stride_o, n_cols, alpha, limit, BLOCK: tl.constexpr,
+    ROUND_STEPS: tl.constexpr,
 ):
     """BLOCK columns of one row of gate_up [rows, 2I]: gate, up = halves; gate ≤ limit,
-    |up| ≤ limit; out = (up + 1) · gate · sigmoid(alpha · gate), rounded once."""
+    |up| ≤ limit; out = (up + 1) · gate · sigmoid(alpha · gate), rounded once, or (ROUND_STEPS)
+    rounded to the input dtype after each step as the spec's PyTorch ops are."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < n_cols
-    gate = tl.load(gate_up_ptr + row * stride_g + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gate_up_ptr + row * stride_g + n_cols + cols, mask=mask, other=0.0).to(tl.float32)
-    gate = tl.minimum(gate, limit)
-    up = tl.minimum(tl.maximum(up, -limit), limit)
-    out = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
+    gate = tl.load(gate_up_ptr + row * stride_g + cols, mask=mask, other=0.0)
+    up = tl.load(gate_up_ptr + row * stride_g + n_cols + cols, mask=mask, other=0.0)
+    dtype = gate.dtype
+    gate = tl.minimum(gate.to(tl.float32), limit)
+    up = tl.minimum(tl.maximum(up.to(tl.float32), -limit), limit)
+    if ROUND_STEPS:  # clamps are exact; (up + 1), alpha · gate, sigmoid and both products round
+        shifted = (up + 1.0).to(dtype).to(tl.float32)
+        gated = tl.sigmoid((alpha * gate).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+        out = shifted * (gate * gated).to(dtype).to(tl.float32)
+    else:
+        out = (up + 1.0) * gate * tl.sigmoid(alpha * gate)
     tl.store(out_ptr + row * stride_o + cols, out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -170,9 +178,12 @@ def route(
     return weights, ids
 
 
-def clamped_swiglu(gate_up: torch.Tensor, swiglu_alpha: float, swiglu_limit: float) -> torch.Tensor:
+def clamped_swiglu(gate_up: torch.Tensor, swiglu_alpha: float, swiglu_limit: float,
+                   round_steps: bool = False) -> torch.Tensor:
     """gate_up [rows, 2I] → [rows, I]: (clamp(up, ±limit) + 1) · g · sigmoid(alpha · g),
-    g = min(gate, limit); gate and up are the first and second halves of each row."""
+    g = min(gate, limit); gate and up are the first and second halves of each row. round_steps:
+    round after each step as `naive.clamped_swiglu` does in the input dtype (M3's dense MLP and
+    shared expert, which run that spec off the GPU); else in fp32, rounded once (the grouped path)."""
     rows, two_inter = gate_up.shape
     check(two_inter % 2 == 0, f"gate_up's last dim must be even (gate, up halves), got {two_inter}")
     check_last_contiguous(gate_up=gate_up)
@@ -183,7 +194,7 @@ def clamped_swiglu(gate_up: torch.Tensor, swiglu_alpha: float, swiglu_limit: flo
     block = min(1024, pow2(inter))
     _clamped_swiglu_kernel[(rows, triton.cdiv(inter, block))](
         gate_up, out, gate_up.stride(0), out.stride(0), inter, float(swiglu_alpha), float(swiglu_limit),
-        BLOCK=block, num_warps=4,
+        BLOCK=block, ROUND_STEPS=round_steps, num_warps=4,
     )
     return out
 

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from msaserve.kernels.layer_ops.naive import offset_rms_norm
+from msaserve.kernels.layer_ops.naive import add_offset_rms_norm, offset_rms_norm
 from msaserve.kernels.moe import MoeOps, get_moe_ops
 from msaserve.kernels.moe import naive as moe
 from msaserve.models.minimax_m3.config import M3Config
@@ -29,6 +29,17 @@ def m3_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return offset_rms_norm(x, weight, eps)
 
 
+def m3_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(m3_rms_norm(x + residual), x + residual), the sum rounded as PyTorch's add; residual None →
+    (m3_rms_norm(x), x). On CUDA one launch for the add and the norm (`layer_ops.triton`)."""
+    if x.is_cuda and x.is_contiguous() and x.numel() and (residual is None or residual.is_contiguous()):
+        from msaserve.kernels.layer_ops import triton as layer_triton
+
+        return layer_triton.add_offset_rms_norm(x, residual, weight, eps)
+    return add_offset_rms_norm(x, residual, weight, eps)
+
+
 class M3RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -37,6 +48,21 @@ class M3RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return m3_rms_norm(x, self.weight, self.eps)
+
+    def add_forward(self, x: torch.Tensor, residual: torch.Tensor | None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(x + residual), x + residual) in one op; residual None → (norm(x), x)."""
+        return m3_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+def m3_clamped_swiglu(gate_up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """`moe.naive.clamped_swiglu` (the spec: seven PyTorch ops, each rounding to the input dtype);
+    on CUDA one launch that rounds after the same steps."""
+    if gate_up.is_cuda and gate_up.dim() == 2 and gate_up.stride(-1) == 1:
+        from msaserve.kernels.moe import triton as moe_triton
+
+        return moe_triton.clamped_swiglu(gate_up, alpha, limit, round_steps=True)
+    return moe.clamped_swiglu(gate_up, alpha, limit)
 
 
 class M3DenseMLP(nn.Module):
@@ -49,7 +75,7 @@ class M3DenseMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(moe.clamped_swiglu(self.gate_up_proj(x), self.alpha, self.limit))
+        return self.down_proj(m3_clamped_swiglu(self.gate_up_proj(x), self.alpha, self.limit))
 
 
 @functools.cache

@@ -34,10 +34,15 @@ class M3DecoderLayer(nn.Module):
         self.post_attention_layernorm = M3RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = make_mlp(config, layer)
 
-    def forward(self, x: torch.Tensor, meta: AttentionMetadata, cache: LayerKVCache, rotary: M3Rotary,
-                ops: AttentionOps) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), meta, cache, rotary, ops)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata,
+                cache: LayerKVCache, rotary: M3Rotary, ops: AttentionOps
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x, residual) → (MLP output, the residual stream before it): transformers' `h + attn(norm(h))`
+        and `h + mlp(norm(h))` with each residual add done by the next norm, in one op with it."""
+        h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, meta, cache, rotary, ops)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class M3ForCausalLM(nn.Module):
@@ -78,9 +83,10 @@ class M3ForCausalLM(nn.Module):
         rotary = M3Rotary(cos, sin)
         if ops is None:
             ops = get_ops(self.attention_backend, x.device)
+        residual = None
         for layer, cache in zip(self.layers, caches, strict=True):
-            x = layer(x, meta, cache, rotary, ops)
-        return self.norm(x)
+            x, residual = layer(x, residual, meta, cache, rotary, ops)
+        return self.norm.add_forward(x, residual)[0]
 
     @property
     def dense_layers(self) -> tuple[int, ...]:
@@ -88,7 +94,11 @@ class M3ForCausalLM(nn.Module):
         return tuple(i for i, kind in enumerate(self.config.layer_types) if kind == "full_attention")
 
     def fuse_projections(self) -> None:
-        """The runner calls this after loading; M3's projections run unfused (nothing to do)."""
+        """One GEMM per layer for q, k, v and the index branch's q and k (M3Attention.fuse_projections):
+        their weights become views of the fused tensor, so no memory is added and names still load.
+        Idempotent; the engine's ModelRunner calls it once the weights are loaded (and sharded)."""
+        for layer in self.layers:
+            layer.self_attn.fuse_projections()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, H] → logits [N, vocab] fp32."""
