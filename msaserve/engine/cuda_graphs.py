@@ -54,13 +54,15 @@ class DecodeGraphs:
             logits_indices=self.cu_seqlens[1 : size + 1].long() - 1,
         )
 
-    def _reset_padding(self, start: int) -> None:
-        self.input_ids[start:] = 0
-        self.positions[start:] = 0
-        self.slot_mapping[start:] = self.scratch_page * self.page_size
-        self.block_tables[start:] = -1
-        self.block_tables[start:, 0] = self.scratch_page
-        self.seq_lens[start:] = 1
+    def _reset_padding(self, start: int, stop: int | None = None) -> None:
+        """Rows [start, stop) become padding rows (stop None: to the end)."""
+        rows = slice(start, stop)
+        self.input_ids[rows] = 0
+        self.positions[rows] = 0
+        self.slot_mapping[rows] = self.scratch_page * self.page_size
+        self.block_tables[rows] = -1
+        self.block_tables[rows, 0] = self.scratch_page
+        self.seq_lens[rows] = 1
 
     @torch.inference_mode()
     def capture(self) -> bool:
@@ -96,7 +98,8 @@ class DecodeGraphs:
         """Replay the graph for this decode step → hidden [B, H]."""
         batch = meta.num_seqs
         size = next(s for s in self.batch_sizes if s >= batch)
-        self._reset_padding(batch)
+        if batch < size:  # the graph reads rows [0, size): only those past the batch are padding
+            self._reset_padding(batch, size)  # (six ops of host time a step, skipped when full)
         self.input_ids[:batch] = input_ids
         self.positions[:batch] = meta.positions
         self.slot_mapping[:batch] = meta.slot_mapping
