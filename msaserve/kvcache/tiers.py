@@ -160,14 +160,18 @@ class MemoryTier:
         """`acquire` of each key in one call (a lease of a million-token session is 32K keys: a
         call per key was most of its time)."""
         get, touch = self._pages.get, self._pages.move_to_end
-        acquire = None if self.arena is None else self.arena.acquire  # (a slot implies the arena)
         out = [get(key) for key in keys]
         for key, page in zip(keys, out, strict=True):
             if page is not None:
                 touch(key)
-                if page.slot is not None:
-                    acquire(page.slot)
+        if self.arena is not None:  # (a slot implies the arena)
+            self.arena.acquire_ids(_slot_ids(out))
         return out
+
+    def release_many(self, pages: Iterable[StoredPage | None]) -> None:
+        """`release` of each page (None: skipped), in one call."""
+        if self.arena is not None:
+            self.arena.release_ids(_slot_ids(pages))
 
     def release(self, page: StoredPage) -> None:
         if page.slot is not None:
@@ -226,6 +230,12 @@ class MemoryTier:
     def lru_keys(self) -> Iterator[str]:
         """Keys from least to most recently used (a snapshot: safe to pop while iterating)."""
         return iter(list(self._pages))
+
+
+def _slot_ids(pages: Iterable[StoredPage | None]) -> np.ndarray:
+    """The arena slot id of each page that has one."""
+    return np.fromiter((page.slot.id for page in pages if page is not None and page.slot is not None),
+                       np.int64)
 
 
 @register_tier
