@@ -12,7 +12,7 @@ reused even if the page is evicted or replaced), so what the reader checks is wh
 """
 
 import contextlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -89,8 +89,13 @@ class PageLease:
     def release(self, corrupt: list[int] | None = None) -> None:
         """End the lease on every shard (once); `corrupt`: items whose bytes failed the check —
         the shards drop those copies and count them as corruptions."""
+        self.release_async(corrupt)()
+
+    def release_async(self, corrupt: list[int] | None = None) -> Callable[[], None]:
+        """`release` without waiting for the shards → a function that waits for them (a reader
+        ending many leases at once starts every release, then waits for all of them together)."""
         if self.released:
-            return
+            return lambda: None
         self.released = True
         bad = np.zeros(self._size, bool)
         if corrupt:
@@ -99,7 +104,11 @@ class PageLease:
         for shard, positions, lease_id in self._parts:
             mine = np.flatnonzero(bad[positions]).tolist()
             calls.append(self._transport.submit(self._shards[shard], "release_lease", lease_id, mine))
-        self._transport.gather(calls)
+
+        def wait() -> None:
+            self._transport.gather(calls)
+
+        return wait
 
 
 class LeaseFetch:

@@ -286,7 +286,11 @@ def _end(groups: list[_Group], fetches: list[LeaseFetch], staging: _Staging,
             if not check.cancelled():
                 check.result()
     staging.finish()
+    calls = []  # every lease's release in flight at once, then waited for together
     for g, fetch in enumerate(fetches):
         with contextlib.suppress(Exception):  # a lease that failed has nothing to end
             lease = groups[g].lease if g < len(groups) else fetch.result()
-            lease.release(corrupt=[bad[1]] if bad is not None and bad[0] == g else None)
+            calls.append(lease.release_async(corrupt=[bad[1]] if bad is not None and bad[0] == g else None))
+    for wait in calls:
+        with contextlib.suppress(Exception):
+            wait()
