@@ -172,3 +172,34 @@ def test_a_group_lease_keeps_bytes_through_eviction_drops_reported_pages_and_tou
     store.release_groups(lease)  # its pages count as used now: the next eviction takes another
     store.put("kv/m/7/0", page(70))
     assert "kv/m/1/0" in store.memory and "kv/m/1/1" in store.memory
+
+
+def test_a_shards_kv_lease_of_whole_pages_reads_the_stored_bytes_wherever_they_are(tmp_path):
+    """`KVCacheShard.lease_kv` through page groups: pages in the arena by one lookup per page, a page
+    evicted to disk promoted and leased by key, a page outside the arena by its bytes, a missing one
+    absent; every view is the stored bytes and every checksum the stored one; the release lets go
+    of every slot."""
+    from msaserve.kvcache.codec import checksum
+    from msaserve.kvcache.config import ServiceConfig
+    from msaserve.kvcache.shard import KVCacheShard
+
+    layers, nbytes = 2, 1024
+    config = ServiceConfig(num_shards=1, memory_bytes=12 * nbytes, disk_bytes=1 << 20,  # K/V: 7/8 of it
+                           disk_path=str(tmp_path))
+    shard = KVCacheShard(config, 0, publish_metrics=False, segment_allocators={"kv": numpy_segment})
+    kv = {h: [page(10 * h + layer, nbytes) for layer in range(layers)] for h in range(6)}
+    shard.put_pages("m", [(h, kv[h], None) for h in range(6)])
+    store = shard.stores["kv"]
+    assert "kv/m/0000000000000000/0" not in store.memory  # on disk (K/V memory: 10 items, 5 pages)
+    held = shard.lease_kv("m", [1, 2, 3, 4, 5], layers)  # so no slot is free when page 0 comes back
+    views = shard.lease_kv("m", [0, 3, 99, 5], layers)
+    assert (views.segment_of[:2] < 0).all() and (views.segment_of[2:4] >= 0).all()
+    for i, (h, layer) in enumerate((h, layer) for h in (0, 3, 99, 5) for layer in range(layers)):
+        if h == 99:
+            assert views.views[i] is None and views.nbytes[i] == -1
+            continue
+        assert np.array_equal(views.views[i], kv[h][layer]) and views.checksums[i] == checksum(kv[h][layer])
+    assert views.nbytes[0] == nbytes and shard.open_lease_stores() == ["kv", "kv"]
+    shard.release_lease(views.lease_id)
+    shard.release_lease(held.lease_id)
+    assert shard.stats()["open_leases"] == 0 and store.memory.arena.readers.sum() == 0
