@@ -141,6 +141,19 @@ def _m3_store_heads(dst_ptr, stride_head, heads, ok, x, D: tl.constexpr):
 
 
 @triton.jit
+def _m3_heads(src_ptr, dst_ptr, stride_dst, dst2_ptr, stride_dst2, head0, num_heads, w_ptr, cos_ptr, sin_ptr,
+              eps, HB: tl.constexpr, D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr,
+              ROTATE: tl.constexpr, SECOND: tl.constexpr):
+    """Heads head0 … head0 + HB − 1 (of num_heads) of one kind: values, stored at dst (and dst2)."""
+    heads = head0 + tl.arange(0, HB)
+    ok = (heads < num_heads)[:, None]
+    x = _m3_head_values(src_ptr, heads, ok, w_ptr, cos_ptr, sin_ptr, eps, D, R, NORM, ROTATE)
+    _m3_store_heads(dst_ptr, stride_dst, heads, ok, x, D)
+    if SECOND:
+        _m3_store_heads(dst2_ptr, stride_dst2, heads, ok, x, D)
+
+
+@triton.jit
 def _m3_attention_heads_kernel(
     proj_ptr, cos_ptr, sin_ptr, kv_slot_ptr, index_slot_ptr, q_ptr, index_q_ptr, index_k_ptr,
     k_cache_ptr, v_cache_ptr, index_cache_ptr, wq_ptr, wk_ptr, wiq_ptr, wik_ptr,
@@ -150,7 +163,8 @@ def _m3_attention_heads_kernel(
     DI: tl.constexpr, R: tl.constexpr, RI: tl.constexpr, HBQ: tl.constexpr, HBK: tl.constexpr,
     HBI: tl.constexpr, HBIK: tl.constexpr, WRITE_INDEX: tl.constexpr,
 ):
-    """One token, one block of heads of one kind (axis 1: q blocks, k, v, index q, index k)."""
+    """One token, one block of heads of one kind (axis 1: q blocks, k, v, index q, index k). The
+    branches only call `_m3_heads`: a runtime branch may not leave values of different shapes."""
     t = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     nb_q: tl.constexpr = (HQ + HBQ - 1) // HBQ
@@ -160,38 +174,31 @@ def _m3_attention_heads_kernel(
     cos = cos_ptr + t * stride_ct
     sin = sin_ptr + t * stride_st
     if block < nb_q:
-        heads = block * HBQ + tl.arange(0, HBQ)
-        ok = (heads < HQ)[:, None]
-        x = _m3_head_values(row, heads, ok, wq_ptr, cos, sin, eps, D, R, True, True)
-        _m3_store_heads(q_ptr + t * (HQ * D), D, heads, ok, x, D)
+        _m3_heads(row, q_ptr + t * (HQ * D), D, q_ptr, D, block * HBQ, HQ, wq_ptr, cos, sin, eps,
+                  HBQ, D, R, True, True, False)
     elif block < nb_q + 2 * nb_k:  # k (normed, rotated) or v (as projected), into their caches
-        is_v = block >= nb_q + nb_k
-        heads = (block - nb_q - nb_k * is_v.to(tl.int32)) * HBK + tl.arange(0, HBK)
-        ok = (heads < HKV)[:, None]
         slot = tl.load(kv_slot_ptr + t)
-        page, offset = slot // kv_page_size, slot % kv_page_size
-        if is_v:
-            x = _m3_head_values(row + (HQ + HKV) * D, heads, ok, wk_ptr, cos, sin, eps, D, R, False, False)
-            _m3_store_heads(v_cache_ptr + page * stride_vp + offset * stride_vt, stride_vh, heads, ok, x, D)
+        page = slot // kv_page_size
+        offset = slot % kv_page_size
+        if block < nb_q + nb_k:
+            _m3_heads(row + HQ * D, k_cache_ptr + page * stride_kp + offset * stride_kt, stride_kh, q_ptr, D,
+                      (block - nb_q) * HBK, HKV, wk_ptr, cos, sin, eps, HBK, D, R, True, True, False)
         else:
-            x = _m3_head_values(row + HQ * D, heads, ok, wk_ptr, cos, sin, eps, D, R, True, True)
-            _m3_store_heads(k_cache_ptr + page * stride_kp + offset * stride_kt, stride_kh, heads, ok, x, D)
+            _m3_heads(row + (HQ + HKV) * D, v_cache_ptr + page * stride_vp + offset * stride_vt, stride_vh,
+                      q_ptr, D, (block - nb_q - nb_k) * HBK, HKV, wk_ptr, cos, sin, eps, HBK, D, R,
+                      False, False, False)
     elif block < nb_q + 2 * nb_k + nb_i:
-        heads = (block - nb_q - 2 * nb_k) * HBI + tl.arange(0, HBI)
-        ok = (heads < HI)[:, None]
-        x = _m3_head_values(row + (HQ + 2 * HKV) * D, heads, ok, wiq_ptr, cos, sin, eps, DI, RI, True, True)
-        _m3_store_heads(index_q_ptr + t * (HI * DI), DI, heads, ok, x, DI)
-    else:
-        heads = (block - nb_q - 2 * nb_k - nb_i) * HBIK + tl.arange(0, HBIK)
-        ok = (heads < HKI)[:, None]
-        x = _m3_head_values(row + (HQ + 2 * HKV) * D + HI * DI, heads, ok, wik_ptr, cos, sin, eps, DI, RI,
-                            True, True)
-        _m3_store_heads(index_k_ptr + t * (HKI * DI), DI, heads, ok, x, DI)
+        _m3_heads(row + (HQ + 2 * HKV) * D, index_q_ptr + t * (HI * DI), DI, q_ptr, DI,
+                  (block - nb_q - 2 * nb_k) * HBI, HI, wiq_ptr, cos, sin, eps, HBI, DI, RI, True, True, False)
+    else:  # index k: returned, and written to the index cache unless the caller quantizes it
+        dst2 = index_cache_ptr
         if WRITE_INDEX:
             slot = tl.load(index_slot_ptr + t)
-            page, offset = slot // index_page_size, slot % index_page_size
-            dst = index_cache_ptr + page * stride_ip + offset * stride_it
-            _m3_store_heads(dst, stride_ih, heads, ok, x, DI)
+            page = slot // index_page_size
+            dst2 = index_cache_ptr + page * stride_ip + (slot % index_page_size) * stride_it
+        _m3_heads(row + (HQ + 2 * HKV) * D + HI * DI, index_k_ptr + t * (HKI * DI), DI, dst2, stride_ih,
+                  (block - nb_q - 2 * nb_k - nb_i) * HBIK, HKI, wik_ptr, cos, sin, eps, HBIK, DI, RI,
+                  True, True, WRITE_INDEX)
 
 
 @triton.jit
