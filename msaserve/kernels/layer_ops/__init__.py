@@ -1,5 +1,6 @@
 """A decoder layer's elementwise ops (residual add + RMSNorm, rotary + cache writes, SwiGLU's
-silu·up): `naive.py` is the spec in PyTorch, `triton.py` one fused kernel per op for CUDA."""
+silu·up; MiniMax-M3's RMSNorm with its residual add and its attention input, `m3_attention_heads`):
+`naive.py` is the spec in PyTorch, `triton.py` one fused kernel per op for CUDA."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
