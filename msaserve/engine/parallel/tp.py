@@ -81,7 +81,7 @@ def shard_attention(attn: nn.Module, config: M3Config, tp: int, tp_rank: int, gr
     o_weight = attn.o_proj.weight.data[:, shard.q_heads.start * d : shard.q_heads.stop * d]
     attn.o_proj = RowParallelLinear(o_weight.clone(), group)
     attn.config = local
-    attn.fused_weight = None  # a fused GEMM of the whole layer's rows: the runner fuses the shard's
+    attn.fused_weight = None  # (fused earlier it views every head's rows); the runner fuses the shard
     if attn.indexer is not None:  # index queries: one per KV head; the index-K head stays whole
         di = config.index_head_dim
         attn.indexer.q_proj = column_linear(rows(attn.indexer.q_proj.weight.data, shard.kv_heads, di))

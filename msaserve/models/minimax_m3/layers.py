@@ -33,7 +33,9 @@ def m3_add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torc
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """(m3_rms_norm(x + residual), x + residual), the sum rounded as PyTorch's add; residual None →
     (m3_rms_norm(x), x). On CUDA one launch for the add and the norm (`layer_ops.triton`)."""
-    if x.is_cuda and x.is_contiguous() and x.numel() and (residual is None or residual.is_contiguous()):
+    same = residual is None or (residual.is_contiguous() and residual.dtype == x.dtype
+                                and residual.shape == x.shape)
+    if x.is_cuda and x.is_contiguous() and x.numel() and same:
         from msaserve.kernels.layer_ops import triton as layer_triton
 
         return layer_triton.add_offset_rms_norm(x, residual, weight, eps)
