@@ -53,43 +53,54 @@ class ModelIdentity:
 
 def kv_key(model_key: str, page_hash: int, layer: int) -> str:
     """Key of one page's K+V in one layer (the unit a sparse decode step fetches)."""
-    return f"{kv_page_key(model_key, page_hash)}/{layer}"
+    return f"kv/{model_key}/{page_hash:016x}/{layer}"
 
 
 def kv_keys(model_key: str, page_hashes: Sequence[int], num_layers: int) -> list[str]:
     """`kv_key` of every layer of each page, page-major (item i · num_layers + layer), each page's
     hash formatted once (a million-token session is 32K keys)."""
-    return KV_GROUPS.join_all([kv_page_key(model_key, h) for h in page_hashes], num_layers)
+    return KV_GROUPS.join_all([kv_page_group(model_key, h) for h in page_hashes], num_layers)
 
 
-def kv_page_key(model_key: str, page_hash: int) -> str:
-    """The group of one page's K+V keys (every layer's `kv_key` is `kv_page_key/layer`): a memory
-    tier with `KV_GROUPS` keeps where each layer of a page lies under it, so that a lease of many
-    pages costs one lookup per page (`MemoryTier.acquire_groups`), not one per layer."""
-    return "kv/%s/%016x" % (model_key, page_hash)  # noqa: UP031 (faster than an f-string: 32K keys a lease)
+PageGroup = tuple[str, int]
+"""(namespace, page hash): the group of one page's K+V keys of every layer."""
 
 
-class KeyGroups:
-    """Keys of the form `group/member` with an integer member: `split` and `join` them."""
+def kv_page_group(model_key: str, page_hash: int) -> PageGroup:
+    """The group of a page's K+V keys (`kv_key` of each layer): a memory tier with `KV_GROUPS` keeps
+    where each layer of a page lies under it, so that a lease of many pages costs one lookup per
+    page (`MemoryTier.acquire_groups`), no key string built, not one lookup per layer."""
+    return (f"kv/{model_key}", page_hash)
 
-    @staticmethod
-    def split(key: str) -> tuple[str, int] | None:
-        group, _, member = key.rpartition("/")
-        return (group, int(member)) if group and member.isdigit() else None
 
-    @staticmethod
-    def join(group: str, member: int) -> str:
-        return f"{group}/{member}"
+class PageKeyGroups:
+    """Keys `{namespace}/{page hash:016x}/{member}` grouped by (namespace, page hash): `split` and
+    `join` them (a key not of that form belongs to no group)."""
 
     @staticmethod
-    def join_all(groups: Sequence[str], members: int) -> list[str]:
+    def split(key: str) -> tuple[PageGroup, int] | None:
+        parts = key.rsplit("/", 2)
+        if len(parts) != 3 or len(parts[1]) != 16 or not parts[2].isdigit():
+            return None
+        try:
+            return (parts[0], int(parts[1], 16)), int(parts[2])
+        except ValueError:
+            return None
+
+    @staticmethod
+    def join(group: PageGroup, member: int) -> str:
+        return f"{group[0]}/{group[1]:016x}/{member}"
+
+    @staticmethod
+    def join_all(groups: Sequence[PageGroup], members: int) -> list[str]:
         """`join` of members 0..members-1 of each group, group-major."""
         suffixes = [f"/{member}" for member in range(members)]
-        return [group + suffix for group in groups for suffix in suffixes]
+        pages = ["%s/%016x" % group for group in groups]  # noqa: UP031 (faster than an f-string: 32K keys)
+        return [page + suffix for page in pages for suffix in suffixes]
 
 
-KV_GROUPS = KeyGroups()
-"""The K/V store's grouping: a page's layers (`kv_key` = `kv_page_key(...)/layer`)."""
+KV_GROUPS = PageKeyGroups()
+"""The K/V store's grouping: a page's layers."""
 
 
 def index_key(model_key: str, page_hash: int) -> str:

@@ -17,7 +17,7 @@ import numpy as np
 from msaserve.kvcache.arena import SegmentAllocator
 from msaserve.kvcache.codec import Payload, as_payload
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.keys import KV_GROUPS, index_key, kv_key, kv_keys, kv_page_key
+from msaserve.kvcache.keys import KV_GROUPS, index_key, kv_key, kv_keys, kv_page_group
 from msaserve.kvcache.session_records import SessionRecord, SessionStore
 from msaserve.kvcache.shared_segments import SharedSegments
 from msaserve.kvcache.store import GroupLease, PageStore
@@ -157,13 +157,14 @@ class KVCacheShard:
         read the leased pages where they lie (pinned arena segments, through UVA) and check each at
         first use. Held until `release_lease`; a lease older than `lease_ttl_s` ends unless
         `renew_leases` refreshed it. Where the K/V memory tier has an arena, one lookup per page
-        (its layers' slots are kept under `kv_page_key`), not one per layer."""
+        (its layers' slots are kept under `kv_page_group`), not one per layer."""
         store = self.stores["kv"]
         if getattr(store.memory, "groups", None) is None:
             return self._lease("kv", kv_keys(model_key, page_hashes, num_layers))
         start = time.perf_counter()
         self._expire_leases()
-        lease = store.lease_groups([kv_page_key(model_key, h) for h in page_hashes], num_layers)
+        namespace = kv_page_group(model_key, 0)[0]
+        lease = store.lease_groups([(namespace, h) for h in page_hashes], num_layers)
         out = self._views(self._open(lease), store, lease.ids, lease.loose)
         if self.metrics is not None:
             self.metrics.observe_fetch("kv", time.perf_counter() - start)

@@ -18,14 +18,14 @@ Pure Python: the Ray actor (`shard.py`) wraps it, and tests drive it directly. T
 
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from msaserve.kvcache.arena import PageArena, SegmentAllocator
 from msaserve.kvcache.codec import Payload, as_payload, checksum
-from msaserve.kvcache.keys import KeyGroups
+from msaserve.kvcache.keys import PageKeyGroups
 from msaserve.kvcache.tiers import StoredPage, Tier, make_tier
 
 
@@ -61,14 +61,14 @@ class StoreStats:
 class GroupLease:
     """`PageStore.lease_groups`'s answer: item i is member i % members of group i // members."""
 
-    groups: list[str]
+    groups: list[Hashable]
     members: int
     ids: np.ndarray
     """[n] int64: the arena slot id of each item, held until `release_groups`; -1 where none."""
     loose: dict[int, StoredPage]
     """Items held outside the arena (no slot), by position."""
 
-    def key(self, item: int, key_groups: KeyGroups) -> str:
+    def key(self, item: int, key_groups: PageKeyGroups) -> str:
         return key_groups.join(self.groups[item // self.members], item % self.members)
 
 
@@ -88,7 +88,7 @@ class PageStore:
         fsync: bool = False,
         tiers: Sequence[Tier] | None = None,
         segment_allocator: SegmentAllocator | None = None,
-        key_groups: KeyGroups | None = None,
+        key_groups: PageKeyGroups | None = None,
     ) -> None:
         """segment_allocator: the memory tier keeps its pages in a `PageArena` of segments from it
         (pinned host memory for an engine in this process that copies pages to a GPU); key_groups:
@@ -209,7 +209,7 @@ class PageStore:
             if page is not None:
                 _release(fastest, page)
 
-    def lease_groups(self, groups: Sequence[str], members: int) -> "GroupLease":
+    def lease_groups(self, groups: Sequence[Hashable], members: int) -> "GroupLease":
         """`lease` of members 0..members-1 of each group (keys `groups.join(group, member)`,
         group-major), with one lookup per group where the fastest tier keeps groups in its arena
         (`MemoryTier.acquire_groups`: a million-token session's K/V is 8K pages of 4 layers). A

@@ -10,7 +10,7 @@ import itertools
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Hashable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -20,7 +20,7 @@ import xxhash
 
 from msaserve.kvcache.arena import PageArena, Slot
 from msaserve.kvcache.codec import Payload
-from msaserve.kvcache.keys import KeyGroups
+from msaserve.kvcache.keys import PageKeyGroups
 
 _DISK_MAGIC = b"MSAKVPG1"
 _DISK_HEADER = struct.Struct("<8sQQI")  # magic, checksum, payload bytes, key bytes
@@ -83,15 +83,16 @@ class MemoryTier:
     `acquire` hands a reader the stored bytes themselves (zero-copy) and keeps them from being
     overwritten until `release`, even if the page is removed or replaced meanwhile.
 
-    With `groups` (keys `group/member`, `keys.KeyGroups`) and an arena, the tier also keeps, per
-    group, the arena slot id of each member it holds there, and each slot's checksum, so that
-    `acquire_groups` leases many groups' members in one lookup per group and one numpy call."""
+    With `groups` (keys.PageKeyGroups: a page's keys of every layer form a group) and an arena, the
+    tier also keeps, per group, the arena slot id of each member it holds there, and each slot's
+    checksum, so that `acquire_groups` leases many groups' members in one lookup per group and one
+    numpy call."""
 
     kind = "memory"
     durable = False
 
     def __init__(self, capacity_bytes: int, arena: PageArena | None = None,
-                 groups: KeyGroups | None = None) -> None:
+                 groups: PageKeyGroups | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"memory capacity_bytes={capacity_bytes} must be ≥ 0")
         self.capacity_bytes = capacity_bytes
@@ -99,7 +100,7 @@ class MemoryTier:
         self.arena = arena
         self._pages: OrderedDict[str, StoredPage] = OrderedDict()
         self.groups = groups if arena is not None else None
-        self._members: dict[str, list[int]] = {}  # group → slot id of each member (-1: not in the arena)
+        self._members: dict[Hashable, list[int]] = {}  # group → slot id of each member (-1: not in the arena)
         self._checksum_of = np.zeros(0, np.uint64)  # per arena slot id
 
     def __contains__(self, key: str) -> bool:
@@ -177,7 +178,7 @@ class MemoryTier:
         if page.slot is not None:
             self.arena.release(page.slot)
 
-    def acquire_groups(self, groups: Sequence[str], members: int) -> np.ndarray:
+    def acquire_groups(self, groups: Sequence[Hashable], members: int) -> np.ndarray:
         """The arena slot id of members 0..members-1 of each group → int64 [len(groups), members],
         -1 where the tier holds no such member in its arena; each slot found is held as `acquire`
         holds it, until `release_ids`. One dictionary lookup per group; no LRU touch (`touch`

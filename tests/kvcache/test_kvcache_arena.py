@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from msaserve.kvcache.arena import PageArena, numpy_segment
-from msaserve.kvcache.keys import KV_GROUPS
+from msaserve.kvcache.keys import KV_GROUPS, kv_key, kv_page_group
 from msaserve.kvcache.store import PageStore
 
 PAGE = 256
@@ -129,15 +129,18 @@ def grouped_store(pages: int) -> PageStore:
     return store
 
 
+PAGES = [kv_page_group("m", g) for g in (0, 1, 2, 9)]
+
+
 def test_a_lease_of_whole_groups_holds_the_same_pages_a_lease_by_key_does():
     store = grouped_store(pages=16)
     for g in range(3):
         for m in range(2):
-            store.put(f"kv/m/{g}/{m}", page(10 * g + m))
-    store.put("kv/m/2/1", page(99))  # replaced: the group now names the new slot
-    store.delete(["kv/m/1/0"])  # missing member
-    lease = store.lease_groups(["kv/m/0", "kv/m/1", "kv/m/2", "kv/m/9"], 2)
-    by_key = store.lease(KV_GROUPS.join_all(["kv/m/0", "kv/m/1", "kv/m/2", "kv/m/9"], 2))
+            store.put(kv_key("m", g, m), page(10 * g + m))
+    store.put(kv_key("m", 2, 1), page(99))  # replaced: the group now names the new slot
+    store.delete([kv_key("m", 1, 0)])  # missing member
+    lease = store.lease_groups(PAGES, 2)
+    by_key = store.lease(KV_GROUPS.join_all(PAGES, 2))
     arena = store.memory.arena
     for i, stored in enumerate(by_key):
         if stored is None:
@@ -148,7 +151,7 @@ def test_a_lease_of_whole_groups_holds_the_same_pages_a_lease_by_key_does():
         segment, offset, nbytes = arena.where(lease.ids[i : i + 1])
         assert np.array_equal(arena.segments[segment[0]][offset[0] : offset[0] + nbytes[0]], stored.payload)
     assert lease.ids.tolist()[2:4] == [-1, by_key[3].slot.id] and lease.ids[6:].tolist() == [-1, -1]
-    assert np.array_equal(store.get("kv/m/2/1"), page(99))
+    assert np.array_equal(store.get(kv_key("m", 2, 1)), page(99))
     store.release(by_key)
     store.release_groups(lease)
     assert arena.readers.sum() == 0
@@ -158,20 +161,20 @@ def test_a_group_lease_keeps_bytes_through_eviction_drops_reported_pages_and_tou
     store = grouped_store(pages=4)
     for g in range(2):
         for m in range(2):
-            store.put(f"kv/m/{g}/{m}", page(10 * g + m))
-    lease = store.lease_groups(["kv/m/0"], 2)
-    store.put("kv/m/5/0", page(50))  # evicts kv/m/0/0 (least recently used) while leased
-    assert "kv/m/0/0" not in store.memory and store.memory.arena.stats.retired_slots == 1
+            store.put(kv_key("m", g, m), page(10 * g + m))
+    lease = store.lease_groups([kv_page_group("m", 0)], 2)
+    store.put(kv_key("m", 5, 0), page(50))  # evicts page 0's layer 0 (least recently used) while leased
+    assert kv_key("m", 0, 0) not in store.memory and store.memory.arena.stats.retired_slots == 1
     segment, offset, nbytes = store.memory.arena.where(lease.ids[:1])
     assert np.array_equal(store.memory.arena.segments[segment[0]][offset[0] : offset[0] + nbytes[0]], page(0))
-    store.release_groups(lease, corrupt=[1])  # kv/m/0/1 failed the reader's check
-    assert "kv/m/0/1" not in store.memory and store.stats.corruptions == 1
+    store.release_groups(lease, corrupt=[1])  # page 0's layer 1 failed the reader's check
+    assert kv_key("m", 0, 1) not in store.memory and store.stats.corruptions == 1
     assert store.memory.arena.stats.retired_slots == 0
-    lease = store.lease_groups(["kv/m/1"], 2)
-    store.put("kv/m/6/0", page(60))
+    lease = store.lease_groups([kv_page_group("m", 1)], 2)
+    store.put(kv_key("m", 6, 0), page(60))
     store.release_groups(lease)  # its pages count as used now: the next eviction takes another
-    store.put("kv/m/7/0", page(70))
-    assert "kv/m/1/0" in store.memory and "kv/m/1/1" in store.memory
+    store.put(kv_key("m", 7, 0), page(70))
+    assert kv_key("m", 1, 0) in store.memory and kv_key("m", 1, 1) in store.memory
 
 
 def test_a_shards_kv_lease_of_whole_pages_reads_the_stored_bytes_wherever_they_are(tmp_path):
@@ -190,7 +193,7 @@ def test_a_shards_kv_lease_of_whole_pages_reads_the_stored_bytes_wherever_they_a
     kv = {h: [page(10 * h + layer, nbytes) for layer in range(layers)] for h in range(6)}
     shard.put_pages("m", [(h, kv[h], None) for h in range(6)])
     store = shard.stores["kv"]
-    assert "kv/m/0000000000000000/0" not in store.memory  # on disk (K/V memory: 10 items, 5 pages)
+    assert kv_key("m", 0, 0) not in store.memory  # on disk (K/V memory: 10 items, 5 pages)
     held = shard.lease_kv("m", [1, 2, 3, 4, 5], layers)  # so no slot is free when page 0 comes back
     views = shard.lease_kv("m", [0, 3, 99, 5], layers)
     assert (views.segment_of[:2] < 0).all() and (views.segment_of[2:4] >= 0).all()
@@ -203,3 +206,13 @@ def test_a_shards_kv_lease_of_whole_pages_reads_the_stored_bytes_wherever_they_a
     shard.release_lease(views.lease_id)
     shard.release_lease(held.lease_id)
     assert shard.stats()["open_leases"] == 0 and store.memory.arena.readers.sum() == 0
+
+
+def test_kv_keys_split_into_their_page_group_and_join_back_and_other_keys_have_none():
+    key = kv_key("model-a", 0xABC, 3)
+    assert KV_GROUPS.split(key) == (kv_page_group("model-a", 0xABC), 3)
+    assert KV_GROUPS.join(*KV_GROUPS.split(key)) == key
+    both = [kv_key("model-a", 1, 0), kv_key("model-a", 1, 1)]
+    assert KV_GROUPS.join_all([kv_page_group("model-a", 1)], 2) == both
+    for other in ("ix/model-a/0000000000000abc", "kv/m/0/0", "kv/m/00000000000000zz/1", "plain"):
+        assert KV_GROUPS.split(other) is None
