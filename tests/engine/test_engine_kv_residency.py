@@ -273,12 +273,14 @@ def test_adoption_from_arena_pages_copied_directly_decodes_identical_tokens(mode
     assert all(shard.open_lease_stores() == ["kv"] for shard in client.shards)
     assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=8) == want
     assert session.host.service_reads == 0
-    # A reused host tier ends it; the shards hear of it at the next session's second step (off
-    # its first token), here by hand.
+    # A reused host tier ends it; the shards hear of it from the next session's second step on (off
+    # its first token; the release started at one step is waited for at the next), here by hand.
     session.host.reset(None)
-    assert session.host.lease is None and all(shard._leases for shard in client.shards)
-    session.host.release_ended_leases()
-    assert all(not shard._leases for shard in client.shards)
+    assert session.host.lease is None and all(shard.open_lease_stores() for shard in client.shards)
+    session.host.release_ended_leases()  # started
+    session.host.release_ended_leases()  # waited for
+    assert all(not shard.open_lease_stores() for shard in client.shards)
+    session.host.release_ended_leases(wait=True)  # nothing left: a no-op
 
 
 def test_a_corrupt_index_page_in_the_arena_ends_the_adoption_at_that_page(model, resident):

@@ -16,7 +16,7 @@ import contextlib
 import dataclasses
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -100,6 +100,8 @@ class HostKV:
         self.lease: PageLease | None = None
         self._ended_leases: list[PageLease] = []
         """Leases of earlier sessions not yet released to the shards (`release_ended_leases`)."""
+        self._releasing: list[Callable[[], None]] = []
+        """Waits for the releases `release_ended_leases` started and has not waited for yet."""
         self._lease_position = np.full((num_layers, max_pages), -1, dtype=np.int64)
         self._renewed = 0.0
         self.reset_phases: dict[str, float] = {}
@@ -211,10 +213,18 @@ class HostKV:
             raise PageLostInService(f"session {session!r}: the service ended the lease of its K/V pages "
                                     "(no renewal within ServiceConfig.lease_ttl_s); adopt it again")
 
-    def release_ended_leases(self) -> None:
-        """Tell the shards about the leases `release_lease(later=True)` ended."""
+    def release_ended_leases(self, wait: bool = False) -> None:
+        """Tell the shards about the leases `release_lease(later=True)` ended. Each release starts
+        here and is waited for at the next call (so the shards' threads do it while the device
+        decodes, not on the step's host path: ~8 ms for 32K items on a 2-core CPU), or here with
+        `wait`. A release that failed raises when it is waited for."""
+        pending, self._releasing = self._releasing, []
+        for done in pending:
+            done()
         while self._ended_leases:
-            self._ended_leases.pop().release()
+            self._releasing.append(self._ended_leases.pop().release_async())
+        if wait:
+            self.release_ended_leases()
 
     def leased_item(self, layer: int, page: int) -> int:
         """The lease's item of (layer, page), -1 if not leased."""
@@ -224,8 +234,8 @@ class HostKV:
         """End the lease (after every kernel that reads its pages: the caller syncs first); its pages
         become absent, and each (layer, page) lies in its own row again. corrupt: items that failed
         their check (the shards drop them). later: the shards are told at `release_ended_leases`
-        (a reused tier: releasing 32K pages is ~20 ms of the shards' Python, off the next
-        adoption's first token)."""
+        (a reused tier: releasing 32K pages is several ms of the shards' Python, off the next
+        adoption's first token, and off its steps' host path)."""
         if self.lease is None:
             return
         lease, self.lease = self.lease, None
