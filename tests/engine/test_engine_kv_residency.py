@@ -604,3 +604,21 @@ def test_the_garbage_collector_waits_until_an_adoption_is_done():
             seen.append(gc.isenabled())
         seen.append(gc.isenabled())
     assert seen == [False, False, False] and gc.isenabled()
+
+
+def test_an_adoption_runs_with_the_garbage_collector_paused(model, resident, monkeypatch):
+    from msaserve.engine.kv import resident_session
+
+    seen = []
+    original = resident_session.LazyPageFetcher.load_index
+
+    def load_index(self):
+        seen.append(gc.isenabled())
+        return original(self)
+
+    monkeypatch.setattr(resident_session.LazyPageFetcher, "load_index", load_index)
+    _, state, _ = resident
+    client = leased_client(model, resident)
+    ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=12,
+                          max_pages=state.max_pages, device=torch.device("cpu"), dtype=torch.float32)
+    assert seen == [False] and gc.isenabled()

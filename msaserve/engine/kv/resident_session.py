@@ -97,7 +97,8 @@ def allocate_resident_caches(
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """No automatic garbage collection inside (it runs again afterwards, as it was)."""
+    """No automatic garbage collection inside (it runs again afterwards, as it was); also a
+    decorator (`@gc_paused()`)."""
     was_enabled = gc.isenabled()
     gc.disable()
     try:
@@ -215,6 +216,7 @@ class ResidentSession:
         return session
 
     @classmethod
+    @gc_paused()
     def adopt(cls, client: KVCacheClient, record: SessionRecord, config: MSAConfig, budget_pages: int,
               max_pages: int, device: torch.device, dtype: torch.dtype,
               index_dtype: torch.dtype | None = None, host: HostKV | None = None, per_head: bool = True,
@@ -231,14 +233,6 @@ class ResidentSession:
         The garbage collector waits until the adoption is done: a full collection over the shards'
         and the engine's objects takes tens of ms, and the adoption allocates enough to start one
         (on the H200 the host-tier reset alone varied from 2 to 20 ms)."""
-        with gc_paused():
-            return cls._adopt(client, record, config, budget_pages, max_pages, device, dtype, index_dtype,
-                              host, per_head, lease_kv)
-
-    @classmethod
-    def _adopt(cls, client: KVCacheClient, record: SessionRecord, config: MSAConfig, budget_pages: int,
-               max_pages: int, device: torch.device, dtype: torch.dtype, index_dtype: torch.dtype | None,
-               host: HostKV | None, per_head: bool, lease_kv: bool) -> tuple["ResidentSession", int]:
         t0 = time.perf_counter()
         hashes = list(record.page_hashes) + ([record.tail_hash] if record.tail_hash is not None else [])
         c = config
