@@ -70,7 +70,12 @@ def kv_page_group(model_key: str, page_hash: int) -> PageGroup:
     """The group of a page's K+V keys (`kv_key` of each layer): a memory tier with `KV_GROUPS` keeps
     where each layer of a page lies under it, so that a lease of many pages costs one lookup per
     page (`MemoryTier.acquire_groups`), no key string built, not one lookup per layer."""
-    return (f"kv/{model_key}", page_hash)
+    return (kv_namespace(model_key), page_hash)
+
+
+def kv_namespace(model_key: str) -> str:
+    """The part of a model's K+V keys before the page hash (a `PageGroup`'s namespace)."""
+    return f"kv/{model_key}"
 
 
 class PageKeyGroups:

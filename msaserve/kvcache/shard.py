@@ -17,7 +17,7 @@ import numpy as np
 from msaserve.kvcache.arena import SegmentAllocator
 from msaserve.kvcache.codec import Payload, as_payload
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.keys import KV_GROUPS, index_key, kv_key, kv_keys, kv_page_group
+from msaserve.kvcache.keys import KV_GROUPS, index_key, kv_key, kv_keys, kv_namespace
 from msaserve.kvcache.session_records import SessionRecord, SessionStore
 from msaserve.kvcache.shared_segments import SharedSegments
 from msaserve.kvcache.store import GroupLease, PageStore
@@ -157,23 +157,25 @@ class KVCacheShard:
         read the leased pages where they lie (pinned arena segments, through UVA) and check each at
         first use. Held until `release_lease`; a lease older than `lease_ttl_s` ends unless
         `renew_leases` refreshed it. Where the K/V memory tier has an arena, one lookup per page
-        (its layers' slots are kept under `kv_page_group`), not one per layer."""
+        (its layers' slots are kept under `keys.kv_page_group`), not one per layer."""
         store = self.stores["kv"]
         if getattr(store.memory, "groups", None) is None:
             return self._lease("kv", kv_keys(model_key, page_hashes, num_layers))
         start = time.perf_counter()
-        self._expire_leases()
-        namespace = kv_page_group(model_key, 0)[0]
+        namespace = kv_namespace(model_key)
         lease = store.lease_groups([(namespace, h) for h in page_hashes], num_layers)
-        out = self._views(self._open(lease), store, lease.ids, lease.loose)
-        if self.metrics is not None:
-            self.metrics.observe_fetch("kv", time.perf_counter() - start)
-        return out
+        return self._answer("kv", lease, lease.ids, lease.loose, start)
 
-    @staticmethod
-    def _views(lease_id: int, store: PageStore, ids: np.ndarray, loose: dict[int, StoredPage]) -> PageViews:
-        """A lease's answer: items in the memory tier's arena by slot id (-1: not there), the
-        others (`loose`: pages outside the arena) by their bytes."""
+    def _answer(self, store_name: str, lease: "tuple[str, list[str], list[StoredPage | None]] | GroupLease",
+                ids: np.ndarray, loose: dict[int, StoredPage], start: float) -> PageViews:
+        """Open `lease` (the expired ones end first) and describe its items: those in the memory
+        tier's arena by slot id (-1: not there), the others (`loose`: pages outside the arena) by
+        their bytes. `start`: when the lease was asked for (the fetch metric)."""
+        self._expire_leases()
+        lease_id, self._next_lease = self._next_lease, self._next_lease + 1
+        self._leases[lease_id] = lease
+        self._lease_started[lease_id] = time.monotonic()
+        store = self.stores[store_name]
         n, held = len(ids), ids >= 0
         checksums, nbytes = np.zeros(n, np.uint64), np.full(n, -1, np.int64)
         segment_of, offsets = np.full(n, -1, np.int64), np.zeros(n, np.int64)
@@ -184,18 +186,15 @@ class KVCacheShard:
         for i, page in loose.items():
             checksums[i], nbytes[i] = page.checksum, page.payload.nbytes
         segments = [] if arena is None else arena.segments
-        return PageViews(lease_id, checksums, segments, segment_of, offsets, nbytes,
-                         {i: page.payload for i, page in loose.items()})
+        out = PageViews(lease_id, checksums, segments, segment_of, offsets, nbytes,
+                        {i: page.payload for i, page in loose.items()})
+        if self.metrics is not None:
+            self.metrics.observe_fetch(store_name, time.perf_counter() - start)
+        return out
 
     def open_lease_stores(self) -> list[str]:
         """The store ("index" or "kv") of each open lease, oldest first."""
         return ["kv" if isinstance(lease, GroupLease) else lease[0] for lease in self._leases.values()]
-
-    def _open(self, lease: "tuple[str, list[str], list[StoredPage | None]] | GroupLease") -> int:
-        lease_id, self._next_lease = self._next_lease, self._next_lease + 1
-        self._leases[lease_id] = lease
-        self._lease_started[lease_id] = time.monotonic()
-        return lease_id
 
     def renew_leases(self, lease_ids: Sequence[int]) -> int:
         """Restart the TTL clock of these leases (a reader that holds pages for longer than
@@ -252,17 +251,11 @@ class KVCacheShard:
 
     def _lease(self, store_name: str, keys: list[str]) -> PageViews:
         start = time.perf_counter()
-        self._expire_leases()
-        store = self.stores[store_name]
-        pages = store.lease(keys)
-        lease_id = self._open((store_name, keys, pages))
+        pages = self.stores[store_name].lease(keys)
         ids = np.fromiter((-1 if page is None or page.slot is None else page.slot.id for page in pages),
                           np.int64, len(pages))
         loose = {i: page for i, page in enumerate(pages) if page is not None and page.slot is None}
-        out = self._views(lease_id, store, ids, loose)
-        if self.metrics is not None:
-            self.metrics.observe_fetch(store_name, time.perf_counter() - start)
-        return out
+        return self._answer(store_name, (store_name, keys, pages), ids, loose, start)
 
     def get_kv_into(
         self, model_key: str, requests: Sequence[tuple[int, int]], dest: np.ndarray, rows: Sequence[int],
