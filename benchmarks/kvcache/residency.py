@@ -53,7 +53,11 @@ from msaserve.engine.kv.pages import identity_for  # noqa: E402
 from msaserve.engine.kv.persist import SessionWriter  # noqa: E402
 from msaserve.engine.kv.pinned_segments import segment_allocators  # noqa: E402
 from msaserve.engine.kv.resident_graph import WARMUP_STEPS, CapturedStep, SparseDecodeGraph  # noqa: E402
-from msaserve.engine.kv.resident_session import ResidentSession, allocate_resident_caches  # noqa: E402
+from msaserve.engine.kv.resident_session import (  # noqa: E402
+    HostHoldsPages,
+    ResidentSession,
+    allocate_resident_caches,
+)
 from msaserve.kernels import get_ops  # noqa: E402
 from msaserve.kvcache.arena import numpy_segment  # noqa: E402
 from msaserve.kvcache.client import KVCacheClient  # noqa: E402
@@ -274,8 +278,8 @@ def run(args: argparse.Namespace) -> dict:
         budget = budget_pages_for(config, pages, fraction)
         sync(device)
         t0 = time.perf_counter()
-        session = ResidentSession.offload(config, caches, args.context, budget, max_pages, host=host,
-                                          per_head=args.per_head)
+        session = ResidentSession.offload(config, caches, args.context, budget, max_pages,
+                                          host=HostHoldsPages(host), per_head=args.per_head)
         sync(device)
         offload_s = time.perf_counter() - t0
         got, times = sparse_decode(model, ops, session, first, args.context, args.steps)
@@ -301,8 +305,8 @@ def run(args: argparse.Namespace) -> dict:
             # a fresh session at the same budget, its steps replayed as one CUDA graph; the other
             # granularity too, for the comparison
             mode = "head" if per_head else "page"
-            session = ResidentSession.offload(config, caches, args.context, budget, max_pages, host=host,
-                                              per_head=per_head)
+            session = ResidentSession.offload(config, caches, args.context, budget, max_pages,
+                                              host=HostHoldsPages(host), per_head=per_head)
             stepper = SparseDecodeGraph(session, model, ops)
             got, times = graphed_decode(stepper, device, first, args.context, args.steps)
             stats = session.stats

@@ -56,6 +56,14 @@ class EngineConfig:
     there, with one host synchronisation per round: the host's per-step work (scheduling, step
     inputs, outputs) is paid once per round. Tokens are the same; they stream in bursts, and a
     request arriving meanwhile waits for the round to end."""
+    sparse_residency_sessions: int = engine_default("sparse_residency_sessions")
+    """Long decoding requests moved off the page pool at once, each decoding with its index and a
+    working set of its K/V on the device (`engine/kv/resident_lane.py`); 0: off."""
+    sparse_residency_min_tokens: int = engine_default("sparse_residency_min_tokens")
+    """Context at which a decoding request moves off the pool (while there is room)."""
+    sparse_residency_budget: float = engine_default("sparse_residency_budget")
+    """Share of a max_model_len request's K/V pages per layer a sparse-resident request keeps on the
+    device (at least the write ring and one step's selection)."""
     tensor_parallel_size: int = engine_default("tensor_parallel_size")
     """Ranks attention and the dense MLPs are split over (engine/parallel/, docs/scaling.md)."""
     expert_parallel_size: int = engine_default("expert_parallel_size")
@@ -88,6 +96,15 @@ class EngineConfig:
         if not isinstance(self.decode_steps, int) or not 1 <= self.decode_steps <= 64:
             raise ValueError(f"EngineConfig.decode_steps={self.decode_steps!r} is invalid: "
                              "allowed an integer from 1 to 64")
+        if not isinstance(self.sparse_residency_sessions, int) or self.sparse_residency_sessions < 0:
+            raise ValueError(f"EngineConfig.sparse_residency_sessions={self.sparse_residency_sessions!r} is "
+                             "invalid: allowed an integer ≥ 0 (0: off)")
+        if not isinstance(self.sparse_residency_min_tokens, int) or self.sparse_residency_min_tokens < 1:
+            raise ValueError(f"EngineConfig.sparse_residency_min_tokens={self.sparse_residency_min_tokens!r} "
+                             "is invalid: allowed an integer ≥ 1")
+        if not 0.0 < self.sparse_residency_budget <= 1.0:
+            raise ValueError(f"EngineConfig.sparse_residency_budget={self.sparse_residency_budget!r} is "
+                             "invalid: allowed greater than 0 and at most 1")
         if self.num_pages is not None and self.num_pages < 1:
             raise ValueError(f"EngineConfig.num_pages={self.num_pages!r} is invalid: allowed None or ≥ 1")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -118,7 +135,11 @@ class EngineConfig:
             max_model_len=settings.max_model_len, max_waiting=settings.max_waiting,
             enable_prefix_caching=settings.enable_prefix_caching, kv_cache_dtype=settings.kv_cache_dtype,
             index_cache_dtype=settings.index_cache_dtype, cuda_graphs=settings.enable_cuda_graphs,
-            decode_steps=settings.decode_steps, tensor_parallel_size=settings.tensor_parallel_size,
+            decode_steps=settings.decode_steps,
+            sparse_residency_sessions=settings.sparse_residency_sessions,
+            sparse_residency_min_tokens=settings.sparse_residency_min_tokens,
+            sparse_residency_budget=settings.sparse_residency_budget,
+            tensor_parallel_size=settings.tensor_parallel_size,
             expert_parallel_size=settings.expert_parallel_size,
             placement_strategy=settings.placement_strategy,
             collective_timeout_s=settings.collective_timeout_s, **pool,

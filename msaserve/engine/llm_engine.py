@@ -11,6 +11,7 @@ import torch
 from msaserve.engine.block_manager import BlockManager
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.kv.adoption import PageLost
+from msaserve.engine.kv.resident_lane import SparseResidentLane, refusal
 from msaserve.engine.kv.service_swap import ServiceSwapStore
 from msaserve.engine.kv.sessions import EngineSessions
 from msaserve.engine.kv.swap import CachePageIO, EvictedPageSink, HostSwapStore, Swapper, SwapStore
@@ -20,7 +21,7 @@ from msaserve.engine.model_runner import ModelRunner
 from msaserve.engine.output import RequestOutputTracker, now
 from msaserve.engine.sampler import Sampler
 from msaserve.engine.scheduler import ScheduledBatch, Scheduler
-from msaserve.engine.sequence import Sequence
+from msaserve.engine.sequence import Sequence, SequenceStatus
 from msaserve.engine.structured.step import GrammarRuntime
 from msaserve.engine.types import (
     ContextTooLong,
@@ -99,8 +100,23 @@ class LLMEngine:
         """Tests set this to keep each step's MSA selections in runner.last_selections."""
         self.sessions: EngineSessions | None = None
         self._grammar_runtime: GrammarRuntime | None = None
+        self.resident: SparseResidentLane | None = None
+        """Long decoding requests moved off the page pool (`EngineConfig.sparse_residency_sessions`)."""
+        if config.sparse_residency_sessions:
+            self.resident = self._resident_lane()
         if kv_client is not None:
             self.attach_kv_client(kv_client)
+
+    def _resident_lane(self) -> SparseResidentLane:
+        config = self.config
+        why = refusal(self.model, self.runner.ops, config.world_size)
+        if why is not None:
+            raise ValueError(f"EngineConfig.sparse_residency_sessions={config.sparse_residency_sessions} is "
+                             f"invalid here: {why}; allowed 0 (off)")
+        return SparseResidentLane(
+            self.model, self.runner.ops, self.runner.caches, config.sparse_residency_sessions,
+            config.sparse_residency_min_tokens, config.sparse_residency_budget,
+            -(-self.max_model_len // self.page_size))
 
     def _eos_token_ids(self) -> set[int]:
         ids = getattr(self.tokenizer, "eos_token_ids", None)
@@ -185,8 +201,15 @@ class LLMEngine:
         output = tracker.finish_without_token("abort")
         if self.sessions is not None:
             self.sessions.forget(request_id)
-        self.scheduler.finish(tracker.seq)
+        self._retire(tracker.seq)
         return output
+
+    def _retire(self, seq: Sequence) -> None:
+        """seq is done: its pages (pool or sparse-resident session) go back at once."""
+        if seq.status is SequenceStatus.RESIDENT:
+            self.resident.finish(seq)
+        else:
+            self.scheduler.finish(seq)
 
     def attach_kv_client(self, client: KVCacheClient) -> None:
         """Persist session requests to the KV cache service and adopt sessions from it (call
@@ -206,14 +229,21 @@ class LLMEngine:
         return False
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self.resident)
 
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[GenerateOutput]:
-        """Schedule, run the model, sample; returns one output per sequence that got a token."""
+        """Schedule, run the model, sample; returns one output per sequence that got a token.
+        Requests in the sparse-resident lane decode one token each beside the pool's batch, and the
+        pool's long decoding requests move there while it has room."""
         batch = self.scheduler.schedule()
-        if not batch.seqs:
-            return []
+        outputs = self._step_pool(batch) if batch.seqs else []
+        if self.resident is not None:
+            outputs += self._step_resident()
+            self._move_to_resident()
+        return outputs
+
+    def _step_pool(self, batch: ScheduledBatch) -> list[GenerateOutput]:
         wrap = self.sessions.before_step(batch) if self.sessions is not None else None
         steps = self._round_steps(batch, wrap is not None)
         if steps > 1:
@@ -242,6 +272,49 @@ class LLMEngine:
         return [self._emit(seq, token, logprob, timestamp)
                 for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True)]
 
+    def _step_resident(self) -> list[GenerateOutput]:
+        """One token of every request in the sparse-resident lane: greedy ones straight from the
+        session's step, the others sampled from its logits like the pool's rows."""
+        lane = self.resident
+        if not lane:
+            return []
+        seqs = [member.seq for member in lane.members.values()]
+        pending = self._grammar_runtime.begin(seqs) if self._grammar_runtime else None
+        tokens, sampled, logits = lane.step(self._plain_greedy)
+        timestamp = now()
+        outputs = [self._emit(seq, token, None, timestamp) for seq, token in tokens]
+        if sampled:
+            rows = [seqs.index(seq) for seq in sampled]
+            result = self.sampler(
+                logits, [s.sampling for s in sampled], [s.generator for s in sampled],
+                histories=[(s.token_ids, s.num_prompt_tokens) for s in sampled],
+                mask=GrammarRuntime.mask(pending, rows),
+            )
+            outputs += [self._emit(seq, token, logprob, timestamp) for seq, token, logprob
+                        in zip(sampled, result.token_ids, result.logprobs, strict=True)]
+        return outputs
+
+    def _move_to_resident(self) -> None:
+        """The pool's decoding requests whose context reached the lane's threshold move there while
+        it has room, oldest first (not those persisted to the KV cache service: their writer reads
+        their pages from the pool)."""
+        lane = self.resident
+        for seq in list(self.scheduler.running):
+            if not lane.eligible(seq):
+                continue
+            if self.sessions is not None and (seq.request_id in self.sessions.writers
+                                              or seq.request_id in self.sessions.fetchers):
+                continue
+            self.scheduler.running.remove(seq)
+            lane.move_in(seq, self.block_manager.free)
+
+    @staticmethod
+    def _plain_greedy(seq: Sequence) -> bool:
+        """Whether seq's next token is the argmax of its logits with nothing else asked of them."""
+        params = seq.sampling
+        return (params.greedy and not params.logprobs and not params.processes_logits
+                and seq.matcher is None)
+
     def _greedy_on_runner(self, batch: ScheduledBatch) -> bool:
         """Whether the runner samples this step itself (a multi-rank replica's rank 0: only token
         ids leave it): every request greedy, without logprobs, penalties, bias or grammar."""
@@ -268,7 +341,7 @@ class LLMEngine:
             self.sessions.after_token(seq, output.finished)  # before finish() frees its pages
         if output.finished:
             del self.trackers[seq.request_id]
-            self.scheduler.finish(seq)
+            self._retire(seq)
         return output
 
     def _round_steps(self, batch: ScheduledBatch, fetching: bool) -> int:
@@ -322,7 +395,8 @@ class LLMEngine:
     def stats(self) -> EngineStats:
         manager = self.block_manager
         return EngineStats(
-            num_running=len(self.scheduler.running),
+            num_running=len(self.scheduler.running) + len(self.resident or ()),
+            num_sparse_resident=len(self.resident or ()),
             num_waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped),
             num_free_pages=manager.num_free_pages,
             num_total_pages=manager.num_pages,

@@ -9,6 +9,7 @@ import torch
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.cuda_graphs import DecodeGraphs
+from msaserve.engine.kv.resident_lane import lane_budget_pages, resident_session_bytes
 from msaserve.engine.media import release_finished_media, step_input_embeds
 from msaserve.engine.memory import cache_dtypes, plan_num_pages
 from msaserve.engine.scheduler import ScheduledBatch
@@ -35,6 +36,9 @@ class ModelRunner:
         activation = 0
         if self.device.type == "cuda" and config.num_pages is None:
             activation = self.profile_activation_bytes(kv_dtype, index_dtype)
+            # the sparse-resident lane's sessions (index caches and K/V working sets) come out of
+            # the same HBM share, allocated as requests move there
+            activation += self.resident_lane_bytes(kv_dtype, index_dtype)
         self.num_pages = plan_num_pages(model.config, config, self.device, activation)
         # One extra physical page is scratch for the padding rows of CUDA graphs; the block
         # manager never hands it out.
@@ -144,6 +148,17 @@ class ModelRunner:
         torch.cuda.empty_cache()
         logger.info("activation peak of a %d-token step: %.2f GiB", num_tokens, peak / 2**30)
         return int(peak)
+
+    def resident_lane_bytes(self, kv_dtype: torch.dtype, index_dtype: torch.dtype) -> int:
+        """Device bytes of `sparse_residency_sessions` sparse-resident sessions of max_model_len."""
+        config = self.config
+        if not config.sparse_residency_sessions:
+            return 0
+        budget = lane_budget_pages(self.model.config, self.max_pages, config.sparse_residency_budget)
+        each = resident_session_bytes(self.model.config, self.max_pages, budget, kv_dtype, index_dtype)
+        logger.info("sparse-resident lane: %d sessions of %.2f GiB reserved",
+                    config.sparse_residency_sessions, each / 2**30)
+        return config.sparse_residency_sessions * each
 
     @property
     def kv_cache_bytes(self) -> int:

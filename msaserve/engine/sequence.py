@@ -16,6 +16,9 @@ class SequenceStatus(enum.Enum):
     """Holds pages; prefilling in chunks or decoding."""
     SWAPPED = "swapped"
     """Preempted: its pages' contents wait in the swap store, its GPU pages are free."""
+    RESIDENT = "resident"
+    """Decoding sparse-resident (`engine/kv/resident_lane.py`): no pool pages; its index and a working
+    set of its K/V on the device, every page's K/V in host memory."""
     FINISHED = "finished"
 
 

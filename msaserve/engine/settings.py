@@ -59,6 +59,23 @@ class EngineSettings(BaseModel):
         description="Decode steps per scheduling round: above 1, a decode-only batch of greedy requests runs "
         "that many steps on the device with one host sync (tokens stream in bursts of up to this many).",
     )
+    sparse_residency_sessions: int = Field(
+        0, ge=0, le=1024,
+        description="Long decoding requests a replica may move off its KV pool at once: each then decodes "
+        "with its whole MSA index and only sparse_residency_budget of its K/V on the device, every page's "
+        "K/V in host memory (pinned on CUDA), fetched as the indexer selects it. 0: off. Needs a model "
+        "whose every layer is MSA and a single-rank replica.",
+    )
+    sparse_residency_min_tokens: int = Field(
+        32768, ge=16, le=4_194_304,
+        description="Context (tokens) at which a decoding request moves off the KV pool, when "
+        "sparse_residency_sessions has room.",
+    )
+    sparse_residency_budget: float = Field(
+        0.1, gt=0.0, le=1.0,
+        description="Share of a max_model_len request's K/V pages per layer kept on the device by a "
+        "sparse-resident request (at least the write ring and one step's selection).",
+    )
 
     tensor_parallel_size: int = Field(
         1, ge=1, le=64,

@@ -220,6 +220,8 @@ class EngineStats:
     num_total_pages: int
     num_cached_pages: int = 0
     prefix_hit_rate: float = 0.0
+    num_sparse_resident: int = 0
+    """Of the running requests, those decoding sparse-resident, off the pool (`kv/resident_lane.py`)."""
     waiting_prefill_pages: int = 0
     """Pages of prompt still to prefill (`Scheduler.prefill_tokens_left`, in pages): the work ahead
     of a new request, which the router prices (`RouterState.queued_prefill_pages`)."""

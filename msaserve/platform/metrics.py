@@ -59,6 +59,8 @@ METRICS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "output_tokens": ("counter", "Output tokens generated (rate() gives tokens/s).", ("model",)),
     "tokens_per_second": ("gauge", "Output tokens/s of one replica over its last stats period.", ("model",)),
     "running_requests": ("gauge", "Sequences running on one model replica.", ("model",)),
+    "sparse_resident_requests": (
+        "gauge", "Requests decoding sparse-resident (off the KV pool) on one model replica.", ("model",)),
     "waiting_requests": ("gauge", "Requests waiting on one model replica.", ("model",)),
     "pages_used": ("gauge", "KV pages in use on one model replica.", ("model",)),
     "pages_free": ("gauge", "Free KV pages on one model replica.", ("model",)),

@@ -229,6 +229,7 @@ class ModelDeployment:
             now = time.perf_counter()
             tags = {"model": self.name}
             self.metrics.set("running_requests", s.num_running, **tags)
+            self.metrics.set("sparse_resident_requests", s.num_sparse_resident, **tags)
             self.metrics.set("waiting_requests", s.num_waiting, **tags)
             self.metrics.set("pages_free", s.num_free_pages, **tags)
             self.metrics.set("pages_used", s.num_total_pages - s.num_free_pages, **tags)

@@ -95,6 +95,14 @@ def allocate_resident_caches(
     return caches, pools
 
 
+@dataclasses.dataclass(frozen=True)
+class HostHoldsPages:
+    """`ResidentSession.offload(host=HostHoldsPages(tier))`: the tier already holds the session's
+    pages, so none is written again."""
+
+    host: HostKV
+
+
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
     """No automatic garbage collection inside (it runs again afterwards, as it was); also a
@@ -191,27 +199,40 @@ class ResidentSession:
     # ---- building one -------------------------------------------------------------------------
     @classmethod
     def offload(cls, config: MSAConfig, caches: Sequence[LayerKVCache], num_tokens: int, budget_pages: int,
-                max_pages: int, host: HostKV | None = None, per_head: bool = True) -> "ResidentSession":
-        """A session held fully resident in `caches` (logical page = physical page) → sparse
-        resident: its index copied, every page's K/V to the (pinned) host tier, the page being
-        written to its ring slot. host: a host tier already holding these pages (benchmarks
-        offload one session at several budgets)."""
+                max_pages: int, host: HostKV | None = None, per_head: bool = True,
+                block_table: Sequence[int] | None = None) -> "ResidentSession":
+        """A session held fully resident in `caches` → sparse resident: its index copied to its
+        logical pages, every page's K/V written to the (pinned) host tier, the page being written to
+        its ring slot. block_table: the physical page of each logical page (an engine's paged pool;
+        None: logical page = physical page). host: a host tier to reuse (reset, then written), or
+        `HOST_HOLDS_PAGES` wrapped around one that already holds these pages (benchmarks offload one
+        session at several budgets)."""
         first = caches[0]
         device, dtype = first.k_cache.device, first.k_cache.dtype
         pages = -(-num_tokens // config.page_size)
-        if host is None:
-            page_shape = tuple(first.k_cache.shape[1:])
-            host = HostKV(len(caches), max_pages, page_shape, dtype, pin=device.type == "cuda")
+        table = torch.as_tensor(list(range(pages)) if block_table is None else list(block_table[:pages]),
+                                dtype=torch.long, device=device)
+        if len(table) < pages:
+            raise ValueError(f"block_table has {len(table)} pages: allowed at least the {pages} pages of "
+                             f"num_tokens={num_tokens}")
+        if isinstance(host, HostHoldsPages):
+            host = host.host
+        else:
+            if host is None:
+                host = HostKV(len(caches), max_pages, tuple(first.k_cache.shape[1:]), dtype,
+                              pin=device.type == "cuda")
+            else:
+                host.reset(None)
             for layer, src in enumerate(caches):
                 for start in range(0, pages, 1024):  # bounded temporaries on the device
-                    end = min(pages, start + 1024)
-                    host.write(layer, range(start, end), torch.stack([src.k_cache[start:end],
-                                                                      src.v_cache[start:end]], dim=1))
+                    rows = table[start : start + 1024]
+                    host.write(layer, range(start, start + len(rows)),
+                               torch.stack([src.k_cache[rows], src.v_cache[rows]], dim=1))
         session = cls(config, max_pages, budget_pages, host, device, dtype, first.index_cache.dtype, per_head)
         for src, dst in zip(caches, session.caches, strict=True):
-            dst.index_cache[:pages] = src.index_cache[:pages]
+            dst.index_cache[:pages] = src.index_cache[table]
             if src.index_scale is not None:
-                dst.index_scale[:pages] = src.index_scale[:pages]
+                dst.index_scale[:pages] = src.index_scale[table]
         session._enter_page(num_tokens // config.page_size, load=True)
         return session
 

@@ -1,0 +1,140 @@
+"""The engine's sparse-resident lane (engine/kv/resident_lane.py): long decoding requests leave the
+page pool and decode with their whole index and a small working set of K/V on the device. Their
+tokens are the pool's, greedy or sampled, alone or beside a batch; their pool pages are given back;
+a finished or aborted request's host tier is reused.
+
+tiny: P=16, K=4, Hkv=2, n_local=1: one step selects at most 8 pages per layer and the working set
+is the least one, 10 pages (ring 2 + 8), against 19-37 pages per request here."""
+
+import pytest
+import torch
+from engine_helpers import collect, greedy, make_engine, random_prompt, run_to_completion
+
+from msaserve.engine.config import EngineConfig
+from msaserve.engine.llm_engine import LLMEngine
+from msaserve.engine.sequence import SequenceStatus
+from msaserve.engine.types import GenerateRequest, SamplingParams
+from msaserve.models.presets import get_preset
+from msaserve.models.transformer import MSATransformer, init_random_weights
+
+LENGTHS = [300, 420, 560]
+MAX_TOKENS = 24  # every request crosses a page boundary while resident: write-back and ring reuse
+LANE = dict(sparse_residency_sessions=2, sparse_residency_min_tokens=256, sparse_residency_budget=0.01,
+            max_model_len=640)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_torch_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def prompts() -> list[list[int]]:
+    return [random_prompt(n, seed=10 + i) for i, n in enumerate(LENGTHS)]
+
+
+def requests(prompts, sampling) -> list[GenerateRequest]:
+    return [GenerateRequest(f"r{i}", p, sampling(i)) for i, p in enumerate(prompts)]
+
+
+@pytest.fixture(scope="module")
+def pooled(tiny_model, prompts) -> dict[str, list[int]]:
+    """Greedy tokens with every request in the pool."""
+    return run_to_completion(make_engine(tiny_model, max_model_len=640),
+                             requests(prompts, lambda i: greedy(MAX_TOKENS)))
+
+
+def test_long_requests_decode_sparse_resident_with_the_pools_greedy_tokens(tiny_model, prompts, pooled):
+    engine = make_engine(tiny_model, **LANE)
+    lane = engine.resident
+    assert lane.budget_pages == 10
+    for request in requests(prompts, lambda i: greedy(MAX_TOKENS)):
+        engine.add_request(request)
+    outputs: dict[str, list[int]] = {}
+    most = 0
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.token_ids)
+        most = max(most, len(lane))
+    assert outputs == pooled
+    # each moved once its context reached 256 tokens and the lane (2 sessions) had room
+    assert lane.stats.moved_in == 3 and lane.stats.finished == 3 and most == 2 and not lane
+    assert lane.stats.steps > 2 * MAX_TOKENS and lane.stats.graph_steps == lane.stats.steps
+    assert lane.stats.pages_freed >= 19 + 27 + 35
+    # the selection moved over more pages than the working set holds: pages came and went
+    assert lane.stats.pages_fetched > 0 and lane.stats.evictions > 0
+    engine.block_manager.check_consistency()
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_the_lane_frees_the_requests_pool_pages_and_counts_it_as_running(tiny_model, prompts):
+    engine = make_engine(tiny_model, **LANE)
+    engine.add_request(GenerateRequest("long", prompts[2], greedy(MAX_TOKENS)))
+    while not engine.resident:
+        engine.step()
+    seq = engine.trackers["long"].seq
+    assert seq.status is SequenceStatus.RESIDENT and seq.block_table == []
+    stats = engine.stats()
+    assert stats.num_running == stats.num_sparse_resident == 1
+    assert stats.num_free_pages == engine.block_manager.num_pages
+    session = engine.resident.session_of(seq)
+    assert session.budget_pages == 10 and session.max_pages == 40
+    output = engine.abort("long")
+    assert output.finished and seq.status is SequenceStatus.FINISHED and not engine.has_unfinished()
+
+
+def test_sampled_logprob_and_penalized_requests_sample_from_the_same_logits(tiny_model, prompts):
+    """Requests that are not plain greedy decode eagerly and go through the engine's sampler."""
+
+    def sampling(i: int) -> SamplingParams:
+        return [SamplingParams(max_tokens=MAX_TOKENS, temperature=0.9, seed=7, ignore_eos=True),
+                SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, logprobs=True, top_logprobs=2,
+                               ignore_eos=True),
+                SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, repetition_penalty=1.3,
+                               ignore_eos=True)][i]
+
+    want = run_to_completion(make_engine(tiny_model, max_model_len=640), requests(prompts, sampling))
+    engine = make_engine(tiny_model, **{**LANE, "sparse_residency_sessions": 3})
+    got = run_to_completion(engine, requests(prompts, sampling))
+    assert got == want
+    assert engine.resident.stats.moved_in == 3 and engine.resident.stats.graph_steps == 0
+
+
+def test_a_finished_requests_host_tier_is_reused_and_the_tokens_stay(tiny_model, prompts, pooled):
+    engine = make_engine(tiny_model, **{**LANE, "sparse_residency_sessions": 1})
+    lane = engine.resident
+    got: dict[str, list[int]] = {}
+    for request in requests(prompts, lambda i: greedy(MAX_TOKENS)):  # one after the other
+        engine.add_request(request)
+        collect(engine, got)
+    assert got == pooled
+    assert lane.stats.moved_in == 3 and len(lane._free_hosts) == 1
+
+
+def test_requests_below_the_threshold_stay_in_the_pool(tiny_model, prompts, pooled):
+    engine = make_engine(tiny_model, **{**LANE, "sparse_residency_min_tokens": 600})
+    assert run_to_completion(engine, requests(prompts, lambda i: greedy(MAX_TOKENS))) == pooled
+    assert engine.resident.stats.moved_in == 0
+
+
+def test_a_model_that_cannot_decode_sparse_resident_is_refused_with_the_field():
+    dense = init_random_weights(MSATransformer(get_preset("tiny"), "dense"), seed=0).eval()
+    with pytest.raises(ValueError, match=r"sparse_residency_sessions=1 is invalid here: .*'dense'"):
+        LLMEngine(EngineConfig(model="tiny", num_pages=64, attention_backend="dense",
+                               sparse_residency_sessions=1), model=dense)
+    config = get_preset("tiny").model_copy(update={"dense_layers": (0,)})
+    mixed = init_random_weights(MSATransformer(config, "naive"), seed=0).eval()
+    with pytest.raises(ValueError, match=r"layers \[0\] attend densely"):
+        LLMEngine(EngineConfig(model="tiny", num_pages=64, attention_backend="naive",
+                               sparse_residency_sessions=1), model=mixed)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("sparse_residency_sessions", -1), ("sparse_residency_min_tokens", 0), ("sparse_residency_budget", 0.0),
+    ("sparse_residency_budget", 1.5)])
+def test_bad_lane_settings_name_the_field(field, value):
+    with pytest.raises(ValueError, match=rf"EngineConfig.{field}={value!r} is invalid: allowed"):
+        EngineConfig(**{field: value})
