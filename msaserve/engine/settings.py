@@ -63,8 +63,8 @@ class EngineSettings(BaseModel):
         0, ge=0, le=1024,
         description="Long decoding requests a replica may move off its KV pool at once: each then decodes "
         "with its whole MSA index and only sparse_residency_budget of its K/V on the device, every page's "
-        "K/V in host memory (pinned on CUDA), fetched as the indexer selects it. 0: off. Needs a model "
-        "whose every layer is MSA and a single-rank replica.",
+        "K/V in host memory (pinned on CUDA), fetched as the indexer selects it (layers that attend densely "
+        "keep their whole K/V on the device). 0: off. Needs an MSA backend and a single-rank replica.",
     )
     sparse_residency_min_tokens: int = Field(
         32768, ge=16, le=4_194_304,

@@ -81,7 +81,8 @@ class MSAAttention(nn.Module):
         # caches quantize per key (LayerKVCache.write_index) instead of a plain store. A dense layer
         # (config.dense_layers) has no index branch: it projects and writes no index keys.
         index_caches = (cache.index_cache,) if cache.index_scale is None and not self.dense else ()
-        kv_slots = slots if meta.kv_slot_mapping is None else meta.kv_slot_mapping
+        # (a dense layer reads every page: its K/V stay at their logical slot even then)
+        kv_slots = slots if meta.kv_slot_mapping is None or self.dense else meta.kv_slot_mapping
         layer_ops.rotary_and_write(q, rotary.cos, rotary.sin, True)
         if index_k is None and index_caches and kv_slots is not slots:  # one write per slot mapping
             layer_ops.rotary_and_write(k, rotary.cos, rotary.sin, True, kv_slots, (cache.k_cache,))

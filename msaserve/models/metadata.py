@@ -31,7 +31,8 @@ class AttentionMetadata:
     kv_slot_mapping: torch.Tensor | None = None
     """[T] int64: where each new token's K and V go when they live in another pool than its
     index-K (sparse residency, `engine/kv/residency.py`: every index page resident, a small
-    working set of K/V pages); None: `slot_mapping` for all three."""
+    working set of K/V pages); None: `slot_mapping` for all three. Layers that attend densely (no
+    index branch) always write their K/V at `slot_mapping`: they read every page."""
     selections: list[torch.Tensor] | None = None
     """If a list, each MSA layer appends its block selection [T, Hkv, K] int32 (for the KV cache
     service's lazy page fetch and for tests); None skips recording."""

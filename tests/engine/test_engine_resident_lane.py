@@ -9,8 +9,11 @@ is the least one, 10 pages (ring 2 + 8), against 19-37 pages per request here.""
 import pytest
 import torch
 from engine_helpers import collect, greedy, make_engine, random_prompt, run_to_completion
+from parallel.m3_tiny import random_m3
 
 from msaserve.engine.config import EngineConfig
+from msaserve.engine.kv.host_tier import HostKV
+from msaserve.engine.kv.resident_session import ResidentSession
 from msaserve.engine.llm_engine import LLMEngine
 from msaserve.engine.sequence import SequenceStatus
 from msaserve.engine.types import GenerateRequest, SamplingParams
@@ -120,16 +123,47 @@ def test_requests_below_the_threshold_stay_in_the_pool(tiny_model, prompts, pool
     assert engine.resident.stats.moved_in == 0
 
 
+@pytest.mark.parametrize("kind", ["msa", "m3"])
+def test_layers_that_attend_densely_keep_their_kv_and_the_tokens_stay(kind):
+    """A layer without an index branch reads every page: a moved request keeps all of its K/V on the
+    device (written at the logical slot), while its MSA layers decode from a working set. msa: the
+    tiny preset with layer 0 dense; m3: the tiny MiniMax-M3 (layer 1 full_attention, MoE MLPs)."""
+    if kind == "m3":
+        model, dense, vocab = random_m3(seed=0), (1,), 250
+    else:
+        config = get_preset("tiny").model_copy(update={"dense_layers": (0,)})
+        model, dense, vocab = init_random_weights(MSATransformer(config, "naive"), seed=0).eval(), (0,), 512
+    prompts = [random_prompt(n, seed=20 + i, vocab=vocab) for i, n in enumerate(LENGTHS[:2])]
+    sampling = lambda i: greedy(MAX_TOKENS)  # noqa: E731
+    want = run_to_completion(make_engine(model, max_model_len=640), requests(prompts, sampling))
+    engine = make_engine(model, **LANE)
+    got = run_to_completion(engine, requests(prompts, sampling))
+    assert got == want
+    lane = engine.resident
+    assert lane.dense_layers == dense and lane.stats.moved_in == 2
+    assert lane.stats.pages_fetched > 0 and lane.stats.evictions > 0
+
+
+def test_a_session_with_a_dense_layer_holds_that_layers_pages_whole(tiny_model):
+    config = get_preset("tiny").model_copy(update={"dense_layers": (1,)})
+    session = ResidentSession(config, max_pages=40, budget_pages=10,
+                              host=HostKV(2, 40, (16, 2, 16), torch.float32, pin=False),
+                              device=torch.device("cpu"), dtype=torch.float32)
+    assert session.dense_layers == (1,) and session.sparse_layers == (0,)
+    assert session.caches[0].k_cache.shape[0] == 10 and session.caches[1].k_cache.shape[0] == 40
+    assert session.caches[1].index_cache.shape[0] == 1 and not session.can_speculate
+
+
 def test_a_model_that_cannot_decode_sparse_resident_is_refused_with_the_field():
     dense = init_random_weights(MSATransformer(get_preset("tiny"), "dense"), seed=0).eval()
     with pytest.raises(ValueError, match=r"sparse_residency_sessions=1 is invalid here: .*'dense'"):
         LLMEngine(EngineConfig(model="tiny", num_pages=64, attention_backend="dense",
                                sparse_residency_sessions=1), model=dense)
-    config = get_preset("tiny").model_copy(update={"dense_layers": (0,)})
-    mixed = init_random_weights(MSATransformer(config, "naive"), seed=0).eval()
-    with pytest.raises(ValueError, match=r"layers \[0\] attend densely"):
+    config = get_preset("tiny").model_copy(update={"dense_layers": (0, 1)})
+    every = init_random_weights(MSATransformer(config, "naive"), seed=0).eval()
+    with pytest.raises(ValueError, match=r"every layer of the model attends densely"):
         LLMEngine(EngineConfig(model="tiny", num_pages=64, attention_backend="naive",
-                               sparse_residency_sessions=1), model=mixed)
+                               sparse_residency_sessions=1), model=every)
 
 
 @pytest.mark.parametrize("field, value", [

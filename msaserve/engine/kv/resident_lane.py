@@ -13,8 +13,10 @@ From then on each engine step decodes it alone, beside the pool's batch:
 Greedy tokens are the pool's: the selection runs over the same index, and the pages it selects are
 copied into the working set before the attention reads them (docs/design.md §3).
 
-Not here: models with layers that attend densely (they read every page), multi-rank replicas, and
-requests that persist a session in the KV cache service (their writer reads the pool's pages).
+Layers that attend densely (MiniMax-M3's full_attention layers) read every page: a moved request
+keeps all of their K/V on the device, and only its MSA layers decode from a working set.
+Not here: multi-rank replicas, and requests that persist a session in the KV cache service (their
+writer reads the pool's pages).
 """
 
 import dataclasses
@@ -27,7 +29,7 @@ import torch
 
 from msaserve.engine.kv.host_tier import HostKV
 from msaserve.engine.kv.resident_graph import SparseDecodeGraph
-from msaserve.engine.kv.resident_session import ResidentSession
+from msaserve.engine.kv.resident_session import ResidentSession, config_dense_layers
 from msaserve.engine.sequence import Sequence, SequenceStatus
 from msaserve.kernels import AttentionOps
 from msaserve.models.cache import LayerKVCache
@@ -46,16 +48,23 @@ def lane_budget_pages(config, max_pages: int, fraction: float) -> int:
     return min(max_pages, max(least_budget_pages(config), math.ceil(fraction * max_pages)))
 
 
+def model_dense_layers(model: MSATransformer) -> tuple[int, ...]:
+    """The layers that attend densely (MiniMax-M3's full_attention layers, `config.dense_layers`)."""
+    return tuple(getattr(model, "dense_layers", ()) or config_dense_layers(model.config))
+
+
 def resident_session_bytes(config, max_pages: int, budget_pages: int, kv_dtype: torch.dtype,
-                           index_dtype: torch.dtype) -> int:
-    """Device bytes of one sparse-resident session: every layer's index cache of `max_pages` pages
-    (and fp8 scales) and its K/V pool of `budget_pages`."""
+                           index_dtype: torch.dtype, dense_layers: int = 0) -> int:
+    """Device bytes of one sparse-resident session: each MSA layer's index cache of `max_pages`
+    pages (and fp8 scales) and its K/V pool of `budget_pages`; each of the `dense_layers` layers
+    that attend densely, all `max_pages` pages of K/V."""
     c = config
-    kv = budget_pages * 2 * c.page_size * c.num_kv_heads * c.head_dim * kv_dtype.itemsize
+    page_kv = 2 * c.page_size * c.num_kv_heads * c.head_dim * kv_dtype.itemsize
     index = max_pages * c.page_size * c.num_index_heads * c.index_head_dim * index_dtype.itemsize
     fp8 = index_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     scales = max_pages * c.page_size * c.num_index_heads * 4 if fp8 else 0
-    return c.num_layers * (kv + index + scales)
+    sparse_layers = c.num_layers - dense_layers
+    return sparse_layers * (budget_pages * page_kv + index + scales) + dense_layers * max_pages * page_kv
 
 
 def refusal(model: MSATransformer, ops: AttentionOps, world_size: int) -> str | None:
@@ -63,10 +72,8 @@ def refusal(model: MSATransformer, ops: AttentionOps, world_size: int) -> str | 
     if not ops.sparse:
         return (f"attention_backend {model.attention_backend!r} attends densely: sparse residency needs an "
                 "MSA backend (msa, triton or naive)")
-    dense = tuple(getattr(model, "dense_layers", ()) or model.config.dense_layers)
-    if dense:
-        return (f"the model's layers {list(dense)} attend densely and read every page: sparse residency "
-                "needs every layer to select its pages")
+    if len(model_dense_layers(model)) == model.config.num_layers:
+        return "every layer of the model attends densely: sparse residency needs MSA layers"
     if world_size > 1:
         return f"a replica of {world_size} ranks: sparse residency runs on single-rank replicas"
     return None
@@ -109,6 +116,8 @@ class SparseResidentLane:
         self.max_sessions, self.min_tokens, self.max_pages = max_sessions, min_tokens, max_pages
         config = model.config
         self.budget_pages = lane_budget_pages(config, max_pages, budget_fraction)
+        self.dense_layers = model_dense_layers(model)
+        """Layers that read every page: a moved request keeps all of their K/V on the device."""
         if self.budget_pages < least_budget_pages(config):
             raise ValueError(
                 f"max_model_len gives {max_pages} pages: sparse residency needs at least "
@@ -135,7 +144,7 @@ class SparseResidentLane:
         host = self._free_hosts.pop() if self._free_hosts else None
         session = ResidentSession.offload(self.model.config, self.caches, seq.num_computed_tokens,
                                           self.budget_pages, self.max_pages, host=host,
-                                          block_table=seq.block_table)
+                                          block_table=seq.block_table, dense_layers=self.dense_layers)
         pages = len(seq.block_table)
         free_pages(seq)
         seq.status = SequenceStatus.RESIDENT

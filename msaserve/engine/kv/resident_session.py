@@ -66,33 +66,50 @@ class ResidencyStats:
 
 def allocate_resident_caches(
     config: MSAConfig, max_pages: int, budget_pages: int, device: torch.device, dtype: torch.dtype,
-    index_dtype: torch.dtype | None = None, per_head: bool = True,
+    index_dtype: torch.dtype | None = None, per_head: bool = True, dense_layers: Sequence[int] = (),
 ) -> tuple[list[LayerKVCache], list[torch.Tensor]]:
     """→ (caches, pools). Per layer: K and V of budget_pages, views of one pool
     [budget_pages, 2, P, Hkv, D] (a page moves in one copy), or head-major [budget_pages, 2, Hkv, P, D]
     with `per_head` (each KV head's column of a slot holds a page of its own); index cache
-    [max_pages, P, HkI, DI]. The K and V caches are [budget_pages, P, Hkv, D] views either way."""
+    [max_pages, P, HkI, DI]. The K and V caches are [budget_pages, P, Hkv, D] views either way.
+    A layer in `dense_layers` reads every page: its pool [max_pages, 2, P, Hkv, D] holds each logical
+    page at its own slot, and its index cache is one unused page (it has no index branch)."""
     index_dtype = index_dtype or dtype
     fp8 = index_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     c = config
     pool_shape = ((budget_pages, 2, c.num_kv_heads, c.page_size, c.head_dim) if per_head
                   else (budget_pages, 2, c.page_size, c.num_kv_heads, c.head_dim))
-    index_shape = (max_pages, c.page_size, c.num_index_heads, c.index_head_dim)
-    pools = [torch.zeros(pool_shape, device=device, dtype=dtype) for _ in range(c.num_layers)]
+    dense_shape = (max_pages, 2, c.page_size, c.num_kv_heads, c.head_dim)
+    dense = set(dense_layers)
+    pools = [torch.zeros(dense_shape if layer in dense else pool_shape, device=device, dtype=dtype)
+             for layer in range(c.num_layers)]
 
-    def view(pool: torch.Tensor, kv: int) -> torch.Tensor:  # strided: the kernels take any strides
-        return pool[:, kv].permute(0, 2, 1, 3) if per_head else pool[:, kv]
+    def view(layer: int, kv: int) -> torch.Tensor:  # strided: the kernels take any strides
+        pool = pools[layer]
+        return pool[:, kv].permute(0, 2, 1, 3) if per_head and layer not in dense else pool[:, kv]
+
+    def index_shape(layer: int) -> tuple[int, ...]:
+        return (1 if layer in dense else max_pages, c.page_size, c.num_index_heads, c.index_head_dim)
 
     caches = [
         LayerKVCache(
-            k_cache=view(pool, 0),
-            v_cache=view(pool, 1),
-            index_cache=torch.zeros(index_shape, device=device, dtype=index_dtype),
-            index_scale=torch.ones(index_shape[:3], device=device, dtype=torch.float32) if fp8 else None,
+            k_cache=view(layer, 0),
+            v_cache=view(layer, 1),
+            index_cache=torch.zeros(index_shape(layer), device=device, dtype=index_dtype),
+            index_scale=(torch.ones(index_shape(layer)[:3], device=device, dtype=torch.float32) if fp8
+                         else None),
         )
-        for pool in pools
+        for layer in range(c.num_layers)
     ]
     return caches, pools
+
+
+def config_dense_layers(config: MSAConfig) -> tuple[int, ...]:
+    """Layers of `config` that attend densely, reading every page: `dense_layers`, and MiniMax-M3's
+    `full_attention` layers (`layer_types`)."""
+    kinds = getattr(config, "layer_types", ())
+    full = (i for i, kind in enumerate(kinds) if kind == "full_attention")
+    return tuple(sorted({*config.dense_layers, *full}))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,14 +136,18 @@ def gc_paused() -> Iterator[None]:
 class ResidentSession:
     def __init__(self, config: MSAConfig, max_pages: int, budget_pages: int, host: HostKV,
                  device: torch.device, dtype: torch.dtype, index_dtype: torch.dtype | None = None,
-                 per_head: bool = True) -> None:
+                 per_head: bool = True, dense_layers: Sequence[int] | None = None) -> None:
         """budget_pages: K/V pages per layer on the GPU (≥ ring + Hkv·top_k, so one step's
         selection always fits); max_pages: pages the session may reach (its index is all there).
         per_head (the default): each KV head keeps its own working set in its column of the slots
         (a miss moves that head's K and V of the page, 1/Hkv of it; `budget_pages` then holds Hkv
         times as many (page, head) columns); False: a slot holds a whole page (every head's K/V).
         On the H200 (m3-mini, 1M tokens, 10 % budget, CUDA graphs) per head costs 1.24x the
-        resident step against 1.54x per page (benchmarks/results/kvcache.json)."""
+        resident step against 1.54x per page (benchmarks/results/kvcache.json).
+        dense_layers: layers that attend densely (no index branch, e.g. MiniMax-M3's full_attention
+        layers; None: the config's, `config_dense_layers`): they read every page, so they keep all of
+        their K/V on the device at its logical page (their K/V are written at `slot_mapping`,
+        `AttentionMetadata.kv_slot_mapping`), and only the other layers decode from a working set."""
         self.config, self.max_pages, self.device, self.host = config, max_pages, torch.device(device), host
         self.ring = max(2, config.n_local + 1)
         least = self.ring + config.num_kv_heads * config.top_k
@@ -135,8 +156,11 @@ class ResidentSession:
                              f"Hkv·top_k) ≤ budget_pages ≤ max_pages={max_pages}")
         self.page_size, self.budget_pages = config.page_size, budget_pages
         self.per_head, self.heads = per_head, config.num_kv_heads
+        self.dense_layers = tuple(sorted(set(config_dense_layers(config) if dense_layers is None
+                                             else dense_layers)))
+        self.sparse_layers = tuple(i for i in range(config.num_layers) if i not in self.dense_layers)
         self.caches, self.pools = allocate_resident_caches(config, max_pages, budget_pages, self.device,
-                                                           dtype, index_dtype, per_head)
+                                                           dtype, index_dtype, per_head, self.dense_layers)
         # The working set's rows: one per layer, or one per (layer, KV head) — row layer·Hkv + head.
         rows = len(self.caches) * (self.heads if per_head else 1)
         self.working = DeviceWorkingSet(rows, budget_pages, self.ring, max_pages, self.device)
@@ -146,11 +170,12 @@ class ResidentSession:
         h = self.heads
         self._columns = [(pool.view(-1, config.page_size, 1, config.head_dim)[:-h],
                           pool.view(-1, config.page_size, 1, config.head_dim)[h:])
-                         for pool in self.pools] if per_head else []
+                         if layer in self.sparse_layers else None
+                         for layer, pool in enumerate(self.pools)] if per_head else []
         self._head_ids = torch.arange(h, dtype=torch.int32, device=self.device)[:, None]
         self.index_table = torch.arange(max_pages, dtype=torch.int32, device=self.device)[None]
-        self._layer_of_index = {c.index_cache.data_ptr(): layer for layer, c in enumerate(self.caches)}
-        self._layer_of_kv = {c.k_cache.data_ptr(): layer for layer, c in enumerate(self.caches)}
+        self._layer_of_index = {self.caches[i].index_cache.data_ptr(): i for i in self.sparse_layers}
+        self._layer_of_kv = {self.caches[i].k_cache.data_ptr(): i for i in self.sparse_layers}
         self.write_page = -1
         self.last_selected: list[list[int]] = [[] for _ in self.caches]
         self._stats = ResidencyStats()
@@ -170,7 +195,8 @@ class ResidentSession:
         # caller (`SparseDecodeGraph`) then reads those pages in and runs the step again (`repair`).
         room = budget_pages >= self.ring + (len(self.caches) + 2) * config.top_k
         self._present_dev = (torch.zeros(len(self.caches), max_pages, dtype=torch.bool, device=self.device)
-                             if per_head and self._host_src is not None and room else None)
+                             if per_head and self._host_src is not None and room and not self.dense_layers
+                             else None)
         self._presence_final = False
         self._skipped: list[torch.Tensor | None] = [None] * len(self.caches)
         self._step_src: list[torch.Tensor | None] = [None] * len(self.caches)
@@ -200,13 +226,15 @@ class ResidentSession:
     @classmethod
     def offload(cls, config: MSAConfig, caches: Sequence[LayerKVCache], num_tokens: int, budget_pages: int,
                 max_pages: int, host: HostKV | None = None, per_head: bool = True,
-                block_table: Sequence[int] | None = None) -> "ResidentSession":
+                block_table: Sequence[int] | None = None, dense_layers: Sequence[int] | None = None,
+                ) -> "ResidentSession":
         """A session held fully resident in `caches` → sparse resident: its index copied to its
         logical pages, every page's K/V written to the (pinned) host tier, the page being written to
         its ring slot. block_table: the physical page of each logical page (an engine's paged pool;
         None: logical page = physical page). host: a host tier to reuse (reset, then written), or
         `HOST_HOLDS_PAGES` wrapped around one that already holds these pages (benchmarks offload one
-        session at several budgets)."""
+        session at several budgets). dense_layers: layers that read every page (their K/V stay whole on
+        the device, see `__init__`)."""
         first = caches[0]
         device, dtype = first.k_cache.device, first.k_cache.dtype
         pages = -(-num_tokens // config.page_size)
@@ -228,8 +256,14 @@ class ResidentSession:
                     rows = table[start : start + 1024]
                     host.write(layer, range(start, start + len(rows)),
                                torch.stack([src.k_cache[rows], src.v_cache[rows]], dim=1))
-        session = cls(config, max_pages, budget_pages, host, device, dtype, first.index_cache.dtype, per_head)
-        for src, dst in zip(caches, session.caches, strict=True):
+        session = cls(config, max_pages, budget_pages, host, device, dtype, first.index_cache.dtype, per_head,
+                      dense_layers)
+        for layer in session.dense_layers:
+            src, pool = caches[layer], session.pools[layer]
+            pool[:pages, 0] = src.k_cache[table]
+            pool[:pages, 1] = src.v_cache[table]
+        for layer in session.sparse_layers:
+            src, dst = caches[layer], session.caches[layer]
             dst.index_cache[:pages] = src.index_cache[table]
             if src.index_scale is not None:
                 dst.index_scale[:pages] = src.index_scale[table]
@@ -254,6 +288,10 @@ class ResidentSession:
         The garbage collector waits until the adoption is done: a full collection over the shards'
         and the engine's objects takes tens of ms, and the adoption allocates enough to start one
         (on the H200 the host-tier reset alone varied from 2 to 20 ms)."""
+        if config_dense_layers(config):
+            raise ValueError(f"adopt: layers {list(config_dense_layers(config))} attend densely: adopting a "
+                             "session sparse-resident needs every layer to select its pages (offload one "
+                             "instead)")
         t0 = time.perf_counter()
         hashes = list(record.page_hashes) + ([record.tail_hash] if record.tail_hash is not None else [])
         c = config
@@ -354,15 +392,17 @@ class ResidentSession:
         """Page `page` starts receiving tokens: write the page filled before it back to the host
         tier, and give it its ring slot in every layer (load: copy its K/V in from the host tier)."""
         if self.write_page >= 0:
-            slot = self.write_page % self.ring
-            for layer in range(len(self.caches)):
-                self.host.write(layer, [self.write_page], self._as_pages(self.pools[layer][slot : slot + 1]))
+            slot, page_filled = self.write_page % self.ring, self.write_page
+            for layer in self.sparse_layers:
+                self.host.write(layer, [page_filled], self._as_pages(self.pools[layer][slot : slot + 1]))
+            for layer in self.dense_layers:  # the host tier holds every layer's pages all the same
+                self.host.write(layer, [page_filled], self.pools[layer][page_filled : page_filled + 1])
             self._stats.pages_written_back += len(self.caches)
             if self._present_dev is not None:  # in stream order after the copies into the host tier
                 self._present_dev[:, self.write_page] = True
         slot = self.working.place_write_page(page)
         if load:
-            for layer in range(len(self.caches)):
+            for layer in self.sparse_layers:
                 if self.host.present[layer, page]:
                     self.pools[layer][slot].copy_(self._as_slot(self.host.data[layer, page]),
                                                   non_blocking=True)
@@ -574,7 +614,9 @@ class ResidentSession:
 
         return dataclasses.replace(ops, indexer_decode=indexer_decode, sparse_decode=sparse_decode,
                                    indexer_prefill=refuse, sparse_prefill=refuse, dense_prefill=refuse,
-                                   dense_decode=refuse, graph_capturable=False)
+                                   # a dense layer's K/V are whole, at their logical pages (the step's table)
+                                   dense_decode=ops.dense_decode if self.dense_layers else refuse,
+                                   graph_capturable=False)
 
     # ---- background --------------------------------------------------------------------------
     def predicted(self) -> list[tuple[int, int]]:

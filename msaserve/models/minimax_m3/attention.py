@@ -121,7 +121,9 @@ class M3Attention(nn.Module):
             projected = torch.cat([linear(x) for linear in self._projections()], dim=-1)
         # K/V may live in a pool of their own (sparse residency); index keys go to their logical
         # page, whichever backend attends, and an fp8 index cache quantizes each key (write_index).
-        kv_slots = meta.slot_mapping if meta.kv_slot_mapping is None else meta.kv_slot_mapping
+        # A full_attention layer (no indexer) reads every page: its K/V stay at their logical slot.
+        dense = self.indexer is None
+        kv_slots = meta.slot_mapping if meta.kv_slot_mapping is None or dense else meta.kv_slot_mapping
         plain_index = cache.index_scale is None
         q, index_q, index_k = attention_heads(
             projected, self._layout(), self._norm_weights(), self.q_norm.eps, rotary.cos, rotary.sin,
