@@ -172,3 +172,26 @@ def test_a_model_that_cannot_decode_sparse_resident_is_refused_with_the_field():
 def test_bad_lane_settings_name_the_field(field, value):
     with pytest.raises(ValueError, match=rf"EngineConfig.{field}={value!r} is invalid: allowed"):
         EngineConfig(**{field: value})
+
+
+def test_lane_benchmark_runs_and_reports_equal_tokens(tmp_path):
+    """benchmarks/kvcache/resident_lane.py at a small size: both keys written from a run whose
+    tokens equal the pool's, every request moved."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "lane.json"
+    script = root / "benchmarks" / "kvcache" / "resident_lane.py"
+    subprocess.run([sys.executable, str(script), "--context", "384", "--requests", "2", "--max-tokens", "6",
+                    "--layers", "2", "--chunk", "128", "--output", str(out)],
+                   check=True, cwd=root, capture_output=True, timeout=600)
+    results = json.loads(out.read_text())
+    run = results["resident_lane"]
+    assert run["tokens_equal"] and run["lane"]["lane"]["moved_in"] == 2 and run["lane"]["most_decoding"] == 2
+    assert run["pool"]["most_decoding"] == 1
+    for key in ("kvcache.resident_lane_request_bytes_ratio_cpu", "kvcache.resident_lane_total_speedup_cpu"):
+        assert results[key]["value"] > 0 and "tokens equal: True" in results[key]["note"], key
+    assert results["kvcache.resident_lane_request_bytes_ratio_cpu"]["value"] > 1

@@ -91,6 +91,8 @@ class LaneStats:
     pages_freed: int = 0
     """Pool pages the moves gave back."""
     move_seconds: float = 0.0
+    session_device_bytes: int = 0
+    """Device bytes of the last moved request's session (`ResidentSession.gpu_bytes`)."""
     pages_fetched: int = 0
     """K/V (page, layer[, KV head]) copies host → device of the requests that finished."""
     evictions: int = 0
@@ -151,6 +153,7 @@ class SparseResidentLane:
         self.members[seq.request_id] = _Member(seq, session, session.wrap_ops(self.ops), None)
         self.stats.moved_in += 1
         self.stats.pages_freed += pages
+        self.stats.session_device_bytes = session.gpu_bytes
         self.stats.move_seconds += time.perf_counter() - t0
         logger.info("[%s] decodes sparse-resident from token %d: %d pool pages freed, %d K/V pages per "
                     "layer on the device", seq.request_id, seq.num_computed_tokens, pages, self.budget_pages)
