@@ -218,6 +218,7 @@ class LLMEngine:
             client, self.runner.caches, self.block_manager, self.scheduler, sparse=self.runner.ops.sparse,
             dense_layers=tuple(getattr(self.model, "dense_layers", ())),
         )
+        self.sessions.lane = self.resident
 
     def use_kv_service_for_sessions(self) -> bool:
         """If preempted pages already go to the KV cache service (`ServiceSwapStore`), persist
@@ -296,14 +297,12 @@ class LLMEngine:
 
     def _move_to_resident(self) -> None:
         """The pool's decoding requests whose context reached the lane's threshold move there while
-        it has room, oldest first (not those persisted to the KV cache service: their writer reads
-        their pages from the pool)."""
+        it has room, oldest first (not those still adopting a session into the pool)."""
         lane = self.resident
         for seq in list(self.scheduler.running):
             if not lane.eligible(seq):
                 continue
-            if self.sessions is not None and (seq.request_id in self.sessions.writers
-                                              or seq.request_id in self.sessions.fetchers):
+            if self.sessions is not None and seq.request_id in self.sessions.fetchers:
                 continue
             self.scheduler.running.remove(seq)
             lane.move_in(seq, self.block_manager.free)

@@ -30,9 +30,12 @@ def model() -> MSATransformer:
     return init_random_weights(MSATransformer(get_preset("tiny"), "msa"), seed=0).eval()
 
 
-def engine(model, client=None) -> LLMEngine:
+def engine(model, client=None, lane: bool = False) -> LLMEngine:
+    """lane: sessions decode sparse-resident once their prefill is done (persisted from there)."""
+    residency = dict(sparse_residency_sessions=SESSIONS, sparse_residency_min_tokens=PROMPT_LEN,
+                     sparse_residency_budget=0.01) if lane else {}
     config = EngineConfig(model="tiny", attention_backend="msa", num_pages=128, max_num_seqs=4,
-                          max_num_batched_tokens=64, max_model_len=1024)
+                          max_num_batched_tokens=64, max_model_len=1024, **residency)
     e = LLMEngine(config, model=model, kv_client=client)
     if e.sessions is not None:
         e.sessions.sync_every = SYNC_EVERY
@@ -79,13 +82,17 @@ def finish(engines: dict[str, LLMEngine]) -> dict[str, list[int]]:
     return {request_id.split("-turn")[0]: tokens for request_id, tokens in out.items()}
 
 
-def test_draining_replica_moves_its_sessions_mid_turn_with_identical_tokens(model, reference):
+@pytest.mark.parametrize("lane", [False, True])
+def test_draining_replica_moves_its_sessions_mid_turn_with_identical_tokens(model, reference, lane):
+    """lane: on the draining replica the sessions decode sparse-resident, persisted from there."""
     prompts, want = reference
     client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20),
                                       identity_for(model.config, "tiny@seed0", torch.float32))
-    engines = {name: engine(model, client) for name in ("a", "b", "c")}
+    engines = {name: engine(model, client, lane=lane and name == "a") for name in ("a", "b", "c")}
     streamed = start(engines["a"], prompts, steps=11)  # each session has 2..8 tokens
     assert all(0 < len(tokens) < TOKENS for tokens in streamed.values())
+    if lane:
+        assert len(engines["a"].resident) == SESSIONS  # every session decodes off the pool
 
     router = router_with(list(prompts), "a", list(engines))
     router.replica("a").draining = True  # Helm drain / scale-down
@@ -103,12 +110,14 @@ def test_draining_replica_moves_its_sessions_mid_turn_with_identical_tokens(mode
     assert sum(engines[k].sessions.stats.adopted for k in ("b", "c")) == SESSIONS  # adopted, not prefilled
 
 
-def test_a_failed_replica_loses_no_session_that_reached_the_service(model, reference):
+@pytest.mark.parametrize("lane", [False, True])
+def test_a_failed_replica_loses_no_session_that_reached_the_service(model, reference, lane):
     prompts, want = reference
     client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20),
                                       identity_for(model.config, "tiny@seed0", torch.float32))
-    dying, heir = engine(model, client), engine(model, client)
+    dying, heir = engine(model, client, lane=lane), engine(model, client)
     streamed = start(dying, prompts, steps=11)
+    assert len(dying.resident or ()) == (SESSIONS if lane else 0)
     lag = persist_lag_tokens(dying)
     assert 0 < lag < SYNC_EVERY  # write-behind: bounded, and the record really is behind
     # The replica dies here: no move_out. The router re-homes its sessions; each continues from

@@ -195,3 +195,43 @@ def test_lane_benchmark_runs_and_reports_equal_tokens(tmp_path):
     for key in ("kvcache.resident_lane_request_bytes_ratio_cpu", "kvcache.resident_lane_total_speedup_cpu"):
         assert results[key]["value"] > 0 and "tokens equal: True" in results[key]["note"], key
     assert results["kvcache.resident_lane_request_bytes_ratio_cpu"]["value"] > 1
+
+
+@pytest.mark.parametrize("kind", ["msa", "m3"])
+def test_a_session_persisted_from_the_lane_stores_the_pools_bytes(tiny_model, prompts, kind):
+    """A request with a session_id keeps persisting from the lane (its K/V from the host tier, the
+    page being written from its ring slot, its index from the session): every stored page, tail
+    included, holds exactly the bytes the pool would have stored. m3: the tiny MiniMax-M3, whose
+    full_attention layer exports the zero index a pool's page of it holds."""
+    import numpy as np
+
+    from msaserve.engine.kv.pages import identity_for
+    from msaserve.kvcache.client import KVCacheClient
+    from msaserve.kvcache.config import ServiceConfig
+
+    model = random_m3(seed=0) if kind == "m3" else tiny_model
+    prompt = prompts[1] if kind == "msa" else random_prompt(LENGTHS[1], seed=30, vocab=250)
+    records = {}
+    for lane in (False, True):
+        client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20),
+                                          identity_for(model.config, "lane-test", torch.float32))
+        settings = LANE if lane else dict(max_model_len=640)
+        config = EngineConfig(model="tiny", num_pages=128, max_num_seqs=8, max_num_batched_tokens=64,
+                              **settings)
+        engine = LLMEngine(config, model=model, kv_client=client)
+        engine.sessions.sync_every = 5
+        # 420 + 27 tokens: the last sync stores 28 full pages and a tail of 14 tokens
+        request = GenerateRequest("r", prompt, greedy(MAX_TOKENS + 3), session_id="s")
+        out = run_to_completion(engine, [request])
+        assert engine.resident is None or engine.resident.stats.moved_in == 1
+        record = client.get_session("s")
+        layers = range(model.config.num_layers)
+        keys = [*record.page_hashes, record.tail_hash]
+        kv = client.get_kv([(h, layer) for h in keys for layer in layers])
+        index = client.get_index(keys)
+        records[lane] = (out["r"], record.token_ids, keys, record.tail_tokens,
+                         [bytes(np.asarray(p)) for p in kv], [bytes(np.asarray(p)) for p in index])
+    pool, lane = records[False], records[True]
+    assert lane[0] == pool[0] and lane[1] == pool[1] and lane[3] == pool[3] == 14
+    assert lane[2][:-1] == pool[2][:-1]  # the full pages' hashes (the tail's key names its writer)
+    assert lane[4] == pool[4] and lane[5] == pool[5]

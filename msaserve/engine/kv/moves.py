@@ -50,7 +50,7 @@ def move_out(engine: LLMEngine, session_ids: set[str] | None = None) -> list[Ses
         if tracker is None:
             continue
         seq = tracker.seq
-        if seq.status is SequenceStatus.RUNNING:
+        if seq.status in (SequenceStatus.RUNNING, SequenceStatus.RESIDENT):
             sessions.make_current(seq)
         writer = sessions.writers.get(request_id)
         persisted = writer.num_tokens if writer is not None else 0

@@ -15,8 +15,9 @@ copied into the working set before the attention reads them (docs/design.md §3)
 
 Layers that attend densely (MiniMax-M3's full_attention layers) read every page: a moved request
 keeps all of their K/V on the device, and only its MSA layers decode from a working set.
-Not here: multi-rank replicas, and requests that persist a session in the KV cache service (their
-writer reads the pool's pages).
+A request that persists a session in the KV cache service keeps doing so from the lane: its writer
+reads the pages from the host tier and the session's index (`export`). Not here: multi-rank
+replicas, and requests still adopting a session into the pool (their pages arrive there).
 """
 
 import dataclasses
@@ -197,6 +198,10 @@ class SparseResidentLane:
             seq.num_computed_tokens += 1
             self.stats.steps += 1
         return tokens, sampled, (torch.cat(logits).float() if logits else None)
+
+    def export(self, seq: Sequence) -> tuple[list[LayerKVCache], list[int]]:
+        """seq's pages as caches and a block table to persist them from (`SessionWriter.sync`)."""
+        return self.members[seq.request_id].session.export_caches()
 
     def session_of(self, seq: Sequence) -> ResidentSession:
         return self.members[seq.request_id].session

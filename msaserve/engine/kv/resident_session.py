@@ -367,6 +367,28 @@ class ResidentSession:
                                 "stored with them in the KV cache service (dropped there); the step's "
                                 "token is void")
 
+    def export_caches(self) -> tuple[list[LayerKVCache], list[int]]:
+        """Every page of the session as caches a `PageCodec` exports from → (per layer: K and V of
+        the host tier, the index cache on the device; the identity block table). The page being
+        written is written back to the host tier first (it is again when it fills), and on CUDA the
+        device's copies into the host tier are waited for. A layer that attends densely exports
+        zeros for its index, as a pool's never-written index page holds."""
+        if self.write_page >= 0:
+            self._write_back(self.write_page)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        data = self.host.data
+        caches = []
+        for layer, cache in enumerate(self.caches):
+            index, scale = cache.index_cache, cache.index_scale
+            if layer in self.dense_layers:  # one page, never written: read as zeros at every page
+                index = torch.zeros_like(index[:1]).expand(self.max_pages, *index.shape[1:])
+                if scale is not None:
+                    scale = torch.ones_like(scale[:1]).expand(self.max_pages, *scale.shape[1:])
+            caches.append(LayerKVCache(k_cache=data[layer, :, 0], v_cache=data[layer, :, 1],
+                                       index_cache=index, index_scale=scale))
+        return caches, list(range(self.max_pages))
+
     # ---- one decode step ----------------------------------------------------------------------
     @property
     def stats(self) -> ResidencyStats:
@@ -392,11 +414,7 @@ class ResidentSession:
         """Page `page` starts receiving tokens: write the page filled before it back to the host
         tier, and give it its ring slot in every layer (load: copy its K/V in from the host tier)."""
         if self.write_page >= 0:
-            slot, page_filled = self.write_page % self.ring, self.write_page
-            for layer in self.sparse_layers:
-                self.host.write(layer, [page_filled], self._as_pages(self.pools[layer][slot : slot + 1]))
-            for layer in self.dense_layers:  # the host tier holds every layer's pages all the same
-                self.host.write(layer, [page_filled], self.pools[layer][page_filled : page_filled + 1])
+            self._write_back(self.write_page)
             self._stats.pages_written_back += len(self.caches)
             if self._present_dev is not None:  # in stream order after the copies into the host tier
                 self._present_dev[:, self.write_page] = True
@@ -408,6 +426,15 @@ class ResidentSession:
                                                   non_blocking=True)
         self.write_page = page
         self.check_host_complete()
+
+    def _write_back(self, page: int) -> None:
+        """The K/V of `page` (the page being written) → the host tier, every layer: from its ring
+        slot, or (a layer that attends densely) from its own page."""
+        slot = page % self.ring
+        for layer in self.sparse_layers:
+            self.host.write(layer, [page], self._as_pages(self.pools[layer][slot : slot + 1]))
+        for layer in self.dense_layers:  # the host tier holds every layer's pages all the same
+            self.host.write(layer, [page], self.pools[layer][page : page + 1])
 
     def check_host_complete(self) -> None:
         """Whether the host tier holds every page before the write page (then steps need no host

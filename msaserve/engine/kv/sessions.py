@@ -26,6 +26,7 @@ import torch
 from msaserve.engine.block_manager import BlockManager
 from msaserve.engine.kv.adoption import AdoptionStats, LazyPageFetcher, PageLost
 from msaserve.engine.kv.persist import SessionWriter
+from msaserve.engine.kv.resident_lane import SparseResidentLane
 from msaserve.engine.kv.service_prefix import ServicePrefixCache
 from msaserve.engine.scheduler import ScheduledBatch, Scheduler
 from msaserve.engine.sequence import Sequence, SequenceStatus
@@ -75,6 +76,8 @@ class EngineSessions:
         self._steps_since_sync: dict[str, int] = {}
         self._layer_of = {c.index_cache.data_ptr(): layer for layer, c in enumerate(caches)}
         self.stats = SessionStats()
+        self.lane: SparseResidentLane | None = None
+        """The engine's sparse-resident lane: its requests' pages are persisted from there."""
         self.prefix = ServicePrefixCache(client, caches, block_manager, scheduler)
         self.adoptions: dict[str, AdoptionStats] = {}
         self.latencies: collections.deque[tuple[str, float]] = collections.deque(maxlen=10_000)
@@ -260,7 +263,10 @@ class EngineSessions:
 
     def _sync(self, seq: Sequence, writer: SessionWriter) -> None:
         state = {**dataclasses.asdict(seq.sampling), "num_output_tokens": seq.num_output_tokens}
-        done = self._call(lambda: writer.sync(seq.token_ids, self.caches, seq.block_table,
+        caches, table = self.caches, seq.block_table
+        if seq.status is SequenceStatus.RESIDENT:  # decoding sparse-resident: pages off the pool
+            caches, table = self.lane.export(seq)
+        done = self._call(lambda: writer.sync(seq.token_ids, caches, table,
                                               seq.num_computed_tokens, state, tail=True) or True)
         if done is None:
             self.forget(seq.request_id)  # the service is gone: stop persisting this request
@@ -275,7 +281,8 @@ class EngineSessions:
         """The session moves to another replica: persist a turn still running here up to its last
         token, and forget the session's unreferenced pages in the local prefix cache (so the router
         does not see them here); returns the page hashes dropped."""
-        for seq in list(self.scheduler.running):
+        lane = [] if self.lane is None else [member.seq for member in self.lane.members.values()]
+        for seq in [*self.scheduler.running, *lane]:
             if self.session_of.get(seq.request_id) == session_id:
                 self.make_current(seq)
         record = self._record(session_id)
@@ -295,7 +302,7 @@ class EngineSessions:
     def make_current(self, seq: Sequence) -> None:
         """Persist a running session now (before an explicit move)."""
         writer = self.writers.get(seq.request_id)
-        if writer is not None and seq.status is SequenceStatus.RUNNING:
+        if writer is not None and seq.status in (SequenceStatus.RUNNING, SequenceStatus.RESIDENT):
             self._sync(seq, writer)
 
     def _call(self, fn):
