@@ -281,13 +281,21 @@ class LLMEngine:
             return []
         seqs = [member.seq for member in lane.members.values()]
         pending = self._grammar_runtime.begin(seqs) if self._grammar_runtime else None
-        tokens, sampled, logits = lane.step(self._plain_greedy)
+        step = lane.step(self._plain_greedy)
+        for seq in step.lost:  # the service lost pages of an adopted session: recompute it
+            seq.num_computed_tokens = seq.num_cached_tokens = 0
+            seq.page_hashes, seq.block_table = [], []
+            seq.status = SequenceStatus.WAITING
+            self.scheduler.waiting.appendleft(seq)
+            if self.sessions is not None:
+                self.sessions.stats.recomputed_after_loss += 1
         timestamp = now()
-        outputs = [self._emit(seq, token, None, timestamp) for seq, token in tokens]
+        outputs = [self._emit(seq, token, None, timestamp) for seq, token in step.tokens]
+        sampled = step.sampled
         if sampled:
             rows = [seqs.index(seq) for seq in sampled]
             result = self.sampler(
-                logits, [s.sampling for s in sampled], [s.generator for s in sampled],
+                step.logits, [s.sampling for s in sampled], [s.generator for s in sampled],
                 histories=[(s.token_ids, s.num_prompt_tokens) for s in sampled],
                 mask=GrammarRuntime.mask(pending, rows),
             )

@@ -84,11 +84,12 @@ def finish(engines: dict[str, LLMEngine]) -> dict[str, list[int]]:
 
 @pytest.mark.parametrize("lane", [False, True])
 def test_draining_replica_moves_its_sessions_mid_turn_with_identical_tokens(model, reference, lane):
-    """lane: on the draining replica the sessions decode sparse-resident, persisted from there."""
+    """lane: the sessions decode sparse-resident on the draining replica, persisted from there, and
+    the replicas they move to adopt them straight into their lanes (index first, K/V as selected)."""
     prompts, want = reference
     client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20),
                                       identity_for(model.config, "tiny@seed0", torch.float32))
-    engines = {name: engine(model, client, lane=lane and name == "a") for name in ("a", "b", "c")}
+    engines = {name: engine(model, client, lane=lane) for name in ("a", "b", "c")}
     streamed = start(engines["a"], prompts, steps=11)  # each session has 2..8 tokens
     assert all(0 < len(tokens) < TOKENS for tokens in streamed.values())
     if lane:
@@ -108,6 +109,8 @@ def test_draining_replica_moves_its_sessions_mid_turn_with_identical_tokens(mode
     lost = [sid for sid in prompts if streamed[sid] + rest.get(sid, []) != want[sid]]
     assert lost == []
     assert sum(engines[k].sessions.stats.adopted for k in ("b", "c")) == SESSIONS  # adopted, not prefilled
+    if lane:
+        assert sum(engines[k].resident.stats.adopted for k in ("b", "c")) == SESSIONS
 
 
 @pytest.mark.parametrize("lane", [False, True])
@@ -115,7 +118,7 @@ def test_a_failed_replica_loses_no_session_that_reached_the_service(model, refer
     prompts, want = reference
     client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20),
                                       identity_for(model.config, "tiny@seed0", torch.float32))
-    dying, heir = engine(model, client, lane=lane), engine(model, client)
+    dying, heir = engine(model, client, lane=lane), engine(model, client, lane=lane)
     streamed = start(dying, prompts, steps=11)
     assert len(dying.resident or ()) == (SESSIONS if lane else 0)
     lag = persist_lag_tokens(dying)
@@ -133,6 +136,8 @@ def test_a_failed_replica_loses_no_session_that_reached_the_service(model, refer
     rest = finish({"heir": heir})
     assert [sid for sid in prompts if streamed[sid] + rest[sid] != want[sid]] == []
     assert heir.sessions.stats.adopted == SESSIONS
+    if lane:  # each retry's prompt holds the tokens the record lacks (< SYNC_EVERY): caught up in the lane
+        assert heir.resident.stats.adopted == SESSIONS and heir.resident.stats.catch_up_steps > 0
 
 
 def test_overloaded_replica_sheds_its_newest_sessions_to_the_least_loaded():

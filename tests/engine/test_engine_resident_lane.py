@@ -235,3 +235,61 @@ def test_a_session_persisted_from_the_lane_stores_the_pools_bytes(tiny_model, pr
     assert lane[0] == pool[0] and lane[1] == pool[1] and lane[3] == pool[3] == 14
     assert lane[2][:-1] == pool[2][:-1]  # the full pages' hashes (the tail's key names its writer)
     assert lane[4] == pool[4] and lane[5] == pool[5]
+
+
+def stored_session(model, prompt, max_tokens: int):
+    """A KV cache service holding session "s" after a first turn of `prompt` on a pool-only engine
+    → (client, the turn's tokens)."""
+    from msaserve.engine.kv.pages import identity_for
+    from msaserve.kvcache.client import KVCacheClient
+    from msaserve.kvcache.config import ServiceConfig
+
+    client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20),
+                                      identity_for(model.config, "lane-test", torch.float32))
+    first = LLMEngine(EngineConfig(model="tiny", num_pages=128, max_num_batched_tokens=64, max_model_len=640),
+                      model=model, kv_client=client)
+    out = run_to_completion(first, [GenerateRequest("t1", prompt, greedy(max_tokens), session_id="s")])
+    return client, out["t1"]
+
+
+@pytest.mark.parametrize("new_tokens, busy, where", [
+    (5, False, "lane"),   # a few new tokens: caught up in the lane
+    (100, False, "pool"),  # a long new turn that the pool can take: prefilled there
+    (100, True, "lane"),   # ... that it cannot take now (its one slot busy): caught up in the lane
+])
+def test_a_stored_session_is_adopted_into_the_lane_or_the_pool(tiny_model, prompts, new_tokens, busy, where):
+    prompt = prompts[1]
+    client, turn = stored_session(tiny_model, prompt, 8)  # 427 tokens stored
+    follow_up = [*prompt, *turn, *random_prompt(new_tokens, seed=99)]
+    want = run_to_completion(make_engine(tiny_model, max_model_len=640),
+                             [GenerateRequest("t2", follow_up, greedy(MAX_TOKENS))])
+    config = EngineConfig(model="tiny", num_pages=128, max_num_batched_tokens=64, max_num_seqs=1,
+                          **{**LANE, "sparse_residency_min_tokens": 400})
+    engine = LLMEngine(config, model=tiny_model, kv_client=client)
+    if busy:
+        engine.add_request(GenerateRequest("other", prompts[0][:100], greedy(4)))
+        engine.step()
+    got = run_to_completion(engine, [GenerateRequest("t2", follow_up, greedy(MAX_TOKENS), session_id="s")])
+    assert got["t2"] == want["t2"]
+    lane = engine.resident
+    assert engine.sessions.stats.adopted == 1
+    # in the lane, each token after the stored ones but the last is a step that samples nothing
+    assert lane.stats.adopted == (where == "lane")
+    assert lane.stats.catch_up_steps == (new_tokens if where == "lane" else 0)
+
+
+def test_a_lane_session_whose_pages_the_service_lost_is_recomputed(tiny_model, prompts):
+    prompt = prompts[2]
+    client, turn = stored_session(tiny_model, prompt, 4)
+    follow_up = [*prompt, *turn]
+    want = run_to_completion(make_engine(tiny_model, max_model_len=640),
+                             [GenerateRequest("t2", follow_up, greedy(MAX_TOKENS))])
+    engine = LLMEngine(EngineConfig(model="tiny", num_pages=128, max_num_batched_tokens=64, **LANE),
+                       model=tiny_model, kv_client=client)
+    engine.add_request(GenerateRequest("t2", follow_up, greedy(MAX_TOKENS), session_id="s"))
+    assert engine.resident.stats.adopted == 1
+    record = client.get_session("s")
+    client.delete_pages(record.page_hashes[:-2])  # gone before the session reads its K/V
+    got = collect(engine)
+    assert got == want
+    assert engine.resident.stats.lost == 1 and engine.sessions.stats.recomputed_after_loss == 1

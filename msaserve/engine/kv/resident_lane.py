@@ -28,11 +28,13 @@ from collections.abc import Callable
 
 import torch
 
-from msaserve.engine.kv.host_tier import HostKV
+from msaserve.engine.kv.host_tier import HostKV, PageLostInService
 from msaserve.engine.kv.resident_graph import SparseDecodeGraph
 from msaserve.engine.kv.resident_session import ResidentSession, config_dense_layers
 from msaserve.engine.sequence import Sequence, SequenceStatus
 from msaserve.kernels import AttentionOps
+from msaserve.kvcache.client import KVCacheClient
+from msaserve.kvcache.session_records import SessionRecord
 from msaserve.models.cache import LayerKVCache
 from msaserve.models.transformer import MSATransformer
 
@@ -94,10 +96,32 @@ class LaneStats:
     move_seconds: float = 0.0
     session_device_bytes: int = 0
     """Device bytes of the last moved request's session (`ResidentSession.gpu_bytes`)."""
+    adopted: int = 0
+    """Sessions adopted from the KV cache service straight into the lane (index first, K/V as
+    selected), instead of into the pool."""
+    adopt_seconds: float = 0.0
+    catch_up_steps: int = 0
+    """Steps that computed a known token (an adopted request's tokens after the stored ones)."""
+    lost: int = 0
+    """Requests whose pages the service lost mid-decode: handed back to be recomputed."""
     pages_fetched: int = 0
     """K/V (page, layer[, KV head]) copies host → device of the requests that finished."""
     evictions: int = 0
     """Working-set evictions of the requests that finished."""
+
+
+@dataclasses.dataclass
+class LaneStep:
+    """What one lane step produced."""
+
+    tokens: list[tuple[Sequence, int]] = dataclasses.field(default_factory=list)
+    """(request, greedy token) of the plain greedy requests that sampled."""
+    sampled: list[Sequence] = dataclasses.field(default_factory=list)
+    """The other requests that sampled: their rows of `logits`."""
+    logits: torch.Tensor | None = None
+    """[len(sampled), vocab] fp32, to sample with the engine's sampler."""
+    lost: list[Sequence] = dataclasses.field(default_factory=list)
+    """Requests whose pages the service lost: out of the lane, to be recomputed."""
 
 
 @dataclasses.dataclass
@@ -159,45 +183,115 @@ class SparseResidentLane:
         logger.info("[%s] decodes sparse-resident from token %d: %d pool pages freed, %d K/V pages per "
                     "layer on the device", seq.request_id, seq.num_computed_tokens, pages, self.budget_pages)
 
+    def can_adopt(self, seq: Sequence, record: SessionRecord, pool_fits: bool) -> bool:
+        """Whether to adopt seq's stored session into the lane: there is room, every layer selects
+        (an adopted session's dense layers would need all of their K/V read first), the record holds
+        at least min_tokens, and seq's tokens after them are few (each is a decode step here) or the
+        pool cannot hold the session's pages at all."""
+        remaining = seq.num_tokens - 1 - record.num_stored_tokens
+        return (len(self.members) < self.max_sessions and not self.dense_layers
+                and record.num_stored_tokens >= self.min_tokens
+                and (remaining <= self.catch_up_tokens or not pool_fits))
+
+    catch_up_tokens = 64
+    """An adopted request with more tokens than this after the stored ones goes to the pool (a
+    prefill) when the pool can hold it; in the lane each such token is a decode step."""
+
+    def adopt(self, seq: Sequence, client: KVCacheClient, record: SessionRecord) -> int:
+        """seq's stored session → a sparse-resident session of the lane: its whole index now, its K/V
+        leased where the service's in-process shards keep it or read as selected
+        (`ResidentSession.adopt`) → the tokens it covers (0: none, nothing adopted)."""
+        t0 = time.perf_counter()
+        host = self._free_hosts.pop() if self._free_hosts else None
+        cache = self.caches[0]
+        try:
+            session, covered = ResidentSession.adopt(
+                client, record, self.model.config, self.budget_pages, self.max_pages, cache.k_cache.device,
+                cache.k_cache.dtype, cache.index_cache.dtype, host=host)
+        except Exception:
+            if host is not None:
+                self._free_hosts.append(host)
+            raise
+        if covered == 0:
+            self._free_hosts.append(session.host)
+            return 0
+        seq.num_computed_tokens = seq.num_cached_tokens = covered
+        seq.status = SequenceStatus.RESIDENT
+        self.members[seq.request_id] = _Member(seq, session, session.wrap_ops(self.ops), None)
+        self.stats.adopted += 1
+        self.stats.adopt_seconds += time.perf_counter() - t0
+        self.stats.session_device_bytes = session.gpu_bytes
+        logger.info("[%s] adopted sparse-resident from the KV cache service: %d tokens stored, %d to "
+                    "compute, %.3f s", seq.request_id, covered, seq.num_uncomputed_tokens,
+                    time.perf_counter() - t0)
+        return covered
+
     def finish(self, seq: Sequence) -> None:
         """seq is done (finished or aborted): its device memory goes, its host tier is kept."""
+        if self._release(seq):
+            self.stats.finished += 1
+            seq.status = SequenceStatus.FINISHED
+
+    def _release(self, seq: Sequence) -> bool:
         member = self.members.pop(seq.request_id, None)
         if member is None:
-            return
-        self._free_hosts.append(member.session.host)
+            return False
+        host = member.session.host
+        host.cancel_pending()  # an adopted session's background reads
+        if host.lease is not None:  # an adopted session's K/V leased from the service: handed back now
+            if member.session.device.type == "cuda":
+                torch.cuda.synchronize(member.session.device)  # no kernel reads the leased pages any more
+            host.release_lease()
+        self._free_hosts.append(host)
         stats = member.session.stats
         self.stats.pages_fetched += stats.pages_fetched
         self.stats.evictions += stats.evictions
-        self.stats.finished += 1
-        seq.status = SequenceStatus.FINISHED
+        return True
 
     @torch.inference_mode()
-    def step(self, greedy: Callable[[Sequence], bool]
-             ) -> tuple[list[tuple[Sequence, int]], list[Sequence], torch.Tensor | None]:
-        """One decode step of every member → (greedy (request, token)s, the other requests, their
-        logits [n, vocab] fp32 to sample, or None). greedy(seq): whether seq's token is the argmax
-        with nothing else asked of its logits."""
-        tokens: list[tuple[Sequence, int]] = []
-        sampled: list[Sequence] = []
+    def step(self, greedy: Callable[[Sequence], bool]) -> LaneStep:
+        """One decode step of every member (its next uncomputed token; only a member at its last
+        token samples). greedy(seq): whether seq's token is the argmax with nothing else asked of
+        its logits. A member whose pages the service lost leaves the lane, reset to be recomputed."""
+        out = LaneStep()
         logits: list[torch.Tensor] = []
         for member in list(self.members.values()):
             seq, session = member.seq, member.session
             position = seq.num_computed_tokens
-            if greedy(seq):
-                if member.graph is None:
-                    member.graph = SparseDecodeGraph(session, self.model, self.ops)
-                tokens.append((seq, member.graph.step(seq.token_ids[-1], position)))
-                self.stats.graph_steps += 1
-            else:
-                meta = session.decode_metadata(position)
-                ids = torch.tensor([seq.token_ids[-1]], device=session.device)
-                hidden = self.model(ids, meta, session.caches, ops=member.ops)
-                session.check_pages()
-                sampled.append(seq)
-                logits.append(self.model.compute_logits(hidden))
+            token = seq.token_ids[position]
+            samples = position + 1 == seq.num_tokens
+            try:
+                if greedy(seq) or not samples:
+                    if member.graph is None:
+                        member.graph = SparseDecodeGraph(session, self.model, self.ops)
+                    next_token = member.graph.step(token, position)
+                    self.stats.graph_steps += 1
+                    if samples:
+                        out.tokens.append((seq, next_token))
+                else:
+                    meta = session.decode_metadata(position)
+                    ids = torch.tensor([token], device=session.device)
+                    hidden = self.model(ids, meta, session.caches, ops=member.ops)
+                    session.check_pages()
+                    out.sampled.append(seq)
+                    logits.append(self.model.compute_logits(hidden))
+            except PageLostInService as e:
+                logger.warning("[%s] leaves the sparse-resident lane to be recomputed: %s", seq.request_id, e)
+                self._release(seq)
+                self.stats.lost += 1
+                out.lost.append(seq)
+                continue
+            if not samples:
+                self.stats.catch_up_steps += 1
             seq.num_computed_tokens += 1
             self.stats.steps += 1
-        return tokens, sampled, (torch.cat(logits).float() if logits else None)
+            session.prefetch(self.prefetch_pages)  # an adopted session whose host tier still fills
+        out.logits = torch.cat(logits).float() if logits else None
+        return out
+
+    prefetch_pages = 64
+    """Background service reads an adopted member queues after each of its steps (predicted pages
+    first) until its host tier holds every page (`ResidentSession.prefetch`)."""
 
     def export(self, seq: Sequence) -> tuple[list[LayerKVCache], list[int]]:
         """seq's pages as caches and a block table to persist them from (`SessionWriter.sync`)."""

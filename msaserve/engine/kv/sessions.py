@@ -25,6 +25,7 @@ import torch
 
 from msaserve.engine.block_manager import BlockManager
 from msaserve.engine.kv.adoption import AdoptionStats, LazyPageFetcher, PageLost
+from msaserve.engine.kv.host_tier import PageLostInService
 from msaserve.engine.kv.persist import SessionWriter
 from msaserve.engine.kv.resident_lane import SparseResidentLane
 from msaserve.engine.kv.service_prefix import ServicePrefixCache
@@ -134,7 +135,12 @@ class EngineSessions:
         num_pages = len(usable.page_hashes) + (usable.tail_hash is not None)
         scheduler = self.scheduler
         full_batch = len(scheduler.running) >= scheduler.max_num_seqs
-        if local >= stored or num_pages > manager.num_free_pages or full_batch:
+        if local >= stored:
+            return False
+        pool_fits = num_pages <= manager.num_free_pages and not full_batch
+        if self.lane is not None and self.lane.can_adopt(seq, usable, pool_fits):
+            return self._adopt_into_lane(seq, usable)
+        if not pool_fits:
             return False
         pages = manager.allocate(num_pages)
         fetcher = LazyPageFetcher(self.client, usable, self.caches, pages)
@@ -159,6 +165,19 @@ class EngineSessions:
         self.stats.adopted_tokens += covered
         self.stats.index_seconds += fetcher.stats.index_seconds
         self.latencies.append(("index_load", fetcher.stats.index_seconds))
+        return True
+
+    def _adopt_into_lane(self, seq: Sequence, record: SessionRecord) -> bool:
+        """Adopt straight into the sparse-resident lane: the index now, K/V as selected (leased in
+        place where the shards are in-process); seq decodes there from its first step."""
+        covered = self._call(lambda: self.lane.adopt(seq, self.client, record))
+        if not covered:
+            return False
+        seconds = self.lane.members[seq.request_id].session.adopt_phases.get("index_s", 0.0)
+        self.stats.adopted += 1
+        self.stats.adopted_tokens += covered
+        self.stats.index_seconds += seconds
+        self.latencies.append(("index_load", seconds))
         return True
 
     def _usable_record(self, record: SessionRecord, max_tokens: int) -> SessionRecord:
@@ -308,6 +327,6 @@ class EngineSessions:
     def _call(self, fn):
         try:
             return fn()
-        except (ServiceUnavailable, PageLost, CapacityError) as e:
+        except (ServiceUnavailable, PageLost, PageLostInService, CapacityError) as e:
             logger.warning("KV cache service: %s", e)
             return None
