@@ -404,6 +404,8 @@ class LLMEngine:
         return EngineStats(
             num_running=len(self.scheduler.running) + len(self.resident or ()),
             num_sparse_resident=len(self.resident or ()),
+            sparse_resident_total=0 if self.resident is None else (
+                self.resident.stats.moved_in + self.resident.stats.adopted),
             num_waiting=len(self.scheduler.waiting) + len(self.scheduler.swapped),
             num_free_pages=manager.num_free_pages,
             num_total_pages=manager.num_pages,

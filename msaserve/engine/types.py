@@ -222,6 +222,8 @@ class EngineStats:
     prefix_hit_rate: float = 0.0
     num_sparse_resident: int = 0
     """Of the running requests, those decoding sparse-resident, off the pool (`kv/resident_lane.py`)."""
+    sparse_resident_total: int = 0
+    """Requests moved or adopted into the sparse-resident lane since the engine started."""
     waiting_prefill_pages: int = 0
     """Pages of prompt still to prefill (`Scheduler.prefill_tokens_left`, in pages): the work ahead
     of a new request, which the router prices (`RouterState.queued_prefill_pages`)."""

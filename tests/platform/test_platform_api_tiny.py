@@ -19,7 +19,9 @@ API_KEY = "test-key-1"
 MODEL = "msaserve/tiny"
 SERVE_CONFIG = {
     "model": {"spec": "tiny"},
-    "engine": {"max_num_seqs": 8, "max_waiting": 16, "max_model_len": 2048},
+    "engine": {"max_num_seqs": 8, "max_waiting": 16, "max_model_len": 2048,
+               # prompts of 200 tokens and more decode sparse-resident (the short ones here do not)
+               "sparse_residency_sessions": 2, "sparse_residency_min_tokens": 200},
     "auth": {"api_keys": [API_KEY]},
     "http": {"max_body_bytes": 65536},
 }
@@ -292,3 +294,25 @@ def test_metric_names_on_the_metrics_endpoint(live_app, client) -> None:
         missing = [name for name in expected if name not in text]
         time.sleep(1.0)
     assert not missing, f"not exported: {missing}"
+
+
+def test_a_long_prompt_decodes_sparse_resident_with_the_pools_tokens(live_app, client) -> None:
+    """engine.sparse_residency_*: a 300-token prompt leaves the replica's KV pool after its prefill
+    and decodes with its index and a working set of K/V; the text equals a pool-only engine's."""
+    from msaserve.engine.llm_engine import LLMEngine
+    from msaserve.engine.types import GenerateRequest, SamplingParams
+    from msaserve.platform.config import ServeConfig
+    from msaserve.platform.model_deployment import engine_config_from
+
+    handle = live_app.model_handle()
+    before = handle.stats.remote().result(timeout_s=30).sparse_resident_total
+    ids = [3 + (i * 37) % 250 for i in range(300)]
+    reply = client.completions.create(model=MODEL, prompt=ids, max_tokens=12, temperature=0)
+    assert handle.stats.remote().result(timeout_s=30).sparse_resident_total == before + 1
+    pool_only = {**SERVE_CONFIG["engine"], "sparse_residency_sessions": 0}
+    engine = LLMEngine(engine_config_from(ServeConfig.model_validate({**SERVE_CONFIG, "engine": pool_only})))
+    engine.add_request(GenerateRequest("ref", ids, SamplingParams(max_tokens=12, temperature=0.0)))
+    tokens = []
+    while engine.has_unfinished():
+        tokens += [t for output in engine.step() for t in output.token_ids]
+    assert reply.choices[0].text == engine.tokenizer.decode(tokens)
