@@ -91,6 +91,8 @@ class LaneStats:
     """Decode steps run in the lane (one token of one request each)."""
     graph_steps: int = 0
     """Of those, steps of a greedy request through `SparseDecodeGraph`."""
+    replays: int = 0
+    """Of those, steps replayed as a CUDA graph (requests that finished; CUDA only)."""
     pages_freed: int = 0
     """Pool pages the moves gave back."""
     move_seconds: float = 0.0
@@ -244,6 +246,7 @@ class SparseResidentLane:
             host.release_lease()
         self._free_hosts.append(host)
         stats = member.session.stats
+        self.stats.replays += 0 if member.graph is None else member.graph.replays
         self.stats.pages_fetched += stats.pages_fetched
         self.stats.evictions += stats.evictions
         return True
