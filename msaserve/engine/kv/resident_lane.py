@@ -96,6 +96,8 @@ class LaneStats:
     pages_freed: int = 0
     """Pool pages the moves gave back."""
     move_seconds: float = 0.0
+    host_tiers_allocated: int = 0
+    """Host tiers allocated (the others were kept ones reused)."""
     session_device_bytes: int = 0
     """Device bytes of the last moved request's session (`ResidentSession.gpu_bytes`)."""
     adopted: int = 0
@@ -144,7 +146,9 @@ class SparseResidentLane:
         self.model, self.ops, self.caches = model, ops, caches
         self.max_sessions, self.min_tokens, self.max_pages = max_sessions, min_tokens, max_pages
         config = model.config
+        self.budget_fraction = budget_fraction
         self.budget_pages = lane_budget_pages(config, max_pages, budget_fraction)
+        """K/V pages per layer of a session of max_model_len (a shorter one keeps its own share)."""
         self.dense_layers = model_dense_layers(model)
         """Layers that read every page: a moved request keeps all of their K/V on the device."""
         if self.budget_pages < least_budget_pages(config):
@@ -167,23 +171,46 @@ class SparseResidentLane:
         return (seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
                 and seq.num_computed_tokens >= self.min_tokens and len(self.members) < self.max_sessions)
 
+    def session_pages(self, seq: Sequence) -> int:
+        """Pages a session of seq holds room for: its prompt and every token it may generate,
+        rounded up to a power of two (so that host tiers are reused across requests of similar
+        length), at most max_model_len's and at least one working set's."""
+        need = -(-(seq.num_prompt_tokens + seq.sampling.max_tokens) // self.model.config.page_size)
+        return max(least_budget_pages(self.model.config), min(self.max_pages, 1 << (need - 1).bit_length()))
+
+    def _host_for(self, pages: int) -> HostKV | None:
+        """A kept host tier of exactly `pages` pages (None: the session allocates one)."""
+        for i, host in enumerate(self._free_hosts):
+            if host.present.shape[1] == pages:
+                return self._free_hosts.pop(i)
+        self.stats.host_tiers_allocated += 1
+        return None
+
+    def _keep_host(self, host: HostKV) -> None:
+        """Keep a host tier for the next session (pinning GiBs takes seconds); at most max_sessions
+        are kept, the oldest given back first."""
+        self._free_hosts.append(host)
+        del self._free_hosts[: max(0, len(self._free_hosts) - self.max_sessions)]
+
     def move_in(self, seq: Sequence, free_pages: Callable[[Sequence], None]) -> None:
         """seq's pages → a sparse-resident session; `free_pages(seq)` then gives its pool pages back."""
         t0 = time.perf_counter()
-        host = self._free_hosts.pop() if self._free_hosts else None
-        session = ResidentSession.offload(self.model.config, self.caches, seq.num_computed_tokens,
-                                          self.budget_pages, self.max_pages, host=host,
-                                          block_table=seq.block_table, dense_layers=self.dense_layers)
-        pages = len(seq.block_table)
+        pages = self.session_pages(seq)
+        session = ResidentSession.offload(
+            self.model.config, self.caches, seq.num_computed_tokens,
+            lane_budget_pages(self.model.config, pages, self.budget_fraction), pages,
+            host=self._host_for(pages), block_table=seq.block_table, dense_layers=self.dense_layers)
+        pool_pages = len(seq.block_table)
         free_pages(seq)
         seq.status = SequenceStatus.RESIDENT
         self.members[seq.request_id] = _Member(seq, session, session.wrap_ops(self.ops), None)
         self.stats.moved_in += 1
-        self.stats.pages_freed += pages
+        self.stats.pages_freed += pool_pages
         self.stats.session_device_bytes = session.gpu_bytes
         self.stats.move_seconds += time.perf_counter() - t0
         logger.info("[%s] decodes sparse-resident from token %d: %d pool pages freed, %d K/V pages per "
-                    "layer on the device", seq.request_id, seq.num_computed_tokens, pages, self.budget_pages)
+                    "layer on the device", seq.request_id, seq.num_computed_tokens, pool_pages,
+                    session.budget_pages)
 
     def can_adopt(self, seq: Sequence, record: SessionRecord, pool_fits: bool) -> bool:
         """Whether to adopt seq's stored session into the lane: there is room, every layer selects
@@ -204,18 +231,19 @@ class SparseResidentLane:
         leased where the service's in-process shards keep it or read as selected
         (`ResidentSession.adopt`) → the tokens it covers (0: none, nothing adopted)."""
         t0 = time.perf_counter()
-        host = self._free_hosts.pop() if self._free_hosts else None
-        cache = self.caches[0]
+        pages = self.session_pages(seq)
+        budget = lane_budget_pages(self.model.config, pages, self.budget_fraction)
+        host, cache = self._host_for(pages), self.caches[0]
         try:
             session, covered = ResidentSession.adopt(
-                client, record, self.model.config, self.budget_pages, self.max_pages, cache.k_cache.device,
-                cache.k_cache.dtype, cache.index_cache.dtype, host=host)
+                client, record, self.model.config, budget, pages, cache.k_cache.device, cache.k_cache.dtype,
+                cache.index_cache.dtype, host=host)
         except Exception:
             if host is not None:
-                self._free_hosts.append(host)
+                self._keep_host(host)
             raise
         if covered == 0:
-            self._free_hosts.append(session.host)
+            self._keep_host(session.host)
             return 0
         seq.num_computed_tokens = seq.num_cached_tokens = covered
         seq.status = SequenceStatus.RESIDENT
@@ -244,7 +272,7 @@ class SparseResidentLane:
             if member.session.device.type == "cuda":
                 torch.cuda.synchronize(member.session.device)  # no kernel reads the leased pages any more
             host.release_lease()
-        self._free_hosts.append(host)
+        self._keep_host(host)
         stats = member.session.stats
         self.stats.replays += 0 if member.graph is None else member.graph.replays
         self.stats.pages_fetched += stats.pages_fetched
