@@ -104,6 +104,7 @@ class LLMEngine:
         """Long decoding requests moved off the page pool (`EngineConfig.sparse_residency_sessions`)."""
         if config.sparse_residency_sessions:
             self.resident = self._resident_lane()
+            self.scheduler.offload = lambda seq: self._to_lane(seq, pressure=True)
         if kv_client is not None:
             self.attach_kv_client(kv_client)
 
@@ -305,15 +306,23 @@ class LLMEngine:
 
     def _move_to_resident(self) -> None:
         """The pool's decoding requests whose context reached the lane's threshold move there while
-        it has room, oldest first (not those still adopting a session into the pool)."""
-        lane = self.resident
+        it has room, oldest first."""
         for seq in list(self.scheduler.running):
-            if not lane.eligible(seq):
-                continue
-            if self.sessions is not None and seq.request_id in self.sessions.fetchers:
-                continue
-            self.scheduler.running.remove(seq)
-            lane.move_in(seq, self.block_manager.free)
+            self._to_lane(seq)
+
+    def _to_lane(self, seq: Sequence, pressure: bool = False) -> bool:
+        """Move seq off the pool into the sparse-resident lane if it may go (`eligible`; not while
+        it adopts a session into the pool) → True if moved. pressure: the pool would preempt it
+        otherwise (`Scheduler.offload`), so its length does not matter."""
+        lane = self.resident
+        if not lane.eligible(seq, pressure):
+            return False
+        if self.sessions is not None and seq.request_id in self.sessions.fetchers:
+            return False
+        self.scheduler.running.remove(seq)
+        lane.move_in(seq, self.block_manager.free)
+        lane.stats.moved_under_pressure += pressure
+        return True
 
     @staticmethod
     def _plain_greedy(seq: Sequence) -> bool:

@@ -9,10 +9,13 @@ chunks between decode steps (chunked prefill). Order of service, for fairness:
 4. waiting requests, in arrival order, while the pool can hold their whole prompt.
 When a running sequence needs a page and none is free, the newest running sequence is preempted:
 its pages are swapped out to the page store and come back later (recomputed only when the store
-is full). No new work is admitted in a step that had to preempt.
+is full). No new work is admitted in a step that had to preempt. A decoding victim that the engine's
+sparse-resident lane takes (`offload`) leaves the pool instead: it keeps decoding there, and the
+step goes on as if pages had been freed.
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from msaserve.engine.block_manager import BlockManager
@@ -61,6 +64,8 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.swapped: deque[Sequence] = deque()
         self.num_preemptions = 0
+        self.offload: Callable[[Sequence], bool] | None = None
+        """Moves a decoding sequence off the pool (the sparse-resident lane) → True if it took it."""
 
     # ---- queues -----------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -123,6 +128,10 @@ class Scheduler:
             # The newest sequence not already in this step's batch (seq itself at the latest).
             scheduled = {id(s) for s in batch.seqs}
             victim = next(s for s in reversed(self.running) if id(s) not in scheduled)
+            if victim.num_uncomputed_tokens == 1 and self.offload is not None and self.offload(victim):
+                if victim is seq:
+                    return 0  # it decodes off the pool from this step on
+                continue  # its pages are free: try again
             self._preempt(victim)
             batch.num_preempted += 1
             if victim is seq:

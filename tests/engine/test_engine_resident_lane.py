@@ -295,3 +295,17 @@ def test_a_lane_session_whose_pages_the_service_lost_is_recomputed(tiny_model, p
     got = collect(engine)
     assert got == want
     assert engine.resident.stats.lost == 1 and engine.sessions.stats.recomputed_after_loss == 1
+
+
+def test_a_request_the_pool_would_preempt_moves_to_the_lane_instead(tiny_model, prompts, pooled):
+    """A pool of 84 pages holds the three prompts (81 pages) but not their growth: the pool alone
+    preempts; with a lane, the victims leave for it (whatever their length) and nothing is
+    preempted. Tokens are the same."""
+    alone = make_engine(tiny_model, num_pages=84, max_model_len=640)
+    assert run_to_completion(alone, requests(prompts, lambda i: greedy(MAX_TOKENS))) == pooled
+    assert alone.scheduler.num_preemptions > 0
+    engine = make_engine(tiny_model, num_pages=84, **{**LANE, "sparse_residency_min_tokens": 100_000})
+    assert run_to_completion(engine, requests(prompts, lambda i: greedy(MAX_TOKENS))) == pooled
+    stats = engine.resident.stats
+    assert engine.scheduler.num_preemptions == 0
+    assert stats.moved_under_pressure == stats.moved_in > 0

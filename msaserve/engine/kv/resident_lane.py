@@ -86,6 +86,8 @@ def refusal(model: MSATransformer, ops: AttentionOps, world_size: int) -> str | 
 class LaneStats:
     moved_in: int = 0
     """Requests moved out of the page pool into the lane."""
+    moved_under_pressure: int = 0
+    """Of those, requests the pool would have preempted (swapped out or recomputed) otherwise."""
     finished: int = 0
     steps: int = 0
     """Decode steps run in the lane (one token of one request each)."""
@@ -166,10 +168,12 @@ class SparseResidentLane:
     def __contains__(self, seq: Sequence) -> bool:
         return seq.request_id in self.members
 
-    def eligible(self, seq: Sequence) -> bool:
-        """A running request decoding (its prefill done) whose context reached min_tokens."""
+    def eligible(self, seq: Sequence, pressure: bool = False) -> bool:
+        """A running request decoding (its prefill done) whose context reached min_tokens, or any
+        decoding one under `pressure` (the pool would preempt it otherwise), while there is room."""
         return (seq.status is SequenceStatus.RUNNING and seq.num_uncomputed_tokens == 1
-                and seq.num_computed_tokens >= self.min_tokens and len(self.members) < self.max_sessions)
+                and (pressure or seq.num_computed_tokens >= self.min_tokens)
+                and len(self.members) < self.max_sessions)
 
     def session_pages(self, seq: Sequence) -> int:
         """Pages a session of seq holds room for: its prompt and every token it may generate,
