@@ -4,7 +4,6 @@ layers still missing them — not page order, and the tokens stay those of the u
 
 tiny: P=16, K=4; the 600-token session has 38 pages per layer."""
 
-import pytest
 import torch
 from reference_decode import SequenceState, step_metadata
 
@@ -18,14 +17,6 @@ from msaserve.models.presets import get_preset
 from msaserve.models.transformer import MSATransformer, init_random_weights
 
 PROMPT_LEN, STEPS, PREFETCH = 600, 12, 6
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 def test_background_reads_follow_the_predicted_selection_and_tokens_match(tmp_path):

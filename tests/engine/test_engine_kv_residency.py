@@ -26,14 +26,6 @@ from msaserve.models.transformer import MSATransformer, init_random_weights
 PROMPT_LEN, STEPS = 600, 24  # decoding crosses a page boundary at 608: write-back and ring reuse
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def model() -> MSATransformer:
     return init_random_weights(MSATransformer(get_preset("tiny"), "msa"), seed=0).eval()

@@ -26,14 +26,6 @@ LANE = dict(sparse_residency_sessions=2, sparse_residency_min_tokens=256, sparse
             max_model_len=640)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_torch_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="module")
 def prompts() -> list[list[int]]:
     return [random_prompt(n, seed=10 + i) for i, n in enumerate(LENGTHS)]
