@@ -64,7 +64,8 @@ class EngineSettings(BaseModel):
         description="Long decoding requests a replica may move off its KV pool at once: each then decodes "
         "with its whole MSA index and only sparse_residency_budget of its K/V on the device, every page's "
         "K/V in host memory (pinned on CUDA), fetched as the indexer selects it (layers that attend densely "
-        "keep their whole K/V on the device). 0: off. Needs an MSA backend and a single-rank replica.",
+        "keep their whole K/V on the device). A decoding request the pool would preempt moves there too. "
+        "0: off. Needs an MSA backend and a single-rank replica.",
     )
     sparse_residency_min_tokens: int = Field(
         32768, ge=16, le=4_194_304,
@@ -103,6 +104,11 @@ class EngineSettings(BaseModel):
     def _one_pool_size(self) -> Self:
         if self.num_pages is not None and self.kv_cache_memory_bytes is not None:
             raise ValueError("engine: set num_pages or kv_cache_memory_bytes, not both")
+        ranks = self.tensor_parallel_size * self.expert_parallel_size
+        if self.sparse_residency_sessions and ranks > 1:
+            raise ValueError(f"engine: sparse_residency_sessions={self.sparse_residency_sessions} is invalid "
+                             f"with {ranks} ranks per replica (tensor_parallel_size × expert_parallel_size): "
+                             "allowed 0 unless the replica has one rank")
         return self
 
 

@@ -31,6 +31,10 @@ def test_yaml_round_trip(tmp_path) -> None:
         ({"model": {"device": "tpu"}}, "model.device: Input should be 'cpu' or 'cuda'"),
         ({"http": {"prot": 1}}, "http.prot: Extra inputs are not permitted"),
         ({"engine": {"num_pages": 64, "kv_cache_memory_bytes": 1 << 30}}, "not both"),
+        ({"engine": {"sparse_residency_sessions": 2, "tensor_parallel_size": 2}},
+         "sparse_residency_sessions=2 is invalid with 2 ranks per replica"),
+        ({"engine": {"sparse_residency_budget": 0}},
+         "engine.sparse_residency_budget: Input should be greater than 0"),
         (
             {"preprocess": {"min_pixels": 10_000, "max_pixels": 5_000}},
             "preprocess.min_pixels=10000 must be ≤",
