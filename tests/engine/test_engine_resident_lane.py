@@ -301,3 +301,28 @@ def test_a_request_the_pool_would_preempt_moves_to_the_lane_instead(tiny_model, 
     stats = engine.resident.stats
     assert engine.scheduler.num_preemptions == 0
     assert stats.moved_under_pressure == stats.moved_in > 0
+
+
+def test_a_constrained_request_beside_a_free_one_in_the_lane(tiny_model, tiny_tokenizer, prompts):
+    """The grammar's mask reaches the right row of the lane's logits: a schema-constrained sampled
+    request and a free greedy one, both moved to the lane, give the pool's tokens, and the JSON holds."""
+    import json
+
+    import jsonschema
+
+    from msaserve.engine.types import GrammarSpec
+
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    constrained = SamplingParams(max_tokens=40, temperature=1.0, seed=5,
+                                 grammar=GrammarSpec("json_schema", json.dumps(schema)))
+
+    def sampling(i: int) -> SamplingParams:
+        return greedy(MAX_TOKENS) if i == 0 else constrained
+
+    want = run_to_completion(make_engine(tiny_model, tiny_tokenizer, max_model_len=640),
+                             requests(prompts[:2], sampling))
+    engine = make_engine(tiny_model, tiny_tokenizer, **LANE)
+    got = run_to_completion(engine, requests(prompts[:2], sampling))
+    assert got == want and engine.resident.stats.moved_in == 2
+    jsonschema.validate(json.loads(tiny_tokenizer.decode(got["r1"])), schema)
