@@ -99,6 +99,10 @@ class EngineConfig:
         if not isinstance(self.sparse_residency_sessions, int) or self.sparse_residency_sessions < 0:
             raise ValueError(f"EngineConfig.sparse_residency_sessions={self.sparse_residency_sessions!r} is "
                              "invalid: allowed an integer ≥ 0 (0: off)")
+        if self.sparse_residency_sessions and self.world_size > 1:
+            raise ValueError(f"EngineConfig.sparse_residency_sessions={self.sparse_residency_sessions} is "
+                             f"invalid with {self.world_size} ranks per replica: allowed 0 unless the "
+                             "replica has one rank")
         if not isinstance(self.sparse_residency_min_tokens, int) or self.sparse_residency_min_tokens < 1:
             raise ValueError(f"EngineConfig.sparse_residency_min_tokens={self.sparse_residency_min_tokens!r} "
                              "is invalid: allowed an integer ≥ 1")

@@ -168,6 +168,11 @@ def test_bad_lane_settings_name_the_field(field, value):
         EngineConfig(**{field: value})
 
 
+def test_a_multi_rank_replica_is_refused_a_lane():
+    with pytest.raises(ValueError, match=r"sparse_residency_sessions=2 is invalid with 4 ranks per replica"):
+        EngineConfig(sparse_residency_sessions=2, tensor_parallel_size=2, expert_parallel_size=2)
+
+
 def test_lane_benchmark_runs_and_reports_equal_tokens(tmp_path):
     """benchmarks/kvcache/resident_lane.py at a small size: both keys written from a run whose
     tokens equal the pool's, every request moved."""

@@ -72,13 +72,13 @@ def resident_session_bytes(config, max_pages: int, budget_pages: int, kv_dtype: 
 
 def refusal(model: MSATransformer, ops: AttentionOps, world_size: int) -> str | None:
     """Why this model cannot decode sparse-resident (None: it can)."""
+    if world_size > 1:
+        return f"a replica of {world_size} ranks: sparse residency runs on single-rank replicas"
     if not ops.sparse:
         return (f"attention_backend {model.attention_backend!r} attends densely: sparse residency needs an "
                 "MSA backend (msa, triton or naive)")
     if len(model_dense_layers(model)) == model.config.num_layers:
         return "every layer of the model attends densely: sparse residency needs MSA layers"
-    if world_size > 1:
-        return f"a replica of {world_size} ranks: sparse residency runs on single-rank replicas"
     return None
 
 
