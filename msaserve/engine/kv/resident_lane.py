@@ -1,11 +1,17 @@
 """The engine's sparse-resident lane: long decoding requests leave the page pool and decode with
 their index and only a working set of their K/V on the device (`resident_session.ResidentSession`).
 
-A running request that has finished its prefill and whose context reaches `min_tokens` moves here
-when the lane has room (`EngineConfig.sparse_residency_sessions`): every page's K/V is written to a
-host tier (pinned on CUDA; kept for the next request that moves), its index pages are copied to its
-own index cache, and its pages in the pool are given back (the full ones stay in the prefix cache).
-From then on each engine step decodes it alone, beside the pool's batch:
+Requests come here while the lane has room (`EngineConfig.sparse_residency_sessions`):
+- a running request that has finished its prefill and whose context reaches `min_tokens` (after a
+  step), or any decoding one the pool would preempt (`Scheduler.offload`): every page's K/V is
+  written to a host tier (pinned on CUDA; kept for the next session of its size), its index pages
+  are copied to its own index cache, and its pool pages are given back (the full ones stay in the
+  prefix cache);
+- a session request whose record the KV cache service holds (`adopt`, from `EngineSessions`): the
+  index now, the K/V leased in place or read as selected; the tokens after the stored ones are
+  decode steps that sample nothing.
+A session is sized for its request (`session_pages`). Each engine step decodes every request here
+once, alone, beside the pool's batch:
 - a greedy request without logprobs, penalties, bias or grammar through `SparseDecodeGraph` (on
   CUDA the step replays as one CUDA graph from its third on; the host sees the token only);
 - any other request eagerly (`ResidentSession.decode_metadata`), its logits through the engine's
