@@ -145,7 +145,7 @@ def test_a_session_with_a_dense_layer_holds_that_layers_pages_whole(tiny_model):
                               device=torch.device("cpu"), dtype=torch.float32)
     assert session.dense_layers == (1,) and session.sparse_layers == (0,)
     assert session.caches[0].k_cache.shape[0] == 10 and session.caches[1].k_cache.shape[0] == 40
-    assert session.caches[1].index_cache.shape[0] == 1 and not session.can_speculate
+    assert session.caches[1].index_cache.shape[0] == 40 and not session.can_speculate
 
 
 def test_a_model_that_cannot_decode_sparse_resident_is_refused_with_the_field():
@@ -249,6 +249,42 @@ def stored_session(model, prompt, max_tokens: int):
                       model=model, kv_client=client)
     out = run_to_completion(first, [GenerateRequest("t1", prompt, greedy(max_tokens), session_id="s")])
     return client, out["t1"]
+
+
+@pytest.mark.parametrize("kind", ["msa", "m3"])
+def test_a_stored_session_of_a_model_with_dense_layers_is_adopted_into_the_lane(tiny_model, prompts, kind):
+    """The tiny M3's full_attention layer (and a tiny MSA model's dense layer) get all of their stored
+    K/V at the adoption, on the device; the MSA layers theirs as selected. Tokens equal a run from
+    scratch, and the background reads never ask for the dense layer's pages."""
+    if kind == "m3":
+        model, dense, prompt = random_m3(seed=0), 1, random_prompt(LENGTHS[1], seed=31, vocab=250)
+    else:
+        config = get_preset("tiny").model_copy(update={"dense_layers": (0,)})
+        model = init_random_weights(MSATransformer(config, "naive"), seed=0).eval()
+        dense, prompt = 0, prompts[1]
+    client, turn = stored_session(model, prompt, 8)
+    follow_up = [*prompt, *turn, 7, 8, 9]
+    want = run_to_completion(make_engine(model, max_model_len=640),
+                             [GenerateRequest("t2", follow_up, greedy(MAX_TOKENS))])
+    config = EngineConfig(model="tiny", num_pages=128, max_num_batched_tokens=64,
+                          **{**LANE, "sparse_residency_min_tokens": 400})
+    engine = LLMEngine(config, model=model, kv_client=client)
+    engine.add_request(GenerateRequest("t2", follow_up, greedy(MAX_TOKENS), session_id="s"))
+    lane = engine.resident
+    assert lane.stats.adopted == 1
+    session = lane.session_of(engine.trackers["t2"].seq)
+    assert session.dense_layers == (dense,)
+    # the dense layer's every stored page is on the device, at its logical page, as the service holds it
+    from msaserve.engine.kv.pages import PageCodec
+
+    record = client.get_session("s")
+    stored = PageCodec(client.model).decode_kv(client.get_kv([(h, dense) for h in record.page_hashes]))
+    assert torch.equal(session.pools[dense][: len(record.page_hashes)], stored)
+    got = collect(engine)
+    assert got == want
+    assert lane.stats.catch_up_steps == 3
+    reads = [item for kind_, items in session.host.service_log for item in items]
+    assert reads and all(layer != dense for _, layer in reads)
 
 
 @pytest.mark.parametrize("new_tokens, busy, where", [

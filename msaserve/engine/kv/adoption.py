@@ -124,14 +124,17 @@ class LazyPageFetcher:
         caches: Sequence[LayerKVCache],
         block_table: Sequence[int],
         kv_block_table: Sequence[int] | None = None,
+        dense_layers: Sequence[int] = (),
     ) -> None:
         """block_table: logical → physical page for this sequence, covering every stored page;
         kv_block_table: where the K/V of each page goes when not at block_table's page (a
-        sparse-resident session's K/V pool, `resident_session.py`)."""
+        sparse-resident session's K/V pool, `resident_session.py`), except in `dense_layers`
+        (layers that attend densely keep their K/V at block_table's page)."""
         self.client, self.record, self.caches = client, record, list(caches)
         self.codec = PageCodec(client.model)
         self.block_table = list(block_table)
         self.kv_block_table = None if kv_block_table is None else list(kv_block_table)
+        self.dense_layers = frozenset(dense_layers)
         # Logical page i is stored under hashes[i]: the full pages, then the partial tail if any.
         self.hashes = list(record.page_hashes) + ([record.tail_hash] if record.tail_hash is not None else [])
         self.num_pages = 0  # adopted pages (set by load_index)
@@ -234,8 +237,9 @@ class LazyPageFetcher:
         if any(p is None for p in payloads):
             raise PageLost(f"session {self.record.session_id!r}: K/V of page {logical_page} is missing or "
                            "corrupt in the KV cache service")
-        physical = (self.block_table if self.kv_block_table is None else self.kv_block_table)[logical_page]
         for layer, payload in zip(layers, payloads, strict=True):
+            placed = self.kv_block_table is not None and layer not in self.dense_layers
+            physical = (self.kv_block_table if placed else self.block_table)[logical_page]
             self.codec.import_kv(self.caches[layer], [physical], [payload])
             self.resident[layer, logical_page] = True
         self.stats.kv_pages_on_demand += len(layers)

@@ -372,6 +372,11 @@ class HostKV:
         self._pending = still
         return ended
 
+    def skip_layer(self, layer: int) -> None:
+        """Never read `layer`'s pages from the service in the background (a layer that attends
+        densely holds its whole K/V on the device already)."""
+        self._requested[layer] = True
+
     def cancel_pending(self) -> None:
         """Drop the background reads not started yet and wait for the running one."""
         for future, _ in self._pending:

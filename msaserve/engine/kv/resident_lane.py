@@ -64,16 +64,16 @@ def model_dense_layers(model: MSATransformer) -> tuple[int, ...]:
 
 def resident_session_bytes(config, max_pages: int, budget_pages: int, kv_dtype: torch.dtype,
                            index_dtype: torch.dtype, dense_layers: int = 0) -> int:
-    """Device bytes of one sparse-resident session: each MSA layer's index cache of `max_pages`
-    pages (and fp8 scales) and its K/V pool of `budget_pages`; each of the `dense_layers` layers
-    that attend densely, all `max_pages` pages of K/V."""
+    """Device bytes of one sparse-resident session: every layer's index cache of `max_pages` pages
+    (and fp8 scales); each MSA layer's K/V pool of `budget_pages`, and each of the `dense_layers`
+    layers that attend densely all `max_pages` pages of K/V."""
     c = config
     page_kv = 2 * c.page_size * c.num_kv_heads * c.head_dim * kv_dtype.itemsize
     index = max_pages * c.page_size * c.num_index_heads * c.index_head_dim * index_dtype.itemsize
     fp8 = index_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     scales = max_pages * c.page_size * c.num_index_heads * 4 if fp8 else 0
-    sparse_layers = c.num_layers - dense_layers
-    return sparse_layers * (budget_pages * page_kv + index + scales) + dense_layers * max_pages * page_kv
+    kv_pages = (c.num_layers - dense_layers) * budget_pages + dense_layers * max_pages
+    return c.num_layers * (index + scales) + kv_pages * page_kv
 
 
 def refusal(model: MSATransformer, ops: AttentionOps, world_size: int) -> str | None:
@@ -223,13 +223,12 @@ class SparseResidentLane:
                     session.budget_pages)
 
     def can_adopt(self, seq: Sequence, record: SessionRecord, pool_fits: bool) -> bool:
-        """Whether to adopt seq's stored session into the lane: there is room, every layer selects
-        (an adopted session's dense layers would need all of their K/V read first), the record holds
-        at least min_tokens, and seq's tokens after them are few (each is a decode step here) or the
-        pool cannot hold the session's pages at all."""
+        """Whether to adopt seq's stored session into the lane: there is room, the record holds at
+        least min_tokens, and seq's tokens after them are few (each is a decode step here) or the
+        pool cannot take the session now. (Layers that attend densely get all of their stored K/V at
+        the adoption.)"""
         remaining = seq.num_tokens - 1 - record.num_stored_tokens
-        return (len(self.members) < self.max_sessions and not self.dense_layers
-                and record.num_stored_tokens >= self.min_tokens
+        return (len(self.members) < self.max_sessions and record.num_stored_tokens >= self.min_tokens
                 and (remaining <= self.catch_up_tokens or not pool_fits))
 
     catch_up_tokens = 64

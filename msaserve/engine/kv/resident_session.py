@@ -73,7 +73,8 @@ def allocate_resident_caches(
     with `per_head` (each KV head's column of a slot holds a page of its own); index cache
     [max_pages, P, HkI, DI]. The K and V caches are [budget_pages, P, Hkv, D] views either way.
     A layer in `dense_layers` reads every page: its pool [max_pages, 2, P, Hkv, D] holds each logical
-    page at its own slot, and its index cache is one unused page (it has no index branch)."""
+    page at its own slot (its index cache, never written by the layer, is kept whole all the same: an
+    adoption's index load and an export read every layer's)."""
     index_dtype = index_dtype or dtype
     fp8 = index_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
     c = config
@@ -88,16 +89,13 @@ def allocate_resident_caches(
         pool = pools[layer]
         return pool[:, kv].permute(0, 2, 1, 3) if per_head and layer not in dense else pool[:, kv]
 
-    def index_shape(layer: int) -> tuple[int, ...]:
-        return (1 if layer in dense else max_pages, c.page_size, c.num_index_heads, c.index_head_dim)
-
+    index_shape = (max_pages, c.page_size, c.num_index_heads, c.index_head_dim)
     caches = [
         LayerKVCache(
             k_cache=view(layer, 0),
             v_cache=view(layer, 1),
-            index_cache=torch.zeros(index_shape(layer), device=device, dtype=index_dtype),
-            index_scale=(torch.ones(index_shape(layer)[:3], device=device, dtype=torch.float32) if fp8
-                         else None),
+            index_cache=torch.zeros(index_shape, device=device, dtype=index_dtype),
+            index_scale=torch.ones(index_shape[:3], device=device, dtype=torch.float32) if fp8 else None,
         )
         for layer in range(c.num_layers)
     ]
@@ -262,8 +260,7 @@ class ResidentSession:
             src, pool = caches[layer], session.pools[layer]
             pool[:pages, 0] = src.k_cache[table]
             pool[:pages, 1] = src.v_cache[table]
-        for layer in session.sparse_layers:
-            src, dst = caches[layer], session.caches[layer]
+        for src, dst in zip(caches, session.caches, strict=True):
             dst.index_cache[:pages] = src.index_cache[table]
             if src.index_scale is not None:
                 dst.index_scale[:pages] = src.index_scale[table]
@@ -288,10 +285,6 @@ class ResidentSession:
         The garbage collector waits until the adoption is done: a full collection over the shards'
         and the engine's objects takes tens of ms, and the adoption allocates enough to start one
         (on the H200 the host-tier reset alone varied from 2 to 20 ms)."""
-        if config_dense_layers(config):
-            raise ValueError(f"adopt: layers {list(config_dense_layers(config))} attend densely: adopting a "
-                             "session sparse-resident needs every layer to select its pages (offload one "
-                             "instead)")
         t0 = time.perf_counter()
         hashes = list(record.page_hashes) + ([record.tail_hash] if record.tail_hash is not None else [])
         c = config
@@ -308,8 +301,14 @@ class ResidentSession:
         # Index of every page at its logical page; the stored tail's K/V (it is written into
         # next) straight to its ring slot.
         fetcher = LazyPageFetcher(client, record, session.caches, list(range(max_pages)),
-                                  kv_block_table=[p % ring for p in range(max_pages)])
+                                  kv_block_table=[p % ring for p in range(max_pages)],
+                                  dense_layers=session.dense_layers)
         covered = fetcher.load_index()
+        # A layer that attends densely reads every page from its first step: all of its stored K/V
+        # now, straight to the device (its host-tier rows are never read: see `check_host_complete`).
+        for layer in session.dense_layers:
+            fetcher.ensure(layer, range(fetcher.num_pages))
+            host.skip_layer(layer)
         # The service provides the pages before the first one the session writes (the stored tail's
         # K/V came with the index; its host-tier copy is the session's write-back, never a read).
         source.readable_pages = covered // c.page_size
@@ -372,21 +371,15 @@ class ResidentSession:
         the host tier, the index cache on the device; the identity block table). The page being
         written is written back to the host tier first (it is again when it fills), and on CUDA the
         device's copies into the host tier are waited for. A layer that attends densely exports
-        zeros for its index, as a pool's never-written index page holds."""
+        the zeros its index cache holds, as a pool's never-written index page does."""
         if self.write_page >= 0:
             self._write_back(self.write_page)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         data = self.host.data
-        caches = []
-        for layer, cache in enumerate(self.caches):
-            index, scale = cache.index_cache, cache.index_scale
-            if layer in self.dense_layers:  # one page, never written: read as zeros at every page
-                index = torch.zeros_like(index[:1]).expand(self.max_pages, *index.shape[1:])
-                if scale is not None:
-                    scale = torch.ones_like(scale[:1]).expand(self.max_pages, *scale.shape[1:])
-            caches.append(LayerKVCache(k_cache=data[layer, :, 0], v_cache=data[layer, :, 1],
-                                       index_cache=index, index_scale=scale))
+        caches = [LayerKVCache(k_cache=data[layer, :, 0], v_cache=data[layer, :, 1],
+                               index_cache=cache.index_cache, index_scale=cache.index_scale)
+                  for layer, cache in enumerate(self.caches)]
         return caches, list(range(self.max_pages))
 
     # ---- one decode step ----------------------------------------------------------------------
@@ -442,7 +435,10 @@ class ResidentSession:
         its first step, before any `decode_metadata` — and at every step while it is not (background
         reads fill an adopted session's tier). Host memory only: no device sync."""
         if not self._host_complete:
-            self._host_complete = bool(self.host.present[:, : self.write_page].all())
+            present = self.host.present[:, : self.write_page]
+            if self.dense_layers:  # their K/V are whole on the device: the host tier need not hold them
+                present = present[list(self.sparse_layers)]
+            self._host_complete = bool(present.all())
 
     def advance(self, position: int) -> int:
         """Start the decode step of the token at `position` (the session's tokens so far): on a
