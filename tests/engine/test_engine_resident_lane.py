@@ -367,3 +367,24 @@ def test_a_constrained_request_beside_a_free_one_in_the_lane(tiny_model, tiny_to
     got = run_to_completion(engine, requests(prompts[:2], sampling))
     assert got == want and engine.resident.stats.moved_in == 2
     jsonschema.validate(json.loads(tiny_tokenizer.decode(got["r1"])), schema)
+
+
+def test_an_adopted_lane_request_aborted_mid_catch_up_frees_its_session(tiny_model, prompts):
+    client, turn = stored_session(tiny_model, prompts[1], 8)
+    follow_up = [*prompts[1], *turn, *random_prompt(20, seed=98)]
+    config = EngineConfig(model="tiny", num_pages=128, max_num_batched_tokens=64, **LANE)
+    engine = LLMEngine(config, model=tiny_model, kv_client=client)
+    engine.add_request(GenerateRequest("t2", follow_up, greedy(MAX_TOKENS), session_id="s"))
+    lane = engine.resident
+    assert lane.stats.adopted == 1
+    for _ in range(3):
+        assert engine.step() == []  # catching up: no token yet
+    output = engine.abort("t2")
+    assert output.finished and output.finish_reason == "abort"
+    assert not lane and not engine.has_unfinished() and lane.stats.catch_up_steps == 3
+    # the next session of the same size reuses the kept host tier, and decodes as from scratch
+    follow_up[-1] = 5
+    want = run_to_completion(make_engine(tiny_model, max_model_len=640),
+                             [GenerateRequest("t3", follow_up, greedy(MAX_TOKENS))])
+    got = run_to_completion(engine, [GenerateRequest("t3", follow_up, greedy(MAX_TOKENS), session_id="s")])
+    assert got == want and lane.stats.adopted == 2 and lane.stats.host_tiers_allocated == 1
