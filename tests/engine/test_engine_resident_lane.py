@@ -388,3 +388,14 @@ def test_an_adopted_lane_request_aborted_mid_catch_up_frees_its_session(tiny_mod
                              [GenerateRequest("t3", follow_up, greedy(MAX_TOKENS))])
     got = run_to_completion(engine, [GenerateRequest("t3", follow_up, greedy(MAX_TOKENS), session_id="s")])
     assert got == want and lane.stats.adopted == 2 and lane.stats.host_tiers_allocated == 1
+
+
+@pytest.mark.parametrize("kv_dtype, index_dtype", [("fp8", "auto"), ("auto", "fp8"), ("fp8", "fp8")])
+def test_the_lane_with_fp8_caches_gives_the_pools_tokens(tiny_model, prompts, kv_dtype, index_dtype):
+    """fp8 K/V (the host tier and working set in float8 too) and fp8 index keys with their scales."""
+    dtypes = dict(kv_cache_dtype=kv_dtype, index_cache_dtype=index_dtype)
+    want = run_to_completion(make_engine(tiny_model, max_model_len=640, **dtypes),
+                             requests(prompts[:2], lambda i: greedy(MAX_TOKENS)))
+    engine = make_engine(tiny_model, **LANE, **dtypes)
+    assert run_to_completion(engine, requests(prompts[:2], lambda i: greedy(MAX_TOKENS))) == want
+    assert engine.resident.stats.moved_in == 2 and engine.resident.stats.evictions > 0
