@@ -65,7 +65,8 @@ class EngineSettings(BaseModel):
         "with its whole MSA index and only sparse_residency_budget of its K/V on the device, every page's "
         "K/V in host memory (pinned on CUDA), fetched as the indexer selects it (layers that attend densely "
         "keep their whole K/V on the device). A decoding request the pool would preempt moves there too. "
-        "0: off. Needs an MSA backend and a single-rank replica.",
+        "They decode beside the pool's batch, not counted in max_num_seqs. 0: off. Needs an MSA backend "
+        "and a single-rank replica.",
     )
     sparse_residency_min_tokens: int = Field(
         32768, ge=16, le=4_194_304,
