@@ -174,8 +174,8 @@ def test_a_multi_rank_replica_is_refused_a_lane():
 
 
 def test_lane_benchmark_runs_and_reports_equal_tokens(tmp_path):
-    """benchmarks/kvcache/resident_lane.py at a small size: both keys written from a run whose
-    tokens equal the pool's, every request moved."""
+    """benchmarks/kvcache/resident_lane.py at a small size: every key written from runs whose tokens
+    equal the pool's: every request moved, and both stored sessions adopted into the lane."""
     import json
     import subprocess
     import sys
@@ -194,6 +194,10 @@ def test_lane_benchmark_runs_and_reports_equal_tokens(tmp_path):
     for key in ("kvcache.resident_lane_request_bytes_ratio_cpu", "kvcache.resident_lane_total_speedup_cpu"):
         assert results[key]["value"] > 0 and "tokens equal: True" in results[key]["note"], key
     assert results["kvcache.resident_lane_request_bytes_ratio_cpu"]["value"] > 1
+    adopt = results["resident_lane_adopt"]
+    assert adopt["tokens_equal"] and adopt["lane_stats"]["adopted"] == 2
+    key = results["kvcache.engine_lane_adopt_vs_reprefill_cpu"]
+    assert key["value"] == pytest.approx(adopt["reprefill"]["ttft_s"] / adopt["lane_adopt"]["ttft_s"])
 
 
 @pytest.mark.parametrize("kind", ["msa", "m3"])
