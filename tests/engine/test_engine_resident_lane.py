@@ -403,3 +403,28 @@ def test_the_lane_with_fp8_caches_gives_the_pools_tokens(tiny_model, prompts, kv
     engine = make_engine(tiny_model, **LANE, **dtypes)
     assert run_to_completion(engine, requests(prompts[:2], lambda i: greedy(MAX_TOKENS))) == want
     assert engine.resident.stats.moved_in == 2 and engine.resident.stats.evictions > 0
+
+
+def test_a_session_adopted_into_the_lane_persists_the_bytes_the_pool_would(tiny_model, prompts):
+    """Adopted into the lane (pages before its write page never in its host tier), a session
+    persists only what it wrote itself, from its write-backs: the stored pages and tail equal, byte for
+    byte, what the same turn adopted into the pool stores."""
+    import numpy as np
+
+    stored = {}
+    for lane in (False, True):
+        client, turn = stored_session(tiny_model, prompts[2], 8)  # 567 tokens stored: a tail of 7
+        settings = {**LANE, "sparse_residency_min_tokens": 400} if lane else dict(max_model_len=640)
+        config = EngineConfig(model="tiny", num_pages=128, max_num_batched_tokens=64, **settings)
+        engine = LLMEngine(config, model=tiny_model, kv_client=client)
+        request = GenerateRequest("t2", [*prompts[2], *turn], greedy(MAX_TOKENS), session_id="s")
+        out = run_to_completion(engine, [request])
+        assert (engine.resident is not None and engine.resident.stats.adopted == 1) == lane
+        record = client.get_session("s")
+        keys = [*record.page_hashes, record.tail_hash]
+        kv = client.get_kv([(h, layer) for h in keys for layer in range(tiny_model.config.num_layers)])
+        stored[lane] = (out["t2"], record.token_ids, record.page_hashes, record.tail_tokens,
+                        [bytes(np.asarray(p)) for p in kv],
+                        [bytes(np.asarray(p)) for p in client.get_index(keys)])
+    assert stored[True] == stored[False]
+    assert len(stored[True][2]) == (560 + 8 + MAX_TOKENS - 1) // 16  # pages written in the lane too
