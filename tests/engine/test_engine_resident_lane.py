@@ -109,6 +109,14 @@ def test_a_finished_requests_host_tier_is_reused_and_the_tokens_stay(tiny_model,
     assert got == pooled
     # sessions of 300 and 420 tokens (+24) hold 32 pages, of 560 the lane's 40: one reuse
     assert lane.stats.moved_in == 3 and lane.stats.host_tiers_allocated == 2 and len(lane._free_hosts) == 1
+    # the other way round, a larger kept tier serves the smaller sessions: one tier in all
+    engine = make_engine(tiny_model, **{**LANE, "sparse_residency_sessions": 1})
+    got = {}
+    for request in reversed(requests(prompts, lambda i: greedy(MAX_TOKENS))):
+        engine.add_request(request)
+        collect(engine, got)
+    assert got == pooled and engine.resident.stats.moved_in == 3
+    assert engine.resident.stats.host_tiers_allocated == 1
 
 
 def test_requests_below_the_threshold_stay_in_the_pool(tiny_model, prompts, pooled):

@@ -10,8 +10,8 @@ Requests come here while the lane has room (`EngineConfig.sparse_residency_sessi
 - a session request whose record the KV cache service holds (`adopt`, from `EngineSessions`): the
   index now, the K/V leased in place or read as selected; the tokens after the stored ones are
   decode steps that sample nothing.
-A session is sized for its request (`session_pages`). Each engine step decodes every request here
-once, alone, beside the pool's batch:
+A session is sized for its request (`session_pages`); its host tier may be a larger kept one.
+Each engine step decodes every request here once, alone, beside the pool's batch:
 - a greedy request without logprobs, penalties, bias or grammar through `SparseDecodeGraph` (on
   CUDA the step replays as one CUDA graph from its third on; the host sees the token only);
 - any other request eagerly (`ResidentSession.decode_metadata`), its logits through the engine's
@@ -183,16 +183,18 @@ class SparseResidentLane:
 
     def session_pages(self, seq: Sequence) -> int:
         """Pages a session of seq holds room for: its prompt and every token it may generate,
-        rounded up to a power of two (so that host tiers are reused across requests of similar
-        length), at most max_model_len's and at least one working set's."""
+        rounded up to a power of two, at most max_model_len's and at least one working set's."""
         need = -(-(seq.num_prompt_tokens + seq.sampling.max_tokens) // self.model.config.page_size)
         return max(least_budget_pages(self.model.config), min(self.max_pages, 1 << (need - 1).bit_length()))
 
     def _host_for(self, pages: int) -> HostKV | None:
-        """A kept host tier of exactly `pages` pages (None: the session allocates one)."""
-        for i, host in enumerate(self._free_hosts):
-            if host.present.shape[1] == pages:
-                return self._free_hosts.pop(i)
+        """The smallest kept host tier of at least `pages` pages (None: the session allocates one):
+        a larger tier serves a smaller session, so sessions of varied lengths pin memory only when
+        none kept is large enough."""
+        fits = [(host.present.shape[1], i) for i, host in enumerate(self._free_hosts)
+                if host.present.shape[1] >= pages]
+        if fits:
+            return self._free_hosts.pop(min(fits)[1])
         self.stats.host_tiers_allocated += 1
         return None
 

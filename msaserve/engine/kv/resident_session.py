@@ -152,6 +152,9 @@ class ResidentSession:
         if budget_pages < least or budget_pages > max_pages:
             raise ValueError(f"budget_pages={budget_pages} is invalid: allowed {least} (ring {self.ring} + "
                              f"Hkv·top_k) ≤ budget_pages ≤ max_pages={max_pages}")
+        if host.present.shape[1] < max_pages:
+            raise ValueError(f"host tier of {host.present.shape[1]} pages is invalid for "
+                             f"max_pages={max_pages}: allowed a tier of at least max_pages pages")
         self.page_size, self.budget_pages = config.page_size, budget_pages
         self.per_head, self.heads = per_head, config.num_kv_heads
         self.dense_layers = tuple(sorted(set(config_dense_layers(config) if dense_layers is None
@@ -488,7 +491,7 @@ class ResidentSession:
         (a 1-byte flag per page; once the tier is complete it is copied one last time)."""
         if self._present_dev is None or self._presence_final:
             return
-        self._present_dev.copy_(self.host.present)
+        self._present_dev.copy_(self.host.present[:, : self.max_pages])
         self._presence_final = self._host_complete
 
     def repair(self) -> bool:
