@@ -19,7 +19,7 @@ from msaserve.engine.media import MediaPrompt, prepare_media
 from msaserve.engine.memory import model_dtype
 from msaserve.engine.model_runner import ModelRunner
 from msaserve.engine.output import RequestOutputTracker, now
-from msaserve.engine.sampler import Sampler
+from msaserve.engine.sampler import GrammarMask, Sampler
 from msaserve.engine.scheduler import ScheduledBatch, Scheduler
 from msaserve.engine.sequence import Sequence, SequenceStatus
 from msaserve.engine.structured.step import GrammarRuntime
@@ -265,14 +265,18 @@ class LLMEngine:
         sampled: list[Sequence] = [batch.seqs[row] for row in inputs.sample_rows]
         if not sampled:
             return []
+        return self._sample(sampled, logits, GrammarRuntime.mask(pending, inputs.sample_rows), now())
+
+    def _sample(self, seqs: list[Sequence], logits: torch.Tensor, mask: GrammarMask | None, timestamp: float
+                ) -> list[GenerateOutput]:
+        """Sample each sequence's token from its row of logits [len(seqs), vocab] (the grammar mask in
+        those rows) and emit it."""
         result = self.sampler(
-            logits, [s.sampling for s in sampled], [s.generator for s in sampled],
-            histories=[(s.token_ids, s.num_prompt_tokens) for s in sampled],
-            mask=GrammarRuntime.mask(pending, inputs.sample_rows),
+            logits, [s.sampling for s in seqs], [s.generator for s in seqs],
+            histories=[(s.token_ids, s.num_prompt_tokens) for s in seqs], mask=mask,
         )
-        timestamp = now()
         return [self._emit(seq, token, logprob, timestamp)
-                for seq, token, logprob in zip(sampled, result.token_ids, result.logprobs, strict=True)]
+                for seq, token, logprob in zip(seqs, result.token_ids, result.logprobs, strict=True)]
 
     def _step_resident(self) -> list[GenerateOutput]:
         """One token of every request in the sparse-resident lane: greedy ones straight from the
@@ -284,24 +288,14 @@ class LLMEngine:
         pending = self._grammar_runtime.begin(seqs) if self._grammar_runtime else None
         step = lane.step(self._plain_greedy)
         for seq in step.lost:  # the service lost pages of an adopted session: recompute it
-            seq.num_computed_tokens = seq.num_cached_tokens = 0
-            seq.page_hashes, seq.block_table = [], []
-            seq.status = SequenceStatus.WAITING
-            self.scheduler.waiting.appendleft(seq)
+            self.scheduler.recompute(seq)
             if self.sessions is not None:
                 self.sessions.stats.recomputed_after_loss += 1
         timestamp = now()
         outputs = [self._emit(seq, token, None, timestamp) for seq, token in step.tokens]
-        sampled = step.sampled
-        if sampled:
-            rows = [seqs.index(seq) for seq in sampled]
-            result = self.sampler(
-                step.logits, [s.sampling for s in sampled], [s.generator for s in sampled],
-                histories=[(s.token_ids, s.num_prompt_tokens) for s in sampled],
-                mask=GrammarRuntime.mask(pending, rows),
-            )
-            outputs += [self._emit(seq, token, logprob, timestamp) for seq, token, logprob
-                        in zip(sampled, result.token_ids, result.logprobs, strict=True)]
+        if step.sampled:
+            rows = [seqs.index(seq) for seq in step.sampled]
+            outputs += self._sample(step.sampled, step.logits, GrammarRuntime.mask(pending, rows), timestamp)
         return outputs
 
     def _move_to_resident(self) -> None:

@@ -9,7 +9,7 @@ import torch
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.cuda_graphs import DecodeGraphs
-from msaserve.engine.kv.resident_lane import lane_budget_pages, model_dense_layers, resident_session_bytes
+from msaserve.engine.kv.resident_lane import lane_budget_pages, resident_session_bytes
 from msaserve.engine.media import release_finished_media, step_input_embeds
 from msaserve.engine.memory import cache_dtypes, plan_num_pages
 from msaserve.engine.scheduler import ScheduledBatch
@@ -155,8 +155,7 @@ class ModelRunner:
         if not config.sparse_residency_sessions:
             return 0
         budget = lane_budget_pages(self.model.config, self.max_pages, config.sparse_residency_budget)
-        each = resident_session_bytes(self.model.config, self.max_pages, budget, kv_dtype, index_dtype,
-                                      len(model_dense_layers(self.model)))
+        each = resident_session_bytes(self.model.config, self.max_pages, budget, kv_dtype, index_dtype)
         logger.info("sparse-resident lane: %d sessions of %.2f GiB reserved",
                     config.sparse_residency_sessions, each / 2**30)
         return config.sparse_residency_sessions * each

@@ -149,7 +149,10 @@ class Scheduler:
         if self.swapper.swap_out(seq):
             self.swapped.append(seq)
             return
-        # The page store is full: drop the pages and recompute prompt and output later.
+        self.recompute(seq)  # the page store is full: prompt and output are computed again later
+
+    def recompute(self, seq: Sequence) -> None:
+        """seq (in no queue) starts over from its tokens: its pages freed, it waits first in line."""
         self.block_manager.free(seq)
         seq.num_computed_tokens = seq.num_cached_tokens = 0
         seq.page_hashes = []

@@ -36,7 +36,13 @@ import torch
 
 from msaserve.engine.kv.host_tier import HostKV, PageLostInService
 from msaserve.engine.kv.resident_graph import SparseDecodeGraph
-from msaserve.engine.kv.resident_session import ResidentSession, config_dense_layers
+from msaserve.engine.kv.resident_session import (
+    ResidentSession,
+    allocate_resident_caches,
+    caches_bytes,
+    config_dense_layers,
+    least_budget_pages,
+)
 from msaserve.engine.sequence import Sequence, SequenceStatus
 from msaserve.kernels import AttentionOps
 from msaserve.kvcache.client import KVCacheClient
@@ -47,33 +53,18 @@ from msaserve.models.transformer import MSATransformer
 logger = logging.getLogger(__name__)
 
 
-def least_budget_pages(config) -> int:
-    """The fewest K/V pages a layer's working set may have: the write ring and one step's selection."""
-    return max(2, config.n_local + 1) + config.num_kv_heads * config.top_k
-
-
 def lane_budget_pages(config, max_pages: int, fraction: float) -> int:
     """K/V pages per layer on the device for a session of up to `max_pages` pages at `fraction`."""
     return min(max_pages, max(least_budget_pages(config), math.ceil(fraction * max_pages)))
 
 
-def model_dense_layers(model: MSATransformer) -> tuple[int, ...]:
-    """The layers that attend densely (MiniMax-M3's full_attention layers, `config.dense_layers`)."""
-    return tuple(getattr(model, "dense_layers", ()) or config_dense_layers(model.config))
-
-
 def resident_session_bytes(config, max_pages: int, budget_pages: int, kv_dtype: torch.dtype,
-                           index_dtype: torch.dtype, dense_layers: int = 0) -> int:
-    """Device bytes of one sparse-resident session: every layer's index cache of `max_pages` pages
-    (and fp8 scales); each MSA layer's K/V pool of `budget_pages`, and each of the `dense_layers`
-    layers that attend densely all `max_pages` pages of K/V."""
-    c = config
-    page_kv = 2 * c.page_size * c.num_kv_heads * c.head_dim * kv_dtype.itemsize
-    index = max_pages * c.page_size * c.num_index_heads * c.index_head_dim * index_dtype.itemsize
-    fp8 = index_dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
-    scales = max_pages * c.page_size * c.num_index_heads * 4 if fp8 else 0
-    kv_pages = (c.num_layers - dense_layers) * budget_pages + dense_layers * max_pages
-    return c.num_layers * (index + scales) + kv_pages * page_kv
+                           index_dtype: torch.dtype) -> int:
+    """Device bytes of one sparse-resident session of `max_pages` pages at `budget_pages`: its
+    caches allocated on the meta device (as `engine.memory.page_bytes` sizes a pool page)."""
+    caches, _ = allocate_resident_caches(config, max_pages, budget_pages, torch.device("meta"), kv_dtype,
+                                         index_dtype, dense_layers=config_dense_layers(config))
+    return caches_bytes(caches)
 
 
 def refusal(model: MSATransformer, ops: AttentionOps, world_size: int) -> str | None:
@@ -83,7 +74,7 @@ def refusal(model: MSATransformer, ops: AttentionOps, world_size: int) -> str | 
     if not ops.sparse:
         return (f"attention_backend {model.attention_backend!r} attends densely: sparse residency needs an "
                 "MSA backend (msa, triton or naive)")
-    if len(model_dense_layers(model)) == model.config.num_layers:
+    if len(config_dense_layers(model.config)) == model.config.num_layers:
         return "every layer of the model attends densely: sparse residency needs MSA layers"
     return None
 
@@ -157,9 +148,9 @@ class SparseResidentLane:
         self.budget_fraction = budget_fraction
         self.budget_pages = lane_budget_pages(config, max_pages, budget_fraction)
         """K/V pages per layer of a session of max_model_len (a shorter one keeps its own share)."""
-        self.dense_layers = model_dense_layers(model)
+        self.dense_layers = config_dense_layers(config)
         """Layers that read every page: a moved request keeps all of their K/V on the device."""
-        if self.budget_pages < least_budget_pages(config):
+        if max_pages < least_budget_pages(config):
             raise ValueError(
                 f"max_model_len gives {max_pages} pages: sparse residency needs at least "
                 f"{least_budget_pages(config)} (the write ring and one step's selection of every KV head)")
@@ -170,9 +161,6 @@ class SparseResidentLane:
 
     def __len__(self) -> int:
         return len(self.members)
-
-    def __contains__(self, seq: Sequence) -> bool:
-        return seq.request_id in self.members
 
     def eligible(self, seq: Sequence, pressure: bool = False) -> bool:
         """A running request decoding (its prefill done) whose context reached min_tokens, or any
@@ -186,6 +174,16 @@ class SparseResidentLane:
         rounded up to a power of two, at most max_model_len's and at least one working set's."""
         need = -(-(seq.num_prompt_tokens + seq.sampling.max_tokens) // self.model.config.page_size)
         return max(least_budget_pages(self.model.config), min(self.max_pages, 1 << (need - 1).bit_length()))
+
+    def _budget(self, pages: int) -> int:
+        """K/V pages per layer on the device of a session of `pages` pages."""
+        return lane_budget_pages(self.model.config, pages, self.budget_fraction)
+
+    def _join(self, seq: Sequence, session: ResidentSession) -> None:
+        """seq decodes here from its next step, through `session`."""
+        seq.status = SequenceStatus.RESIDENT
+        self.members[seq.request_id] = _Member(seq, session, session.wrap_ops(self.ops), None)
+        self.stats.session_device_bytes = session.gpu_bytes
 
     def _host_for(self, pages: int) -> HostKV | None:
         """The smallest kept host tier of at least `pages` pages (None: the session allocates one):
@@ -209,16 +207,13 @@ class SparseResidentLane:
         t0 = time.perf_counter()
         pages = self.session_pages(seq)
         session = ResidentSession.offload(
-            self.model.config, self.caches, seq.num_computed_tokens,
-            lane_budget_pages(self.model.config, pages, self.budget_fraction), pages,
+            self.model.config, self.caches, seq.num_computed_tokens, self._budget(pages), pages,
             host=self._host_for(pages), block_table=seq.block_table, dense_layers=self.dense_layers)
         pool_pages = len(seq.block_table)
         free_pages(seq)
-        seq.status = SequenceStatus.RESIDENT
-        self.members[seq.request_id] = _Member(seq, session, session.wrap_ops(self.ops), None)
+        self._join(seq, session)
         self.stats.moved_in += 1
         self.stats.pages_freed += pool_pages
-        self.stats.session_device_bytes = session.gpu_bytes
         self.stats.move_seconds += time.perf_counter() - t0
         logger.info("[%s] decodes sparse-resident from token %d: %d pool pages freed, %d K/V pages per "
                     "layer on the device", seq.request_id, seq.num_computed_tokens, pool_pages,
@@ -243,12 +238,11 @@ class SparseResidentLane:
         (`ResidentSession.adopt`) → the tokens it covers (0: none, nothing adopted)."""
         t0 = time.perf_counter()
         pages = self.session_pages(seq)
-        budget = lane_budget_pages(self.model.config, pages, self.budget_fraction)
         host, cache = self._host_for(pages), self.caches[0]
         try:
             session, covered = ResidentSession.adopt(
-                client, record, self.model.config, budget, pages, cache.k_cache.device, cache.k_cache.dtype,
-                cache.index_cache.dtype, host=host)
+                client, record, self.model.config, self._budget(pages), pages, cache.k_cache.device,
+                cache.k_cache.dtype, cache.index_cache.dtype, host=host)
         except Exception:
             if host is not None:
                 self._keep_host(host)
@@ -257,11 +251,9 @@ class SparseResidentLane:
             self._keep_host(session.host)
             return 0
         seq.num_computed_tokens = seq.num_cached_tokens = covered
-        seq.status = SequenceStatus.RESIDENT
-        self.members[seq.request_id] = _Member(seq, session, session.wrap_ops(self.ops), None)
+        self._join(seq, session)
         self.stats.adopted += 1
         self.stats.adopt_seconds += time.perf_counter() - t0
-        self.stats.session_device_bytes = session.gpu_bytes
         logger.info("[%s] adopted sparse-resident from the KV cache service: %d tokens stored, %d to "
                     "compute, %.3f s", seq.request_id, covered, seq.num_uncomputed_tokens,
                     time.perf_counter() - t0)

@@ -102,6 +102,18 @@ def allocate_resident_caches(
     return caches, pools
 
 
+def least_budget_pages(config: MSAConfig) -> int:
+    """The fewest K/V pages a layer's working set may have: the write ring (`n_local` + 1 pages, at
+    least 2) and one step's selection of every KV head."""
+    return max(2, config.n_local + 1) + config.num_kv_heads * config.top_k
+
+
+def caches_bytes(caches: Sequence[LayerKVCache]) -> int:
+    """Bytes of the caches' K, V, index and scale tensors (K and V views of one pool count once each)."""
+    tensors = [t for c in caches for t in (c.k_cache, c.v_cache, c.index_cache, c.index_scale)]
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
 def config_dense_layers(config: MSAConfig) -> tuple[int, ...]:
     """Layers of `config` that attend densely, reading every page: `dense_layers`, and MiniMax-M3's
     `full_attention` layers (`layer_types`)."""
@@ -148,7 +160,7 @@ class ResidentSession:
         `AttentionMetadata.kv_slot_mapping`), and only the other layers decode from a working set."""
         self.config, self.max_pages, self.device, self.host = config, max_pages, torch.device(device), host
         self.ring = max(2, config.n_local + 1)
-        least = self.ring + config.num_kv_heads * config.top_k
+        least = least_budget_pages(config)
         if budget_pages < least or budget_pages > max_pages:
             raise ValueError(f"budget_pages={budget_pages} is invalid: allowed {least} (ring {self.ring} + "
                              f"Hkv·top_k) ≤ budget_pages ≤ max_pages={max_pages}")
@@ -663,10 +675,7 @@ class ResidentSession:
 
     @property
     def gpu_bytes(self) -> int:
-        """GPU memory of the session: every index page, budget_pages of K/V per layer."""
-        total = 0
-        for c in self.caches:
-            for t in (c.k_cache, c.v_cache, c.index_cache, c.index_scale):
-                total += 0 if t is None else t.numel() * t.element_size()
-        return total
+        """GPU memory of the session: every index page, budget_pages of K/V per layer (every page
+        in a layer that attends densely)."""
+        return caches_bytes(self.caches)
 

@@ -259,11 +259,7 @@ class EngineSessions:
                 continue
             del self.fetchers[seq.request_id]
             self.scheduler.running.remove(seq)
-            self.block_manager.free(seq)
-            seq.num_computed_tokens = seq.num_cached_tokens = 0
-            seq.page_hashes = []
-            seq.status = SequenceStatus.WAITING
-            self.scheduler.waiting.appendleft(seq)
+            self.scheduler.recompute(seq)
             self.stats.recomputed_after_loss += 1
 
     def after_token(self, seq: Sequence, finished: bool) -> None:
