@@ -153,3 +153,31 @@ def normal_request(base_url: str, api_key: str, model: str) -> int:
     body = {"model": model, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     headers = {"Authorization": f"Bearer {api_key}"}
     return httpx.post(base_url + "/v1/chat/completions", json=body, headers=headers, timeout=60).status_code
+
+
+def stalled_bodies(
+    base_url: str, api_key: str, forwarded_for: list[str], attempts: int = 10
+) -> list[socket.socket]:
+    """One request per address in `forwarded_for` (sent as a forged X-Forwarded-For), each with its
+    headers and 10 of its 1000 body bytes, held open: all in flight at the server at once. A request
+    of an earlier test that the server still counts from this client can get one of them a 429 at
+    once (seen: a /ready probe still in flight); then all are closed and sent again, so the caller
+    holds exactly len(forwarded_for) requests in flight."""
+    for _ in range(attempts):
+        socks = []
+        for forged in forwarded_for:
+            sock = connect(base_url)
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Authorization: Bearer {api_key}\r\nX-Forwarded-For: {forged}\r\n".encode()
+                + b"Content-Length: 1000\r\n\r\n"
+                + b'{"model": '
+            )
+            socks.append(sock)
+        answered, _, _ = select.select(socks, [], [], 0.3)  # a refusal comes in milliseconds
+        if not answered:
+            return socks
+        for sock in socks:
+            sock.close()
+        time.sleep(0.5)  # the earlier request leaves the count
+    raise AssertionError(f"one of {len(forwarded_for)} stalled requests was answered, {attempts} tries")

@@ -11,12 +11,12 @@ import pytest
 from hostile_clients import (
     abort_mid_stream,
     closed_within,
-    connect,
     idle_connections,
     normal_request,
     oversized_chunked_body,
     slowloris_body,
     slowloris_headers,
+    stalled_bodies,
 )
 from local_serve_app import LiveApp, start_live_app
 
@@ -79,19 +79,12 @@ def test_a_forged_x_forwarded_for_does_not_lift_the_per_client_cap(app: LiveApp)
     that forged a new address per request was a new client each time and never met the cap."""
     import httpx
 
-    stalled = []
+    # in flight until the body timeout: headers, 10 of 1000 bytes, a new forged address each
+    stalled = stalled_bodies(app.base_url, KEY, [f"203.0.113.{i}" for i in range(PER_CLIENT)])
     try:
-        for i in range(PER_CLIENT):  # in flight until the body timeout: headers, 10 of 1000 bytes
-            sock = connect(app.base_url)
-            sock.sendall(
-                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                + f"Authorization: Bearer {KEY}\r\nX-Forwarded-For: 203.0.113.{i}\r\n".encode()
-                + b"Content-Length: 1000\r\n\r\n" + b'{"model": '
-            )
-            stalled.append(sock)
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
         headers = {"Authorization": f"Bearer {KEY}", "X-Forwarded-For": "198.51.100.1"}
-        deadline, status = time.monotonic() + BODY_TIMEOUT_S - 0.5, 0
+        deadline, status = time.monotonic() + BODY_TIMEOUT_S - 0.8, 0  # stalls sent 0.3 s ago
         while status != 429 and time.monotonic() < deadline:  # until the proxy counted all stalled
             status = httpx.post(app.base_url + "/v1/chat/completions", json=body, headers=headers,
                                 timeout=30).status_code  # fmt: skip

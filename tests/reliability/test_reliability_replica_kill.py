@@ -26,7 +26,9 @@ pytestmark = pytest.mark.slow
 
 KEY = "fault-key"
 MODEL = "msaserve/tiny"
-NUM_STREAMS, MAX_TOKENS = 16, 384  # long enough to be mid-stream at the kill on an idle machine
+NUM_STREAMS, MAX_TOKENS = 16, 960  # 40 + 960 ≤ max_model_len: still mid-stream when a slow kill lands
+"""At 384 tokens a CI run (2 loaded cores) had every stream done before the killed replica was
+gone, so the test saw no cut stream; the streams now last several times longer than a kill takes."""
 ERROR_BOUND_S = 10.0
 """A stream cut by the kill must end (with its error event) this soon after the kill."""
 SERVE_CONFIG = {
@@ -114,8 +116,23 @@ async def streams_with_a_kill(url: str) -> tuple[list[Outcome], float]:
         assert started[0] == NUM_STREAMS, f"only {started[0]} streams started in 30 s"
         ray.kill(victim, no_restart=True)
         killed_at = time.monotonic()
-        outcomes = await asyncio.wait_for(asyncio.gather(*tasks), timeout=60)
-    return list(outcomes), killed_at
+        dead_at = await asyncio.to_thread(wait_dead, victim)
+        outcomes = await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
+    return list(outcomes), killed_at, dead_at
+
+
+def wait_dead(victim) -> float:
+    """When the killed replica stopped answering (its actor calls raise), on the test's clock."""
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            ray.get(victim.__ray_ready__.remote(), timeout=1)
+        except ray.exceptions.RayActorError:
+            return time.monotonic()
+        except ray.exceptions.GetTimeoutError:
+            continue  # busy or dying: ask again
+        time.sleep(0.05)
+    raise AssertionError("the killed replica still answered 30 s after ray.kill")
 
 
 def stream_errors(text: str) -> float:
@@ -125,10 +142,10 @@ def stream_errors(text: str) -> float:
 
 def test_in_flight_streams_complete_or_fail_clearly_and_new_requests_succeed(app: LiveApp) -> None:
     before = scrape(app.metrics_url)
-    outcomes, killed_at = asyncio.run(streams_with_a_kill(app.base_url))
+    outcomes, killed_at, dead_at = asyncio.run(streams_with_a_kill(app.base_url))
     completed = [o for o in outcomes if o.finish_reason == "length" and o.done and o.error is None]
     cut = [o for o in outcomes if o not in completed]
-    report = "\n".join(map(repr, outcomes))
+    report = "\n".join(map(repr, outcomes)) + f"\nkilled at {killed_at:.2f}, gone at {dead_at:.2f}"
     worst = max((o.ended_at - killed_at for o in cut), default=0.0)
     print(
         f"replica kill: {len(completed)} completed, {len(cut)} cut (last error {worst:.2f} s after the kill)"
