@@ -8,7 +8,7 @@ import torch
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from engine_helpers import greedy, random_prompt, run_to_completion
+from engine.engine_helpers import greedy, random_prompt, run_to_completion
 from parallel.m3_tiny import random_m3
 
 from msaserve.engine.config import EngineConfig
@@ -41,6 +41,8 @@ def test_the_lane_on_cuda_gives_the_pools_greedy_tokens_and_replays_graphs(kind)
     engine, got = run(lane=True)
     assert got == want
     stats = engine.resident.stats
-    assert stats.moved_in == 3 and stats.graph_steps == stats.steps > 3 * 30
+    # 3 × 40 tokens; the lane holds 2, so the third request decodes in the pool until one leaves
+    # (85 lane steps on the CPU with these prompts)
+    assert stats.moved_in == 3 and stats.graph_steps == stats.steps > 2 * 30
     assert stats.pages_fetched > 0 and stats.evictions > 0
     assert stats.replays >= stats.steps - 3 * 3  # each session: 2 eager warm-up steps, 1 captured
