@@ -101,12 +101,27 @@ def _offset_rms_norm_kernel(x_ptr, res_ptr, weight_ptr, out_ptr, sum_ptr, n_rows
 
 
 @triton.jit
+def _round_as(v, dtype):
+    """v (fp32) → fp32 holding v rounded to `dtype` (nearest, ties to even), what a cast to dtype and
+    back gives. For bf16 in integer arithmetic: compiled for the H200, the rotation's cast pairs did
+    not round (11 % of q's values one step off the spec's, which rounds each product), and the
+    interpreter truncates where the GPU rounds; bits cannot be folded away or truncated."""
+    if dtype == tl.bfloat16:
+        bits = v.to(tl.int32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # keep the top 16 bits, rounded
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(dtype).to(tl.float32)
+
+
+@triton.jit
 def _m3_head_values(src_ptr, heads, ok, w_ptr, cos_ptr, sin_ptr, eps,
                     D: tl.constexpr, R: tl.constexpr, NORM: tl.constexpr, ROTATE: tl.constexpr):
-    """Heads [HB, D] of one token's projection row at src_ptr: RMS-normed with (1 + weight) in fp32
-    and rounded (NORM), then the first R dims rotated (ROTATE), each product and the sum rounded as
-    PyTorch's bf16 steps are. The rotation's partner values are loaded and normed again rather than
-    permuted in registers: the same arithmetic on the same inputs, so the same bits."""
+    """Heads [HB, D] of one token's projection row at src_ptr, as fp32 holding values of the row's
+    dtype: RMS-normed with (1 + weight) in fp32 and rounded (NORM), then the first R dims rotated
+    (ROTATE), each product and the sum rounded as PyTorch's bf16 steps are (`_round_as`). The
+    rotation's partner values are loaded and normed again rather than permuted in registers: the
+    same arithmetic on the same inputs, so the same bits."""
     offs_d = tl.arange(0, D)
     x = tl.load(src_ptr + heads[:, None] * D + offs_d[None, :], mask=ok, other=0.0)
     dtype = x.dtype
@@ -114,7 +129,9 @@ def _m3_head_values(src_ptr, heads, ok, w_ptr, cos_ptr, sin_ptr, eps,
         x32 = x.to(tl.float32)
         inv = tl.math.rsqrt(tl.sum(x32 * x32, axis=1) / D + eps)
         w = tl.load(w_ptr + offs_d).to(tl.float32)
-        x = ((x32 * inv[:, None]) * (1.0 + w[None, :])).to(dtype)
+        x = _round_as((x32 * inv[:, None]) * (1.0 + w[None, :]), dtype)
+    else:
+        x = x.to(tl.float32)
     if ROTATE:
         half: tl.constexpr = R // 2
         rotated = offs_d < R
@@ -122,14 +139,15 @@ def _m3_head_values(src_ptr, heads, ok, w_ptr, cos_ptr, sin_ptr, eps,
         partner = tl.load(src_ptr + heads[:, None] * D + partner_d[None, :], mask=ok, other=0.0)
         if NORM:
             w_partner = tl.load(w_ptr + partner_d).to(tl.float32)
-            partner = ((partner.to(tl.float32) * inv[:, None]) * (1.0 + w_partner[None, :])).to(dtype)
-        partner = partner.to(tl.float32)
+            partner = _round_as((partner.to(tl.float32) * inv[:, None]) * (1.0 + w_partner[None, :]), dtype)
+        else:
+            partner = partner.to(tl.float32)
         partner = tl.where(offs_d[None, :] < half, -partner, partner)  # rotate_half(x[..., :R])
         cos = tl.load(cos_ptr + offs_d, mask=rotated, other=1.0).to(tl.float32)
         sin = tl.load(sin_ptr + offs_d, mask=rotated, other=0.0).to(tl.float32)
-        a = (x.to(tl.float32) * cos[None, :]).to(dtype).to(tl.float32)
-        b = (partner * sin[None, :]).to(dtype).to(tl.float32)
-        x = tl.where(rotated[None, :], (a + b).to(dtype), x)
+        a = _round_as(x * cos[None, :], dtype)
+        b = _round_as(partner * sin[None, :], dtype)
+        x = tl.where(rotated[None, :], _round_as(a + b, dtype), x)
     return x
 
 
