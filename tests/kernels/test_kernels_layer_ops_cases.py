@@ -155,9 +155,8 @@ def check_m3_attention_heads(module, tokens: int, layout, dtype: torch.dtype, de
         tol = _tolerance(dtype)
         torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol, msg=name)
         if dtype != torch.float32:  # fp32: the sum order moves most values in their last bits
-            # in bf16 both round to nearest even (the kernel in integer arithmetic, `_round_as`: the
-            # H200's compiled casts did not round, and the interpreter's truncate), so only the
-            # norm's sum order may move a value a step
+            # in bf16 both round to nearest even (the kernel in integer arithmetic, `_round_as`; the
+            # interpreter's casts truncate), so only the norm's sum order may move a value a step
             differ = (got != want).float().mean()
             assert differ < 0.02, f"{name}: {differ.item():.1%} of the values differ"
         if name.endswith("cache"):  # the same slots written, nothing else

@@ -104,7 +104,8 @@ def one_model_replica():
     return ray.get_actor(names[0], namespace="serve")
 
 
-async def streams_with_a_kill(url: str) -> tuple[list[Outcome], float]:
+async def streams_with_a_kill(url: str) -> tuple[list[Outcome], float, float]:
+    """The streams' outcomes, when the kill was sent and when the replica was gone."""
     victim = await asyncio.to_thread(one_model_replica)
     started = [0]
     timeout = httpx.Timeout(30.0, connect=10.0)

@@ -103,9 +103,9 @@ def _offset_rms_norm_kernel(x_ptr, res_ptr, weight_ptr, out_ptr, sum_ptr, n_rows
 @triton.jit
 def _round_as(v, dtype):
     """v (fp32) → fp32 holding v rounded to `dtype` (nearest, ties to even), what a cast to dtype and
-    back gives. For bf16 in integer arithmetic: compiled for the H200, the rotation's cast pairs did
-    not round (11 % of q's values one step off the spec's, which rounds each product), and the
-    interpreter truncates where the GPU rounds; bits cannot be folded away or truncated."""
+    back gives. For bf16 in integer arithmetic, which no compiler can fold or round another way and
+    the interpreter runs exactly (its casts truncate): compiled for the H200 with casts, 11 % of q's
+    values were one step off the spec's, which rounds each product (the cause there is not known)."""
     if dtype == tl.bfloat16:
         bits = v.to(tl.int32, bitcast=True)
         bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # keep the top 16 bits, rounded
