@@ -33,6 +33,7 @@ adopt.py's adoption into fully resident caches writes `kvcache.full_kv_adopt_vs_
 """
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -47,6 +48,7 @@ ROOT = HERE.parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(HERE)]
 
 from adopt import QUICK_OVERRIDES, Replica, git_revision, hardware, log, merge_results, prefill_session, sync  # noqa: E402
+from thread_watch import ThreadWatch  # noqa: E402
 
 from msaserve.engine.kv.host_tier import HostKV  # noqa: E402
 from msaserve.engine.kv.pages import identity_for  # noqa: E402
@@ -390,12 +392,15 @@ def adopt_and_decode(
     record = client.get_session_head("bench")
     token_ids = client.get_session_tokens_async("bench")
     record_s = time.perf_counter() - t0
-    session, covered = ResidentSession.adopt(
-        client, record, config, budget, max_pages, device, dtype, host=host, per_head=args.per_head,
-        lease_kv=lease_kv,
-    )
+    with ThreadWatch() if args.thread_watch else contextlib.nullcontext() as watch:
+        session, covered = ResidentSession.adopt(
+            client, record, config, budget, max_pages, device, dtype, host=host, per_head=args.per_head,
+            lease_kv=lease_kv,
+        )
     sync(device)
     index_s = time.perf_counter() - t0
+    if watch is not None:
+        log(f"threads during the adoption: {watch.report()}")
     assert covered == args.context, (covered, args.context)
     last = int(token_ids.result()[-1])
     if graphed:
@@ -674,6 +679,9 @@ def main() -> None:
         help="(page, layer) background service reads queued (default: every page)"
     )
     parser.add_argument("--output", default=None)
+    parser.add_argument("--thread-watch", action="store_true",
+                        help="a diagnostic: sample the other threads' Python frames during each adoption "
+                        "(thread_watch.py) and log where they were; it perturbs the timings")
     parser.add_argument("--granularity", choices=["page", "head"], default="head",
                         help="the sparse-resident working set's unit for the eager and adoption runs "
                         "(the graph runs measure both; `head`: ResidentSession(per_head=True))")

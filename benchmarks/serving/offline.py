@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trace", default=TRACE)
     parser.add_argument("--decode-steps", type=int, default=1,
                         help="EngineConfig.decode_steps of the traffic engines, both backends alike")
+    parser.add_argument("--session-rounds", type=int, nargs="*", default=[8],
+                        help="the session part's decode again (its prompt from the prefix cache) with "
+                        "EngineConfig.decode_steps of each value, both backends alike (none: skip)")
     parser.add_argument("--cpu-new-tokens", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads, the same for both sides "
                         "(default 1: on a shared 2-core machine OpenMP spin-waits made 2 threads 30× slower)")

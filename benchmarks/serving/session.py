@@ -38,7 +38,8 @@ def _prompt(engine: LLMEngine, length: int, seed: int) -> list[int]:
 
 def run_one_session(engine: LLMEngine, length: int, decode: int, device: str, seed: int = 0
                     ) -> dict[str, float]:
-    """Prefill `length` random tokens, decode `decode` → prefill_s, tpot_ms, hbm_gib, session_kv_gib."""
+    """Prefill `length` random tokens, decode `decode` → prefill_s, tpot_ms, hbm_gib, session_kv_gib,
+    tokens (the greedy tokens)."""
     prompt = _prompt(engine, length, seed)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -48,18 +49,20 @@ def run_one_session(engine: LLMEngine, length: int, decode: int, device: str, se
     start = time.perf_counter()
     first = last = None
     pages = 0
+    tokens: list[int] = []
     while engine.has_unfinished():
         for output in engine.step():
             now = time.perf_counter()  # the step synchronised when it read the sampled token
             first = first or now
             last = now
+            tokens += output.token_ids
             if output.finished:
                 pages = output.stats.num_pages
     hbm = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
     per_page = engine.runner.kv_cache_bytes / (engine.runner.num_pages + 1)
     return {
         "prefill_s": first - start, "tpot_ms": 1000 * (last - first) / max(1, decode - 1),
-        "hbm_gib": hbm, "session_kv_gib": pages * per_page / 2**30,
+        "hbm_gib": hbm, "session_kv_gib": pages * per_page / 2**30, "tokens": tokens,
     }
 
 
@@ -86,6 +89,18 @@ def _session(args: argparse.Namespace, sizes: Sizes, backend: str, length: int, 
         with SelectorWatch(f"session {backend} {length}") as watch:
             result = run_one_session(engine, length, decode, args.device)
         result["selector_measurements"] = watch.count
+        result["rounds"] = {}
+        for steps in args.session_rounds:  # the same session decoded in rounds (its prompt cached)
+            engine.config.decode_steps = steps
+            again = run_one_session(engine, length, decode, args.device)
+            result["rounds"][steps] = again["tpot_ms"]
+            equal = again["tokens"] == result["tokens"]
+            print(f"session {backend} {length}: decode_steps={steps}: TPOT {again['tpot_ms']:.3f} ms "
+                  f"(decode_steps=1: {result['tpot_ms']:.3f} ms), tokens equal {equal}", flush=True)
+            if not equal:
+                raise AssertionError(f"session {backend}: decode_steps={steps} gave other greedy tokens than "
+                                     f"decode_steps=1: {again['tokens'][:16]} vs {result['tokens'][:16]}")
+        engine.config.decode_steps = 1
         if breakdown:
             try:  # a diagnostic: its failure must not cost the session's figures
                 result["breakdown"] = decode_breakdown(engine, length, args.device)
@@ -123,6 +138,15 @@ def part_session(args: argparse.Namespace, sizes: Sizes, report: Report) -> None
     report.add(f"session_{t}_decode_speedup", dense["tpot_ms"] / msa["tpot_ms"], "x",
                note=f"dense / MSA TPOT at {length} tokens, batch 1, {decode} steps; {DENSE}")
     _byte_ceiling(args, report, length, msa, dense, t)
+    for steps in sorted(set(msa["rounds"]) & set(dense["rounds"])):
+        report.add(f"session_{t}_msa_tpot_ms_steps{steps}", msa["rounds"][steps], "ms",
+                   note=f"the same session decoded again (its prompt from the prefix cache) with "
+                        f"EngineConfig.decode_steps={steps}: {steps} greedy steps per host sync, tokens in "
+                        f"bursts of {steps}; MSA backend, decode in a CUDA graph")
+        report.add(f"session_{t}_dense_tpot_ms_steps{steps}", dense["rounds"][steps], "ms",
+                   note=f"as session_{t}_msa_tpot_ms_steps{steps}; {DENSE}")
+        _byte_ceiling(args, report, length, {"tpot_ms": msa["rounds"][steps]},
+                      {"tpot_ms": dense["rounds"][steps]}, t, steps)
     if "breakdown" not in msa or "breakdown" not in dense:
         return
     rows = [{"step": f"session {t} decode b1", "backend": b, **results[b]["breakdown"]} for b in results]
@@ -136,8 +160,9 @@ def part_session(args: argparse.Namespace, sizes: Sizes, report: Report) -> None
 
 
 def _byte_ceiling(args: argparse.Namespace, report: Report, length: int, msa: dict, dense: dict,
-                  t: str) -> None:
-    """The TPOTs against the bytes each step must read (byte_ceiling.py)."""
+                  t: str, steps: int = 1) -> None:
+    """The TPOTs against the bytes each step must read (byte_ceiling.py); steps: the engines'
+    decode_steps (above 1 the keys end `_steps{steps}`)."""
     from bench_setup import shared_model
 
     model = shared_model(args).model
@@ -149,13 +174,18 @@ def _byte_ceiling(args: argparse.Namespace, report: Report, length: int, msa: di
               f"(weights {floors['msa']['weights_gb']:.2f}), dense {floors['dense']['bytes_gb']:.2f} GB; "
               f"copy bandwidth {tbps:.2f} TB/s; floors MSA {floors['msa']['floor_ms']:.3f} ms / dense "
               f"{floors['dense']['floor_ms']:.3f} ms; TPOT MSA {msa['tpot_ms']:.3f} / dense "
-              f"{dense['tpot_ms']:.3f} ms (whole engine step: forward, logits, sampling, host work)")
-    report.add("session_decode_fraction_of_byte_ceiling", speedup / ceiling, "fraction", area="engine",
+              f"{dense['tpot_ms']:.3f} ms (whole engine step: forward, logits, sampling, host work)"
+              + (f"; EngineConfig.decode_steps={steps} on both: {steps} greedy steps per host sync, "
+                 f"tokens streamed in bursts of {steps}" if steps > 1 else
+                 "; decode_steps=1: one host sync per token, each token streamed as it is sampled"))
+    suffix = f"_steps{steps}" if steps > 1 else ""
+    report.add(f"session_decode_fraction_of_byte_ceiling{suffix}", speedup / ceiling, "fraction",
+               area="engine",
                note=f"measured decode speedup {speedup:.3f}x / byte ceiling {ceiling:.3f}x; {detail}")
     for backend in ("msa", "dense"):
         tpot = (msa if backend == "msa" else dense)["tpot_ms"]
-        report.add(f"session_{t}_{backend}_tpot_fraction_of_floor", floors[backend]["floor_ms"] / tpot,
-                   "fraction", note=detail)
+        report.add(f"session_{t}_{backend}_tpot_fraction_of_floor{suffix}",
+                   floors[backend]["floor_ms"] / tpot, "fraction", note=detail)
 
 
 def part_prefill(args: argparse.Namespace, sizes: Sizes, report: Report) -> None:
