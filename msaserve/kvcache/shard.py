@@ -17,7 +17,15 @@ import numpy as np
 from msaserve.kvcache.arena import SegmentAllocator
 from msaserve.kvcache.codec import Payload, as_payload
 from msaserve.kvcache.config import ServiceConfig
-from msaserve.kvcache.keys import KV_GROUPS, index_key, kv_key, kv_keys, kv_namespace
+from msaserve.kvcache.keys import (
+    INDEX_GROUPS,
+    KV_GROUPS,
+    index_key,
+    index_namespace,
+    kv_key,
+    kv_keys,
+    kv_namespace,
+)
 from msaserve.kvcache.session_records import SessionRecord, SessionStore
 from msaserve.kvcache.shared_segments import SharedSegments
 from msaserve.kvcache.store import GroupLease, PageStore
@@ -54,14 +62,15 @@ class KVCacheShard:
                 disk_bytes=config.split(config.disk_bytes, index),
                 write_through=config.write_through, fsync=config.fsync,
                 segment_allocator=allocators.get(name),
-                key_groups=KV_GROUPS if name == "kv" else None,
+                key_groups=KV_GROUPS if name == "kv" else INDEX_GROUPS,
             )
 
         self.stores = {"kv": store("kv", index=False), "index": store("index", index=True)}
         self.arena_stores = frozenset(allocators)
         """Stores whose memory tier keeps its pages in an arena (`arena.py`)."""
         self._leases: dict[int, tuple[str, list[str], list[StoredPage | None]] | GroupLease] = {}
-        """Open leases: (store, keys, pages) by key (`_lease`), or a K/V lease of whole pages."""
+        """Open leases: (store, keys, pages) by key (`_lease`), or a lease of whole pages by group
+        (`PageStore.lease_groups`: K/V pages of every layer, index pages)."""
         self._lease_started: dict[int, float] = {}
         self._next_lease = 0
         self.expired_leases = 0
@@ -148,8 +157,16 @@ class KVCacheShard:
 
     def lease_index(self, model_key: str, page_hashes: Sequence[int]) -> PageViews:
         """Zero-copy index reads for a caller in this process (`views.py`): the stored pages
-        themselves, unverified, held until `release_lease`."""
-        return self._lease("index", [index_key(model_key, h) for h in page_hashes])
+        themselves, unverified, held until `release_lease`. Where the index memory tier has an
+        arena, one lookup per page (its slot is kept under `keys.INDEX_GROUPS`), no key built."""
+        store = self.stores["index"]
+        if getattr(store.memory, "groups", None) is None:
+            return self._lease("index", [index_key(model_key, h) for h in page_hashes])
+        start = time.perf_counter()
+        namespace = index_namespace(model_key)
+        lease = store.lease_groups([(namespace, h) for h in page_hashes], 1)
+        lease.store = "index"
+        return self._answer("index", lease, lease.ids, lease.loose, start)
 
     def lease_kv(self, model_key: str, page_hashes: Sequence[int], num_layers: int) -> PageViews:
         """Zero-copy K+V reads of every layer of these pages for a caller in this process (item
@@ -194,7 +211,7 @@ class KVCacheShard:
 
     def open_lease_stores(self) -> list[str]:
         """The store ("index" or "kv") of each open lease, oldest first."""
-        return ["kv" if isinstance(lease, GroupLease) else lease[0] for lease in self._leases.values()]
+        return [lease.store if isinstance(lease, GroupLease) else lease[0] for lease in self._leases.values()]
 
     def renew_leases(self, lease_ids: Sequence[int]) -> int:
         """Restart the TTL clock of these leases (a reader that holds pages for longer than
@@ -232,7 +249,7 @@ class KVCacheShard:
         self._lease_started.pop(lease_id, None)
         lease = self._leases.pop(lease_id)
         if isinstance(lease, GroupLease):
-            self.stores["kv"].release_groups(lease, corrupt)
+            self.stores[lease.store].release_groups(lease, corrupt)
         else:
             store_name, keys, pages = lease
             store = self.stores[store_name]

@@ -25,7 +25,7 @@ import numpy as np
 
 from msaserve.kvcache.arena import PageArena, SegmentAllocator
 from msaserve.kvcache.codec import Payload, as_payload, checksum
-from msaserve.kvcache.keys import PageKeyGroups
+from msaserve.kvcache.keys import KeyGroups
 from msaserve.kvcache.tiers import StoredPage, Tier, make_tier
 
 
@@ -67,8 +67,10 @@ class GroupLease:
     """[n] int64: the arena slot id of each item, held until `release_groups`; -1 where none."""
     loose: dict[int, StoredPage]
     """Items held outside the arena (no slot), by position."""
+    store: str = "kv"
+    """The name of the shard's store that leased it (`KVCacheShard`: "kv" or "index")."""
 
-    def key(self, item: int, key_groups: PageKeyGroups) -> str:
+    def key(self, item: int, key_groups: KeyGroups) -> str:
         return key_groups.join(self.groups[item // self.members], item % self.members)
 
 
@@ -88,7 +90,7 @@ class PageStore:
         fsync: bool = False,
         tiers: Sequence[Tier] | None = None,
         segment_allocator: SegmentAllocator | None = None,
-        key_groups: PageKeyGroups | None = None,
+        key_groups: KeyGroups | None = None,
     ) -> None:
         """segment_allocator: the memory tier keeps its pages in a `PageArena` of segments from it
         (pinned host memory for an engine in this process that copies pages to a GPU); key_groups:

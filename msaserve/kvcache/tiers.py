@@ -20,7 +20,7 @@ import xxhash
 
 from msaserve.kvcache.arena import PageArena, Slot
 from msaserve.kvcache.codec import Payload
-from msaserve.kvcache.keys import PageKeyGroups
+from msaserve.kvcache.keys import KeyGroups
 
 _DISK_MAGIC = b"MSAKVPG1"
 _DISK_HEADER = struct.Struct("<8sQQI")  # magic, checksum, payload bytes, key bytes
@@ -92,7 +92,7 @@ class MemoryTier:
     durable = False
 
     def __init__(self, capacity_bytes: int, arena: PageArena | None = None,
-                 groups: PageKeyGroups | None = None) -> None:
+                 groups: KeyGroups | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"memory capacity_bytes={capacity_bytes} must be ≥ 0")
         self.capacity_bytes = capacity_bytes

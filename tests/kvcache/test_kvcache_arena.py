@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from msaserve.kvcache.arena import PageArena, numpy_segment
-from msaserve.kvcache.keys import KV_GROUPS, kv_key, kv_page_group
+from msaserve.kvcache.keys import INDEX_GROUPS, KV_GROUPS, index_key, index_namespace, kv_key, kv_page_group
 from msaserve.kvcache.store import PageStore
 
 PAGE = 256
@@ -206,6 +206,50 @@ def test_a_shards_kv_lease_of_whole_pages_reads_the_stored_bytes_wherever_they_a
     shard.release_lease(views.lease_id)
     shard.release_lease(held.lease_id)
     assert shard.stats()["open_leases"] == 0 and store.memory.arena.readers.sum() == 0
+
+
+def test_a_shards_index_lease_by_group_reads_the_stored_bytes_wherever_they_are(tmp_path):
+    """`KVCacheShard.lease_index` through `INDEX_GROUPS`: pages in the index arena by one lookup per
+    page, a page evicted to disk promoted and leased by key, a missing one absent; every view is
+    the stored bytes and every checksum the stored one; a page reported corrupt is dropped; the
+    release lets go of every slot."""
+    from msaserve.kvcache.codec import checksum
+    from msaserve.kvcache.config import ServiceConfig
+    from msaserve.kvcache.shard import KVCacheShard
+
+    nbytes = 1024
+    config = ServiceConfig(num_shards=1, memory_bytes=40 * nbytes, disk_bytes=1 << 20,  # index: 1/8 of it
+                           disk_path=str(tmp_path))
+    shard = KVCacheShard(config, 0, publish_metrics=False, segment_allocators={"index": numpy_segment})
+    index = {h: page(100 + h, nbytes) for h in range(6)}
+    shard.put_pages("m", [(h, None, index[h]) for h in range(6)])
+    store = shard.stores["index"]
+    assert store.memory.groups is INDEX_GROUPS
+    assert index_key("m", 0) not in store.memory  # on disk (index memory: 5 pages)
+    held = shard.lease_index("m", [1, 2, 3, 4, 5])  # so no slot is free when page 0 comes back
+    views = shard.lease_index("m", [0, 3, 99, 5])
+    assert views.segment_of[0] < 0 and (views.segment_of[[1, 3]] >= 0).all()
+    for i, h in enumerate((0, 3, 99, 5)):
+        if h == 99:
+            assert views.views[i] is None and views.nbytes[i] == -1
+            continue
+        assert np.array_equal(views.views[i], index[h]) and views.checksums[i] == checksum(index[h])
+    assert shard.open_lease_stores() == ["index", "index"]
+    shard.release_lease(views.lease_id, corrupt=[1])  # page 3's bytes failed the reader's check
+    shard.release_lease(held.lease_id)
+    assert index_key("m", 3) not in store.memory and store.stats.corruptions == 1
+    assert shard.stats()["open_leases"] == 0 and store.memory.arena.readers.sum() == 0
+
+
+def test_index_keys_split_into_their_page_group_and_join_back_and_other_keys_have_none():
+    key = index_key("model-a", 0xABC)
+    assert INDEX_GROUPS.split(key) == ((index_namespace("model-a"), 0xABC), 0)
+    assert INDEX_GROUPS.join(*INDEX_GROUPS.split(key)) == key
+    assert INDEX_GROUPS.join_all([(index_namespace("model-a"), 1)], 1) == [index_key("model-a", 1)]
+    for other in ("kv/model-a/0000000000000abc/3", "ix/m/00000000000000zz", "plain"):
+        assert INDEX_GROUPS.split(other) is None
+    with pytest.raises(ValueError, match="member=1 is invalid"):
+        INDEX_GROUPS.join((index_namespace("m"), 1), 1)
 
 
 def test_kv_keys_split_into_their_page_group_and_join_back_and_other_keys_have_none():
