@@ -5,10 +5,13 @@ host-side waits that no device profile shows (issue 30: the H200 adoption's host
 `ThreadWatch` samples `sys._current_frames()` every `interval_s` from a thread of its own. A sample
 runs only while that thread holds the GIL, so a thread seen in Python code (not parked in a wait,
 a queue or a lock) was running or queued for the GIL then. At exit it counts, per thread name, the
-innermost frames outside the standard library, and `report()` lists the most frequent ones.
+innermost frames outside the standard library, and `report()` lists the most frequent ones. It
+also records every garbage collection that ran meanwhile (generation, thread, milliseconds: a
+collection holds the GIL throughout, whichever thread started it).
 """
 
 import collections
+import gc
 import sys
 import sysconfig
 import threading
@@ -46,6 +49,17 @@ class ThreadWatch:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="thread-watch", daemon=True)
         self._main = threading.get_ident()
+        self.collections: list[tuple[int, str, float]] = []
+        """(generation, thread name, ms) of each garbage collection during the watch."""
+        self._gc_started = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._gc_started = time.perf_counter()
+        else:  # -1 ms: it began before the watch
+            ms = 1e3 * (time.perf_counter() - self._gc_started) if self._gc_started else -1.0
+            self.collections.append((info["generation"], threading.current_thread().name, ms))
+            self._gc_started = 0.0
 
     def _run(self) -> None:
         names = {}
@@ -63,6 +77,7 @@ class ThreadWatch:
             time.sleep(self.interval_s)
 
     def __enter__(self) -> "ThreadWatch":
+        gc.callbacks.append(self._on_gc)
         self._thread.start()
         return self
 
@@ -70,12 +85,15 @@ class ThreadWatch:
                  trace: TracebackType | None) -> None:
         self._stop.set()
         self._thread.join()
+        gc.callbacks.remove(self._on_gc)
 
     def report(self, top: int = 8) -> str:
         """The most frequent (thread, frames) of other threads in Python code, with their share of
         the samples."""
+        collections_ = ", ".join(f"gen {g} in {name} {ms:.1f} ms" for g, name, ms in self.collections)
+        gcs = f"; garbage collections: {collections_ or 'none'}"
         if not self.counts:
-            return f"no other thread ran Python code in {self.samples} samples"
+            return f"no other thread ran Python code in {self.samples} samples{gcs}"
         rows = [f"{count / max(1, self.samples):6.1%}  {name}: {where}"
                 for (name, where), count in self.counts.most_common(top)]
-        return f"{self.samples} samples; other threads in Python code:\n  " + "\n  ".join(rows)
+        return f"{self.samples} samples{gcs}; other threads in Python code:\n  " + "\n  ".join(rows)
