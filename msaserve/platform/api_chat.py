@@ -36,6 +36,7 @@ from msaserve.platform.openai_types import (
     ResponseFunctionCall,
     ResponseToolCall,
 )
+from msaserve.platform.sse_schema import event_stream_response
 from msaserve.platform.structured_request import chat_grammar, required_tools
 from msaserve.platform.tool_formats import tool_format_of
 from msaserve.platform.tool_stream import ArgumentsDelta, CallStarted, Event, Text, tool_stream_parser
@@ -44,12 +45,18 @@ from msaserve.platform.tools import ToolFormat, forced_name, parse_reply
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
+_STREAM = event_stream_response(
+    ChatCompletionChunk | ErrorResponse,
+    "The chat completion; with `stream: true`, server-sent events instead: its chunks, then "
+    "data: [DONE] (an error once the stream began is its last event, an error body).",
+    ends_with_done=True,
+)
 
 
 def build_router(ctx: Any) -> APIRouter:
     router = APIRouter()
 
-    @router.post("/v1/chat/completions", response_model=ChatCompletion, responses=_ERRORS)
+    @router.post("/v1/chat/completions", response_model=ChatCompletion, responses={200: _STREAM, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Any:
         key, info = await ctx.admit(body, request)
         try:

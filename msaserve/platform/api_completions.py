@@ -23,21 +23,30 @@ from msaserve.platform.generation import (
 from msaserve.platform.openai_types import (
     Completion,
     CompletionChoice,
+    CompletionChunk,
+    CompletionChunkChoice,
     CompletionLogprobs,
     CompletionRequest,
     ErrorResponse,
 )
+from msaserve.platform.sse_schema import event_stream_response
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
 _ROUTE = "/v1/completions"
+_STREAM = event_stream_response(
+    CompletionChunk | ErrorResponse,
+    "The completion; with `stream: true`, server-sent events instead: a chunk per piece of text, "
+    "then data: [DONE] (an error once the stream began is its last event, an error body).",
+    ends_with_done=True,
+)
 
 
 def build_router(ctx: Any) -> APIRouter:
     router = APIRouter()
 
-    @router.post(_ROUTE, response_model=Completion, responses=_ERRORS)
+    @router.post(_ROUTE, response_model=Completion, responses={200: _STREAM, **_ERRORS})
     async def completions(body: CompletionRequest, request: Request) -> Any:
         key, info = await ctx.admit(body, request)
         try:
@@ -140,12 +149,12 @@ async def _stream(
         async for out in gen.outputs():
             logprobs = _logprobs(tokenizer, out.logprobs or [], offset) if body.logprobs is not None else None
             offset += len(out.text)
-            choice = CompletionChoice(text=out.text, finish_reason=out.finish_reason, logprobs=logprobs)
-            yield sse(Completion(id=cid, model=ctx.model_name, choices=[choice]))
+            choice = CompletionChunkChoice(text=out.text, finish_reason=out.finish_reason, logprobs=logprobs)
+            yield sse(CompletionChunk(id=cid, model=ctx.model_name, choices=[choice]))
         record_metrics(ctx, gen, _ROUTE)
         if include_usage:
             usage = usage_of(gen.final_stats, len(gen.request.prompt_token_ids), gen.num_output_tokens)
-            yield sse(Completion(id=cid, model=ctx.model_name, choices=[], usage=usage))
+            yield sse(CompletionChunk(id=cid, model=ctx.model_name, choices=[], usage=usage))
         yield SSE_DONE
     except APIError as e:
         ctx.metrics.inc("stream_errors", model=ctx.model_name, route=_ROUTE, code=e.code or e.type)

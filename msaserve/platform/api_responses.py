@@ -33,7 +33,14 @@ from msaserve.platform.responses_convert import (
     output_items,
 )
 from msaserve.platform.responses_stream import ResponseEventWriter
-from msaserve.platform.responses_types import DeletedResponse, ResponseObject, ResponsesRequest, ResponseUsage
+from msaserve.platform.responses_types import (
+    DeletedResponse,
+    ResponseObject,
+    ResponsesRequest,
+    ResponseStreamEvent,
+    ResponseUsage,
+)
+from msaserve.platform.sse_schema import event_stream_response
 from msaserve.platform.tool_formats import tool_format_of
 from msaserve.platform.tool_stream import tool_stream_parser
 from msaserve.platform.tools import forced_name, parse_reply
@@ -43,6 +50,12 @@ _ID = re.compile(r"^resp_([0-9a-f]{16})([0-9a-f]{16})$")
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 429, 503)
 }
+_STREAM = event_stream_response(
+    ResponseStreamEvent,
+    "The response; with `stream: true`, its events instead (server-sent, each named by its type), "
+    "the last one response.completed, response.incomplete or error.",
+    named_events=True,
+)
 
 
 def _not_found(response_id: str, param: str) -> APIError:
@@ -143,7 +156,7 @@ async def _begin(ctx: Any, body: ResponsesRequest, request: Request, info: Any) 
 def build_router(ctx: Any) -> APIRouter:
     router = APIRouter()
 
-    @router.post(ROUTE, response_model=ResponseObject, responses=_ERRORS)
+    @router.post(ROUTE, response_model=ResponseObject, responses={200: _STREAM, **_ERRORS})
     async def create_response(body: ResponsesRequest, request: Request) -> Any:
         key, info = await ctx.admit(body, request)
         try:

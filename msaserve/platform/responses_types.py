@@ -177,3 +177,87 @@ class DeletedResponse(BaseModel):
     id: str
     object: Literal["response.deleted"] = "response.deleted"
     deleted: bool = True
+
+
+# ----------------------------------------------------------------------------- stream events
+# The `data:` of each event of a /v1/responses stream (`responses_stream.ResponseEventWriter` writes
+# them; the `event:` line repeats `type`). They document the stream in the OpenAPI schema, and the
+# tests check the writer's events against them. Events of one shape share a model (`type` names the
+# event), so the inlined OpenAPI schema holds each shape once.
+
+
+class ResponseStateEvent(_Response):
+    """The response as it stands: created and in progress first, completed or incomplete last."""
+
+    type: Literal["response.created", "response.in_progress", "response.completed", "response.incomplete"]
+    response: ResponseObject
+    sequence_number: int
+
+
+class ResponseOutputItemEvent(_Response):
+    type: Literal["response.output_item.added", "response.output_item.done"]
+    output_index: int
+    item: OutputMessage | OutputFunctionCall
+    sequence_number: int
+
+
+class ResponseContentPartEvent(_Response):
+    type: Literal["response.content_part.added", "response.content_part.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    part: OutputText
+    sequence_number: int
+
+
+class ResponseTextDeltaEvent(_Response):
+    type: Literal["response.output_text.delta"]
+    item_id: str
+    output_index: int
+    content_index: int
+    delta: str
+    logprobs: list[Any]
+    sequence_number: int
+
+
+class ResponseTextDoneEvent(_Response):
+    type: Literal["response.output_text.done"]
+    item_id: str
+    output_index: int
+    content_index: int
+    text: str
+    logprobs: list[Any]
+    sequence_number: int
+
+
+class ResponseArgumentsDeltaEvent(_Response):
+    type: Literal["response.function_call_arguments.delta"]
+    item_id: str
+    output_index: int
+    delta: str
+    sequence_number: int
+
+
+class ResponseArgumentsDoneEvent(_Response):
+    type: Literal["response.function_call_arguments.done"]
+    item_id: str
+    output_index: int
+    arguments: str
+    name: str
+    sequence_number: int
+
+
+class ResponseErrorEvent(_Response):
+    """An error after the stream began (its headers are sent): the stream's last event."""
+
+    type: Literal["error"]
+    code: str | None
+    message: str
+    param: str | None
+    sequence_number: int
+
+
+ResponseStreamEvent = (
+    ResponseStateEvent | ResponseOutputItemEvent | ResponseContentPartEvent | ResponseTextDeltaEvent
+    | ResponseTextDoneEvent | ResponseArgumentsDeltaEvent | ResponseArgumentsDoneEvent | ResponseErrorEvent
+)
