@@ -81,15 +81,21 @@ def first_step(session: ResidentSession, config, pages: int, gen: torch.Generato
 
 
 def check(session: ResidentSession, caches, layer: int) -> bool:
-    """Every resident page's slot holds the stored page's K/V."""
-    table = session.working.table(layer)[0]
-    for page in session.working.resident_pages(layer):
-        slot = int(table[page])
-        if page >= caches[layer].k_cache.shape[0]:
-            continue  # the write page (ring)
-        if not (torch.equal(session.pools[layer][slot, 0], caches[layer].k_cache[page])
-                and torch.equal(session.pools[layer][slot, 1], caches[layer].v_cache[page])):
-            return False
+    """Every resident page's slot holds the stored page's K/V (per head: each KV head's working set
+    is a row of its own, `layer * heads + head`, and its column of a slot is [P, D] of that head)."""
+    heads = session.heads if session.per_head else 1
+    for h in range(heads):
+        row = layer * heads + h
+        table = session.working.table(row)[0]
+        for page in session.working.resident_pages(row):
+            slot = int(table[page])
+            if page >= caches[layer].k_cache.shape[0]:
+                continue  # the write page (ring)
+            pool = session.pools[layer]
+            for kv, stored in ((0, caches[layer].k_cache[page]), (1, caches[layer].v_cache[page])):
+                got = pool[slot, kv, h] if session.per_head else pool[slot, kv]
+                if not torch.equal(got, stored[:, h] if session.per_head else stored):
+                    return False
     return True
 
 
