@@ -85,6 +85,11 @@ class HostKV:
         (service reads land there with no staging copy)."""
         self.present = torch.zeros(num_layers, max_pages, dtype=torch.bool)
         self._requested = torch.zeros(num_layers, max_pages, dtype=torch.bool)
+        # The whole-array updates of these flags (reset, lease, release) go through numpy views: a
+        # torch CPU op on [L, max_pages] (32,792 items at 1M tokens and 4 layers) is above torch's
+        # parallel grain (32,768 items) and runs as an OpenMP region, which took 15x its time beside
+        # another thread's parallel torch op on a 2-core CPU (0.02 → 0.3 ms); numpy runs it on the
+        # calling thread. (On the H200 the reset's flag clearing took 7-29 ms, cause unproven.)
         """[L, max_pages] queued for a background read once (a failed one is left to demand)."""
         self.source = self._checked(source)
         self._pending: list[tuple[Future, list[tuple[int, int]]]] = []
@@ -124,8 +129,8 @@ class HostKV:
             torch.cuda.synchronize()
         t2 = time.perf_counter()
         self.release_lease(later=True)
-        self.present.zero_()
-        self._requested.zero_()
+        self.present.numpy()[:] = False  # (through numpy: see __init__)
+        self._requested.numpy()[:] = False
         self.source = self._checked(source)
         self.service_log, self.service_reads, self.service_bytes = [], 0, 0
         self.reset_phases = dict(cancel_s=t1 - t0, sync_s=t2 - t1, clear_s=time.perf_counter() - t2)
@@ -193,7 +198,8 @@ class HostKV:
         self.lease_checksums[layer_of, pages] = lease.checksums.view(np.int64)[items]
         self._lease_position[layer_of, pages] = items
         self.leased[layer_of, pages] = True
-        self.present |= torch.from_numpy(self.leased)
+        flags = self.present.numpy()
+        np.logical_or(flags, self.leased, out=flags)
         return self._keep_lease(lease, len(items))
 
     def _keep_lease(self, lease: PageLease, leased: int = 0) -> int:
@@ -243,7 +249,7 @@ class HostKV:
             self._ended_leases.append(lease)
         else:
             lease.release(corrupt=list(corrupt))
-        self.present[torch.from_numpy(self.leased)] = False
+        self.present.numpy()[self.leased] = False
         self.byte_offsets = self._own_rows()
         self.leased[:] = False
         self._lease_position[:] = -1
@@ -324,7 +330,7 @@ class HostKV:
         budget = max_items - queued
         stored = self.source.readable  # never the pages the session writes itself (see ServiceSource)
         # Absent and not asked for yet, [L, stored pages]; set the wanted ones as we go.
-        open_ = ~(self.present[:, :stored] | self._requested[:, :stored]).numpy()
+        open_ = ~(self.present.numpy()[:, :stored] | self._requested.numpy()[:, :stored])
         wanted: list[tuple[int, int]] = []
         for page, layer in predicted:
             if len(wanted) >= budget:
