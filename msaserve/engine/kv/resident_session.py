@@ -450,7 +450,7 @@ class ResidentSession:
         its first step, before any `decode_metadata` — and at every step while it is not (background
         reads fill an adopted session's tier). Host memory only: no device sync."""
         if not self._host_complete:
-            present = self.host.present[:, : self.write_page]
+            present = self.host.present.numpy()[:, : self.write_page]  # (numpy: see HostKV.__init__)
             if self.dense_layers:  # their K/V are whole on the device: the host tier need not hold them
                 present = present[list(self.sparse_layers)]
             self._host_complete = bool(present.all())
