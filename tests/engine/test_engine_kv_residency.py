@@ -261,7 +261,10 @@ def test_adoption_from_arena_pages_copied_directly_decodes_identical_tokens(mode
     assert covered == PROMPT_LEN
     arenas = [shard.stores["index"].memory.arena for shard in client.shards]
     assert all(a.stats.slots_in_use > 0 and a.stats.retired_slots == 0 for a in arenas)
-    # The index lease ended; the K/V lease is held while the session reads its pages in place.
+    # The index leases' releases were started after the K/V lease was asked for; the session waits
+    # for them at its second step (`release_ended_leases`), here by hand. The K/V lease is held
+    # while the session reads its pages in place.
+    session.host.release_ended_leases()
     assert all(shard.open_lease_stores() == ["kv"] for shard in client.shards)
     assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=8) == want
     assert session.host.service_reads == 0
@@ -502,6 +505,27 @@ def adopt_leased(model, resident, client, per_head: bool = True) -> ResidentSess
                                              per_head=per_head)
     assert covered == PROMPT_LEN
     return session
+
+
+def test_an_adoption_asks_for_its_kv_lease_before_it_releases_the_index_leases(model, resident):
+    """Each shard answers in order: the adoption's K/V lease reaches every shard before the index
+    leases' releases, which end after the first token (`release_later`); every index lease ends."""
+    client = leased_client(model, resident)
+    calls: list[tuple[int, str]] = []
+    submit = client.transport.submit
+
+    def recording(shard, method, *args):
+        calls.append((client.shards.index(shard), method))
+        return submit(shard, method, *args)
+
+    client.transport.submit = recording
+    session = adopt_leased(model, resident, client)
+    for s in range(len(client.shards)):
+        mine = [method for i, method in calls if i == s]
+        assert "lease_index" in mine and "lease_kv" in mine and "release_lease" in mine, mine
+        assert mine.index("lease_kv") < mine.index("release_lease"), mine
+    session.host.release_ended_leases()  # waits for the index releases
+    assert all(shard.open_lease_stores() == ["kv"] for shard in client.shards)
 
 
 @pytest.mark.parametrize("per_head", [False, True])

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from msaserve.engine.kv import staging
-from msaserve.engine.kv.direct_index import index_to_device, load_index_leased
+from msaserve.engine.kv.direct_index import ReleaseStart, index_to_device, load_index_leased
 from msaserve.engine.kv.pages import PageCodec
 from msaserve.kernels import AttentionOps
 from msaserve.kvcache.client import KVCacheClient, PackedFetch, PendingFetch, ServiceUnavailable
@@ -138,6 +138,10 @@ class LazyPageFetcher:
         # Logical page i is stored under hashes[i]: the full pages, then the partial tail if any.
         self.hashes = list(record.page_hashes) + ([record.tail_hash] if record.tail_hash is not None else [])
         self.num_pages = 0  # adopted pages (set by load_index)
+        self.release_later: list[ReleaseStart] | None = None
+        """None: the index load ends its leases itself. A list (set before `load_index`): the load
+        appends its leases' release starts there, for the caller to call (`ResidentSession.adopt`
+        asks for its K/V lease first, so the shards answer that before they release the index)."""
         self.resident = torch.zeros(len(caches), 0, dtype=torch.bool)  # [L, num_pages]
         self._layer_of = {c.index_cache.data_ptr(): layer for layer, c in enumerate(caches)}
         self._pending: list[tuple[PendingFetch, list[tuple[int, int]]]] = []
@@ -193,7 +197,8 @@ class LazyPageFetcher:
         """`direct_index.load_index_leased`: copied from the shards' memory, verified beside the copy."""
         device = self.caches[0].index_cache.device
         physical = torch.as_tensor(self.block_table[: len(self.hashes)], dtype=torch.long, device=device)
-        usable = load_index_leased(self.client, self.hashes, self.codec, self.caches, physical)
+        usable = load_index_leased(self.client, self.hashes, self.codec, self.caches, physical,
+                                   release_later=self.release_later)
         self.stats.index_bytes += usable * (self.codec.index_bytes + self.codec.scale_bytes)
         return usable
 

@@ -21,12 +21,14 @@ answer later groups while the first is copied):
     scattered;
 - the first missing or bad page ends the load there (the caller recomputes from its tokens) and is
   reported to its shard as corrupt.
-The leases end after every check and copy that reads the leased bytes has completed.
+The leases end after every check and copy that reads the leased bytes has completed (an adoption
+starts their releases after asking for its K/V lease: `release_later`).
 """
 
 import contextlib
 import dataclasses
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 
 import numpy as np
@@ -39,6 +41,9 @@ from msaserve.kernels.checksum import kernel_takes, xxh3_64_rows
 from msaserve.kvcache.client import KVCacheClient, LeaseFetch, PageLease, ServiceUnavailable
 from msaserve.kvcache.codec import pack_pool
 from msaserve.models.cache import LayerKVCache
+
+ReleaseStart = Callable[[], Callable[[], None]]
+"""Starts one lease's release; returns a function that waits for it (`load_index_leased`)."""
 
 GROUP_PAGES = 1024
 """Logical pages per staging buffer (128 MiB of device memory at M3's 4-layer index page)."""
@@ -201,14 +206,19 @@ def _check_on_device(group: _Group) -> None:
 
 def load_index_leased(client: KVCacheClient, hashes: Sequence[int], codec: PageCodec,
                       caches: Sequence[LayerKVCache], physical: torch.Tensor,
-                      group_pages: int = GROUP_PAGES, check_on: str | None = None) -> int:
+                      group_pages: int = GROUP_PAGES, check_on: str | None = None,
+                      release_later: list[ReleaseStart] | None = None) -> int:
     """Lease the index pages `hashes` (page i → cache page physical[i]) and scatter them into the
     caches, up to the first missing or bad one; returns how many (the verified prefix).
 
     One lease per group of pages, all asked for at once: the first group's pages are copied and
-    checked while the shards still answer the later leases. Every lease ends before this returns.
+    checked while the shards still answer the later leases. Every lease ends before this returns,
+    unless release_later is given.
     check_on: "device" (the default on CUDA where the checksum kernel takes the page size) or
-    "host" (the default elsewhere)."""
+    "host" (the default elsewhere). release_later: the leases' releases are not started here but
+    appended to it (`ReleaseStart`s) for the caller to start (an adoption asks for its K/V lease
+    first: each shard answers in order, and ~32 index releases before it were on the first
+    token's path); no copy or check reads the leased bytes any more when this returns."""
     row_bytes = codec.index_bytes + codec.scale_bytes
     device = caches[0].index_cache.device
     if check_on is None:
@@ -258,7 +268,7 @@ def load_index_leased(client: KVCacheClient, hashes: Sequence[int], codec: PageC
         if on_device:
             usable, bad = _device_verdict(groups, usable)
     finally:
-        _end(groups, fetches, staging, bad)
+        _end(groups, fetches, staging, bad, release_later)
     return usable
 
 
@@ -276,8 +286,10 @@ def _device_verdict(groups: list[_Group], usable: int) -> tuple[int, tuple[int, 
 
 
 def _end(groups: list[_Group], fetches: list[LeaseFetch], staging: _Staging,
-         bad: tuple[int, int] | None) -> None:
-    """No thread or copy reads leased bytes any more, then every lease ends (the bad page reported)."""
+         bad: tuple[int, int] | None, release_later: list[ReleaseStart] | None = None) -> None:
+    """No thread or copy reads leased bytes any more, then every lease ends (the bad page reported):
+    here, or (release_later) by the functions appended to it, which the caller calls when the
+    shards' time is cheaper (each starts one lease's release and returns its wait)."""
     checks = [check for group in groups for _, check in group.checks]
     for check in checks:
         check.cancel()
@@ -286,11 +298,29 @@ def _end(groups: list[_Group], fetches: list[LeaseFetch], staging: _Staging,
             if not check.cancelled():
                 check.result()
     staging.finish()
-    calls = []  # every lease's release in flight at once, then waited for together
-    for g, fetch in enumerate(fetches):
-        with contextlib.suppress(Exception):  # a lease that failed has nothing to end
-            lease = groups[g].lease if g < len(groups) else fetch.result()
-            calls.append(lease.release_async(corrupt=[bad[1]] if bad is not None and bad[0] == g else None))
-    for wait in calls:
+    starts = [functools.partial(_start_release, groups[g].lease if g < len(groups) else None, fetch,
+                                [bad[1]] if bad is not None and bad[0] == g else None)
+              for g, fetch in enumerate(fetches)]
+    if release_later is not None:
+        release_later.extend(starts)
+        return
+    waits = [start() for start in starts]  # every lease's release in flight at once, then waited for
+    for wait in waits:
+        wait()
+
+
+def _start_release(lease: PageLease | None, fetch: LeaseFetch, corrupt: list[int] | None
+                   ) -> Callable[[], None]:
+    """Start the release of one group's lease (`lease`, or the one `fetch` brings: a group the load
+    did not reach) → a function that waits for it. A lease that failed has nothing to end, and a
+    failed release is not the reader's error: both wait for nothing."""
+    try:
+        wait = (lease if lease is not None else fetch.result()).release_async(corrupt=corrupt)
+    except Exception:
+        return lambda: None
+
+    def quietly() -> None:
         with contextlib.suppress(Exception):
             wait()
+
+    return quietly

@@ -232,6 +232,11 @@ class HostKV:
         if wait:
             self.release_ended_leases()
 
+    def start_releases(self, starts: Sequence[Callable[[], Callable[[], None]]]) -> None:
+        """Start releases another reader deferred (an adoption's index leases: `load_index_leased`'s
+        release_later); they are waited for with this tier's own, at `release_ended_leases`."""
+        self._releasing.extend(start() for start in starts)
+
     def leased_item(self, layer: int, page: int) -> int:
         """The lease's item of (layer, page), -1 if not leased."""
         return int(self._lease_position[layer, page])

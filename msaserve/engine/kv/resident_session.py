@@ -318,23 +318,32 @@ class ResidentSession:
         fetcher = LazyPageFetcher(client, record, session.caches, list(range(max_pages)),
                                   kv_block_table=[p % ring for p in range(max_pages)],
                                   dense_layers=session.dense_layers)
-        covered = fetcher.load_index()
-        # A layer that attends densely reads every page from its first step: all of its stored K/V
-        # now, straight to the device (its host-tier rows are never read: see `check_host_complete`).
-        for layer in session.dense_layers:
-            fetcher.ensure(layer, range(fetcher.num_pages))
-            host.skip_layer(layer)
-        # The service provides the pages before the first one the session writes (the stored tail's
-        # K/V came with the index; its host-tier copy is the session's write-back, never a read).
-        source.readable_pages = covered // c.page_size
-        t3 = time.perf_counter()
-        # Every stored page's K/V leased where it lies (shards in this process with a K/V arena); the
-        # miss fill then reads the pages in place. Asked after the index load, not beside it: the
-        # shards' threads building a 32K-page lease hold the GIL, and the load waited ~5 ms for it
-        # after each of its GPU calls (on the H200 the load took 125-150 ms instead of 65).
-        if lease_kv and session._host_src is not None:
-            host.attach_lease(host.request_lease(record.page_hashes[: source.readable]), source.readable,
-                              cuda=session.device.type == "cuda")
+        fetcher.release_later = []  # the index leases end after the K/V lease is asked for
+        fetch = None
+        try:
+            covered = fetcher.load_index()
+            # A layer that attends densely reads every page from its first step: all of its stored
+            # K/V now, straight to the device (its host-tier rows are never read: see
+            # `check_host_complete`).
+            for layer in session.dense_layers:
+                fetcher.ensure(layer, range(fetcher.num_pages))
+                host.skip_layer(layer)
+            # The service provides the pages before the first one the session writes (the stored
+            # tail's K/V came with the index; its host-tier copy is the session's write-back).
+            source.readable_pages = covered // c.page_size
+            t3 = time.perf_counter()
+            # Every stored page's K/V leased where it lies (shards in this process with a K/V arena);
+            # the miss fill then reads the pages in place. Asked after the index load, not beside it:
+            # the shards' threads building a 32K-page lease hold the GIL, and the load waited ~5 ms
+            # for it after each of its GPU calls (on the H200 the load took 125-150 ms instead of 65).
+            if lease_kv and session._host_src is not None:
+                fetch = host.request_lease(record.page_hashes[: source.readable])
+        finally:
+            # Each shard answers in order: the K/V lease first, then the index releases (waited for
+            # at the session's second step, `release_ended_leases`), off the first token's path.
+            host.start_releases(fetcher.release_later)
+        if fetch is not None:
+            host.attach_lease(fetch, source.readable, cuda=session.device.type == "cuda")
         session._use_lease()
         session._enter_page(covered // c.page_size, load=False)  # a loaded tail is already in its slot
         session.adopt_phases = dict(host_reset_s=t1 - t0, allocate_s=t2 - t1, index_s=t3 - t2,
