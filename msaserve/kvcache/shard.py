@@ -159,14 +159,9 @@ class KVCacheShard:
         """Zero-copy index reads for a caller in this process (`views.py`): the stored pages
         themselves, unverified, held until `release_lease`. Where the index memory tier has an
         arena, one lookup per page (its slot is kept under `keys.INDEX_GROUPS`), no key built."""
-        store = self.stores["index"]
-        if getattr(store.memory, "groups", None) is None:
+        if getattr(self.stores["index"].memory, "groups", None) is None:
             return self._lease("index", [index_key(model_key, h) for h in page_hashes])
-        start = time.perf_counter()
-        namespace = index_namespace(model_key)
-        lease = store.lease_groups([(namespace, h) for h in page_hashes], 1)
-        lease.store = "index"
-        return self._answer("index", lease, lease.ids, lease.loose, start)
+        return self._lease_groups("index", index_namespace(model_key), page_hashes, 1)
 
     def lease_kv(self, model_key: str, page_hashes: Sequence[int], num_layers: int) -> PageViews:
         """Zero-copy K+V reads of every layer of these pages for a caller in this process (item
@@ -175,13 +170,18 @@ class KVCacheShard:
         first use. Held until `release_lease`; a lease older than `lease_ttl_s` ends unless
         `renew_leases` refreshed it. Where the K/V memory tier has an arena, one lookup per page
         (its layers' slots are kept under `keys.kv_page_group`), not one per layer."""
-        store = self.stores["kv"]
-        if getattr(store.memory, "groups", None) is None:
+        if getattr(self.stores["kv"].memory, "groups", None) is None:
             return self._lease("kv", kv_keys(model_key, page_hashes, num_layers))
+        return self._lease_groups("kv", kv_namespace(model_key), page_hashes, num_layers)
+
+    def _lease_groups(self, store_name: str, namespace: str, page_hashes: Sequence[int],
+                      members: int) -> PageViews:
+        """A lease of members 0..members-1 of each page's group (namespace, hash) in a store whose
+        memory tier keeps groups (`PageStore.lease_groups`)."""
         start = time.perf_counter()
-        namespace = kv_namespace(model_key)
-        lease = store.lease_groups([(namespace, h) for h in page_hashes], num_layers)
-        return self._answer("kv", lease, lease.ids, lease.loose, start)
+        lease = self.stores[store_name].lease_groups([(namespace, h) for h in page_hashes], members)
+        lease.store = store_name
+        return self._answer(store_name, lease, lease.ids, lease.loose, start)
 
     def _answer(self, store_name: str, lease: "tuple[str, list[str], list[StoredPage | None]] | GroupLease",
                 ids: np.ndarray, loose: dict[int, StoredPage], start: float) -> PageViews:

@@ -83,13 +83,13 @@ class HostKV:
         self._rows = self.data.view(torch.uint8).reshape(num_layers * max_pages, -1).numpy()
         """The same memory as [L · max_pages, page bytes] uint8: (page p, layer l) is row l · max_pages + p
         (service reads land there with no staging copy)."""
-        self.present = torch.zeros(num_layers, max_pages, dtype=torch.bool)
-        self._requested = torch.zeros(num_layers, max_pages, dtype=torch.bool)
         # The whole-array updates of these flags (reset, lease, release) go through numpy views: a
         # torch CPU op on [L, max_pages] (32,792 items at 1M tokens and 4 layers) is above torch's
         # parallel grain (32,768 items) and runs as an OpenMP region, which took 15x its time beside
         # another thread's parallel torch op on a 2-core CPU (0.02 → 0.3 ms); numpy runs it on the
         # calling thread. (On the H200 the reset's flag clearing took 7-29 ms, cause unproven.)
+        self.present = torch.zeros(num_layers, max_pages, dtype=torch.bool)
+        self._requested = torch.zeros(num_layers, max_pages, dtype=torch.bool)
         """[L, max_pages] queued for a background read once (a failed one is left to demand)."""
         self.source = self._checked(source)
         self._pending: list[tuple[Future, list[tuple[int, int]]]] = []
