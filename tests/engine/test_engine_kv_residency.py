@@ -7,15 +7,18 @@ tiny: P=16, K=4, Hkv=2, so one step selects at most 8 pages per layer; the 600-t
 38 pages and the working set 10 or 12."""
 
 import gc
+import warnings
 
 import pytest
 import torch
 from reference_decode import SequenceState
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from msaserve.engine.kv.pages import identity_for
 from msaserve.engine.kv.persist import SessionWriter
 from msaserve.engine.kv.residency import ResidencyBudgetError, WorkingSet
-from msaserve.engine.kv.resident_graph import SparseDecodeGraph
+from msaserve.engine.kv.resident_graph import WARMUP_STEPS, SparseDecodeGraph
 from msaserve.engine.kv.resident_session import ResidentSession
 from msaserve.kernels import get_ops
 from msaserve.kvcache.client import KVCacheClient
@@ -31,10 +34,9 @@ def model() -> MSATransformer:
     return init_random_weights(MSATransformer(get_preset("tiny"), "msa"), seed=0).eval()
 
 
-@pytest.fixture(scope="module")
-def resident(model):
-    """The fully resident session: its prefilled state (copied) and its next STEPS greedy tokens."""
-    prompt = torch.randint(3, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(3)).tolist()
+def resident_session(model, seed: int):
+    """A fully resident session: its prompt, prefilled state (copied) and next STEPS greedy tokens."""
+    prompt = torch.randint(3, 512, (PROMPT_LEN,), generator=torch.Generator().manual_seed(seed)).tolist()
     with torch.inference_mode():
         state = SequenceState(model, PROMPT_LEN + STEPS + 1)
         hidden = state.prefill(prompt, chunk_size=128)[-1:]
@@ -48,6 +50,18 @@ def resident(model):
             cache.v_cache.copy_(v)
             cache.index_cache.copy_(index)
     return prompt, state, tokens
+
+
+@pytest.fixture(scope="module")
+def resident(model):
+    """The fully resident session: its prefilled state (copied) and its next STEPS greedy tokens."""
+    return resident_session(model, seed=3)
+
+
+@pytest.fixture(scope="module")
+def other(model):
+    """Another session of the same length (another prompt)."""
+    return resident_session(model, seed=4)
 
 
 def decode(model, session: ResidentSession, first_token: int, start: int, steps: int,
@@ -638,3 +652,162 @@ def test_an_adoption_runs_with_the_garbage_collector_paused(model, resident, mon
     ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=12,
                           max_pages=state.max_pages, device=torch.device("cpu"), dtype=torch.float32)
     assert seen == [False] and gc.isenabled()
+
+
+# ---- the next session in an ended one's memory (adopt(into=), offload(into=)) ----------------------
+class ReadsBefore(TorchDispatchMode):
+    """The storages a stretch of code reads that existed before it (`before`: their addresses):
+    what a CUDA graph captured from such a step would read by address."""
+
+    def __init__(self, before: set[int]) -> None:
+        super().__init__()
+        self.before, self.read = before, set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for t in tree_leaves((args, kwargs or {})):
+            if isinstance(t, torch.Tensor):
+                address = t.untyped_storage().data_ptr()
+                if address in self.before:
+                    self.read.add(address)
+        return func(*args, **(kwargs or {}))
+
+
+def live_storages() -> set[int]:
+    gc.collect()
+    with warnings.catch_warnings():  # (isinstance on a deprecated torch alias warns)
+        warnings.simplefilter("ignore")
+        return {o.untyped_storage().data_ptr() for o in gc.get_objects()
+                if isinstance(o, torch.Tensor) and o.device.type == "cpu" and not o.is_meta}
+
+
+def store_other(client: KVCacheClient, other) -> None:
+    prompt, state, want = other
+    SessionWriter(client, "other").sync([*prompt, want[0]], state.caches, range(state.max_pages), PROMPT_LEN,
+                                        tail=True)
+
+
+def traced_step(stepper: SparseDecodeGraph, token: int, position: int) -> tuple[int, set[int]]:
+    """One step → (its token, the storages it read that existed before it)."""
+    mode = ReadsBefore(live_storages())
+    with mode:
+        token = stepper.step(token, position)
+    return token, mode.read
+
+
+def session_tensors(session: ResidentSession) -> list[int]:
+    w = session.working
+    tensors = [*session.pools, *(c.index_cache for c in session.caches), w.slot_of, w.page_in, w.last_used,
+               w.counters, session.step_number, session.index_table]
+    return [t.data_ptr() for t in tensors] + list(session.graph_inputs())
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_a_session_adopted_into_an_ended_one_keeps_its_memory_its_graph_and_the_tokens(model, resident,
+                                                                                        other, per_head):
+    """`adopt(into=)`: another session adopted into the first one's device tensors (same addresses),
+    the first one's `SparseDecodeGraph` steps it from its first token on without a warm-up (on CUDA
+    its captured graph replays), its first step reads no tensor the first session's captured step
+    did not, and each session's tokens are its fully resident ones."""
+    _, _, want = resident
+    client = leased_client(model, resident)
+    store_other(client, other)
+    session = adopt_leased(model, resident, client, per_head)
+    stepper = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
+    got, captured_reads = [want[0]], set()
+    for step in range(STEPS):
+        if stepper.steps == WARMUP_STEPS:  # the step a CUDA graph captures
+            token, captured_reads = traced_step(stepper, got[-1], PROMPT_LEN + step)
+            got.append(token)
+        else:
+            got.append(stepper.step(got[-1], PROMPT_LEN + step))
+    assert got == want and captured_reads
+    addresses, captured, calls = session_tensors(session), stepper.captured, stepper.steps
+    _, state, _ = resident
+    again, covered = ResidentSession.adopt(client, client.get_session("other"), model.config, budget_pages=12,
+                                           max_pages=state.max_pages, device=torch.device("cpu"),
+                                           dtype=torch.float32, per_head=per_head, into=session)
+    assert again is session and covered == PROMPT_LEN and session.generation == 1
+    want = other[2]
+    assert want[:8] != resident[2][:8]
+    assert session_tensors(session) == addresses
+    assert session.stats.steps == 0 and session.write_page == PROMPT_LEN // model.config.page_size
+    host = session.host
+    assert torch.equal(session._verified.bool(), torch.from_numpy(~host.leased))  # every lease unchecked
+    token, reads = traced_step(stepper, want[0], PROMPT_LEN)
+    assert stepper.captured is captured and stepper.steps == calls + 1  # past the warm-up: a replay
+    assert reads <= captured_reads, "the step reads memory the captured step did not"
+    got = [want[0], token]
+    for step in range(1, STEPS):
+        got.append(stepper.step(got[-1], PROMPT_LEN + step))
+    assert got == want and stepper.host_steps == 0 and stepper.captures == 0
+    assert session.stats.steps == STEPS
+    session.host.release_ended_leases(wait=True)
+    session.check_pages()
+    assert not session._failures.any()
+
+
+def test_a_session_is_refused_a_session_of_other_settings_naming_the_field(model, resident):
+    _, state, _ = resident
+    client = leased_client(model, resident)
+    session = adopt_leased(model, resident, client)
+    for change, field in ((dict(budget_pages=14), "budget_pages=14"),
+                          (dict(per_head=False), "per_head=False"),
+                          (dict(max_pages=state.max_pages + 1), f"max_pages={state.max_pages + 1}")):
+        settings = dict(budget_pages=12, max_pages=state.max_pages, per_head=True) | change
+        with pytest.raises(ValueError, match=f"into: .*{field}"):
+            ResidentSession.adopt(client, client.get_session("long"), model.config,
+                                  device=torch.device("cpu"), dtype=torch.float32, into=session, **settings)
+    other = adopted(model, resident)[0].host
+    with pytest.raises(ValueError, match=r"into: .*host is another host tier"):
+        ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=12,
+                              max_pages=state.max_pages, device=torch.device("cpu"), dtype=torch.float32,
+                              host=other, into=session)
+
+
+def test_an_offload_into_a_leased_session_and_an_adoption_into_an_offloaded_one_keep_the_tokens(
+        model, resident, other):
+    """An offloaded session in an adopted one's memory keeps its lease tables (a captured step reads
+    them), now naming every page's own row of the host tier, each counted as checked; an adoption
+    without a lease into an offloaded session has no tables: its graph is captured again."""
+    _, state, want = resident
+    client = leased_client(model, resident)
+    store_other(client, other)
+    session, _ = ResidentSession.adopt(client, client.get_session("other"), model.config, budget_pages=12,
+                                       max_pages=state.max_pages, device=torch.device("cpu"),
+                                       dtype=torch.float32)
+    stepper = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
+    got = [other[2][0]]
+    for step in range(4):
+        got.append(stepper.step(got[-1], PROMPT_LEN + step))
+    assert got == other[2][:5]
+    inputs = session.graph_inputs()
+    again = ResidentSession.offload(model.config, state.caches, PROMPT_LEN, 12, state.max_pages, into=session)
+    assert again is session and session.graph_inputs() == inputs
+    assert bool(session._verified.all()) and not session.host.leased.any()
+    own = torch.arange(session._elem_offsets.numel()).view_as(session._elem_offsets) * (
+        session.host.page_bytes // session.host.data.element_size())
+    assert torch.equal(session._elem_offsets, own)
+    got = [want[0]]
+    for step in range(STEPS):
+        got.append(stepper.step(got[-1], PROMPT_LEN + step))
+    assert got == want and stepper.captures == 0
+    # a session adopted without a lease (pages read from the service), then a leased one in its memory
+    plain = stored_session(model, *other)
+    first, _ = ResidentSession.adopt(plain, plain.get_session("long"), model.config, budget_pages=12,
+                                     max_pages=state.max_pages, device=torch.device("cpu"),
+                                     dtype=torch.float32)
+    stepper = SparseDecodeGraph(first, model, get_ops("msa", "cpu"))
+    got = [other[2][0]]
+    for step in range(4):
+        got.append(stepper.step(got[-1], PROMPT_LEN + step))
+        first.host.wait_all()
+    assert got == other[2][:5]
+    old = stepper.captured
+    second, _ = ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=12,
+                                      max_pages=state.max_pages, device=torch.device("cpu"),
+                                      dtype=torch.float32, into=first)
+    assert second.graph_inputs() != stepper._inputs  # leased now: the tables exist
+    got = [want[0]]
+    for step in range(STEPS):
+        got.append(stepper.step(got[-1], PROMPT_LEN + step))
+    assert got == want and stepper.captured is not old

@@ -107,8 +107,11 @@ def test_a_finished_requests_host_tier_is_reused_and_the_tokens_stay(tiny_model,
         engine.add_request(request)
         collect(engine, got)
     assert got == pooled
-    # sessions of 300 and 420 tokens (+24) hold 32 pages, of 560 the lane's 40: one reuse
+    # sessions of 300 and 420 tokens (+24) hold 32 pages, of 560 the lane's 40: the second takes over
+    # the first one's session (device memory, host tier and graph), the third allocates its own
     assert lane.stats.moved_in == 3 and lane.stats.host_tiers_allocated == 2 and len(lane._free_hosts) == 1
+    assert lane.stats.sessions_reused == 1 and len(lane._free_sessions) == 1
+    assert lane._free_sessions[0][0].max_pages == 40
     # the other way round, a larger kept tier serves the smaller sessions: one tier in all
     engine = make_engine(tiny_model, **{**LANE, "sparse_residency_sessions": 1})
     got = {}
@@ -116,7 +119,40 @@ def test_a_finished_requests_host_tier_is_reused_and_the_tokens_stay(tiny_model,
         engine.add_request(request)
         collect(engine, got)
     assert got == pooled and engine.resident.stats.moved_in == 3
-    assert engine.resident.stats.host_tiers_allocated == 1
+    assert engine.resident.stats.host_tiers_allocated == 1 and engine.resident.stats.sessions_reused == 1
+
+
+def test_a_kept_session_is_given_up_for_a_member_and_its_graph_follows_the_next_one(tiny_model, prompts,
+                                                                                    pooled):
+    """Kept sessions and members together stay within the lane's reservation (max_sessions): a
+    kept one is given up (its host tier kept) when a new member of another size needs room; a
+    session taken over keeps its graph, which steps the new request from its first token."""
+    engine = make_engine(tiny_model, **LANE)
+    lane = engine.resident
+    got: dict[str, list[int]] = {}
+    reqs = requests(prompts, lambda i: greedy(MAX_TOKENS))
+    engine.add_request(reqs[0])
+    collect(engine, got)
+    (session, graph), = lane._free_sessions
+    engine.add_request(reqs[2])  # 40 pages: allocates (room for one more beside the kept one)
+    collect(engine, got)
+    assert len(lane._free_sessions) == 2 and lane.stats.host_tiers_allocated == 2
+    engine.add_request(reqs[1])  # 32 pages: takes over r0's session and graph
+    steps = graph.steps
+    collect(engine, got)
+    assert got == pooled and lane.stats.sessions_reused == 1 and session.generation == 1
+    assert graph.steps > steps + MAX_TOKENS // 2
+    assert len(lane._free_sessions) == 2
+    # a member of a third size: a kept session is given up for it, its host tier taken
+    lane.max_sessions = 2
+    seq_pages = lane.session_pages
+    lane.session_pages = lambda seq: 36
+    engine.add_request(GenerateRequest("r3", prompts[1], greedy(MAX_TOKENS)))
+    collect(engine, got)
+    lane.session_pages = seq_pages
+    assert got["r3"] == pooled["r1"] and lane.stats.host_tiers_allocated == 2
+    kept = [s.max_pages for s, _ in lane._free_sessions]
+    assert kept == [32, 36] and not lane._free_hosts  # r2's session given up, its 40-page tier r3's
 
 
 def test_requests_below_the_threshold_stay_in_the_pool(tiny_model, prompts, pooled):

@@ -279,3 +279,71 @@ def test_an_adopted_session_reads_its_leased_kv_in_place_through_cuda_graphs(cor
     assert graphed.replays == steps - WARMUP_STEPS and graphed.host_steps == 0
     assert session.host.service_reads == 0 and int(session._verified.sum()) > 0
     assert not session._failures.any()
+
+
+def test_a_session_adopted_into_an_ended_one_replays_its_graph_from_the_first_token():
+    """`ResidentSession.adopt(into=)`: a second stored session adopted into the first one's device
+    memory is stepped by the first one's `SparseDecodeGraph`: every step of it a replay of the graph
+    captured for the first (no warm-up, no capture), with its own fully resident tokens; then a
+    session offloaded into the same memory, likewise."""
+    from msaserve.engine.kv.pages import identity_for
+    from msaserve.engine.kv.persist import SessionWriter
+    from msaserve.engine.kv.pinned_segments import segment_allocators
+    from msaserve.engine.kv.resident_graph import WARMUP_STEPS, SparseDecodeGraph
+    from msaserve.kvcache.client import KVCacheClient
+    from msaserve.kvcache.config import ServiceConfig
+
+    model = init_random_weights(MSATransformer(get_preset("tiny"), "msa"), seed=0).cuda().eval()
+    ops, steps = get_ops("msa", torch.device("cuda")), 40
+    client = None
+    sessions = {}
+    with torch.inference_mode():
+        for name, seed in (("a", 5), ("b", 6), ("c", 7)):
+            prompt = torch.randint(3, 512, (600,), generator=torch.Generator().manual_seed(seed)).tolist()
+            state = SequenceState(model, 600 + steps + 1)
+            tokens = [int(torch.argmax(model.compute_logits(state.prefill(prompt, chunk_size=128)[-1:])[0]))]
+            dtype = state.caches[0].k_cache.dtype
+            if client is None:
+                allocators = segment_allocators("cuda", ("index", "kv"))
+                client = KVCacheClient.in_process(ServiceConfig(num_shards=2, memory_bytes=64 << 20),
+                                                  identity_for(model.config, "tiny@seed0", dtype),
+                                                  segment_allocators=allocators)
+            SessionWriter(client, name).sync([*prompt, tokens[0]], state.caches, range(state.max_pages),
+                                             600, tail=True)
+            snapshot = [(c.k_cache.clone(), c.v_cache.clone(), c.index_cache.clone()) for c in state.caches]
+            for step in range(steps):
+                hidden = state.forward([tokens[-1]], 600 + step, True)
+                tokens.append(int(torch.argmax(model.compute_logits(hidden)[0])))
+            for cache, (k, v, index) in zip(state.caches, snapshot, strict=True):
+                cache.k_cache.copy_(k)
+                cache.v_cache.copy_(v)
+                cache.index_cache.copy_(index)
+            sessions[name] = (state, tokens)
+    max_pages = sessions["a"][0].max_pages
+
+    def adopt(name, into=None):
+        session, covered = ResidentSession.adopt(client, client.get_session(name), model.config,
+                                                 budget_pages=12, max_pages=max_pages,
+                                                 device=torch.device("cuda"), dtype=dtype, into=into)
+        assert covered == 600
+        return session
+
+    def decode(graphed, name):
+        tokens = sessions[name][1]
+        got = [tokens[0]]
+        for step in range(steps):
+            got.append(graphed.step(got[-1], 600 + step))
+        assert got == tokens, name
+
+    session = adopt("a")
+    graphed = SparseDecodeGraph(session, model, ops)
+    decode(graphed, "a")
+    assert graphed.replays == steps - WARMUP_STEPS
+    graph = graphed.graph
+    assert adopt("b", into=session) is session
+    decode(graphed, "b")
+    assert graphed.graph is graph and graphed.replays == steps and graphed.captures == 0
+    state_c = sessions["c"][0]
+    assert ResidentSession.offload(model.config, state_c.caches, 600, 12, max_pages, into=session) is session
+    decode(graphed, "c")
+    assert graphed.graph is graph and graphed.replays == steps and graphed.captures == 0

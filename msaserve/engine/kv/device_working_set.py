@@ -33,6 +33,13 @@ class DeviceWorkingSet:
         self.counters = torch.zeros(num_layers, 3, dtype=torch.int64, **kw)
         """[L, 3] pages fetched, pages evicted, steps that fetched pages."""
 
+    def reset(self) -> None:
+        """Nothing resident, every counter zero (in place: a captured step keeps reading these)."""
+        self.slot_of.fill_(-1)
+        self.page_in.fill_(-1)
+        self.last_used.fill_(_NEVER)
+        self.counters.zero_()
+
     @property
     def fetched(self) -> torch.Tensor:
         return self.counters[:, 0]

@@ -23,6 +23,12 @@ affected layer's pages in and the step runs again (at most layers + 2 runs; its 
 same each time), so only steps that selected absent pages cost more than one replay.
 Off CUDA (or `capture=False`) every step runs eagerly, which is what
 the CPU tests check against the plain path.
+
+A session object outlives its session: `ResidentSession.adopt(into=)` / `offload(into=)` put the
+next session in its device memory, and the same `SparseDecodeGraph` replays that session's steps
+from its first (an adoption's first token is then one replay, not an eager step of ~100 launches).
+The graph reads the session's tensors by address, so it is captured again (after the warm-up)
+whenever a tensor set outside the step changed (`ResidentSession.graph_inputs`).
 """
 
 from collections.abc import Callable
@@ -94,10 +100,16 @@ class SparseDecodeGraph:
             session.check_stream = torch.cuda.Stream(device)
         self.captured = CapturedStep(self._body, self.capture)
         """Its calls are the sync-free steps (the warm-up counts them)."""
+        self._inputs = session.graph_inputs()
+        self._generation = session.generation
+        self.captures = 0
+        """Graphs captured before the current one (the session's step inputs moved)."""
         self.host_steps = 0
-        """Steps that went through the host, eagerly (see `eager_host_steps`)."""
+        """Steps that went through the host, eagerly (see `eager_host_steps`): this session's."""
         self.reruns = 0
-        """Runs of a step again after `ResidentSession.repair` read in pages it had to skip."""
+        """Runs of a step again after `ResidentSession.repair` read in pages it had to skip: this
+        session's."""
+        self._replays_before = 0
 
     def _body(self) -> torch.Tensor:
         hidden = self.model(self.token, self.meta, self.session.caches, ops=self.ops)
@@ -109,6 +121,7 @@ class SparseDecodeGraph:
     def step(self, token: int, position: int) -> int:
         """Decode `token` at `position` → the greedy next token."""
         session = self.session
+        self._follow(session)
         session.check_host_complete()
         if session.synced_steps and not self.speculate:
             if not self.eager_host_steps:
@@ -149,6 +162,21 @@ class SparseDecodeGraph:
         raise RuntimeError(f"decode step at position {position}: pages still missing after "
                            f"{len(session.caches) + 2} runs of the step")
 
+    def _follow(self, session: ResidentSession) -> None:
+        """The session object holds another session (counters start again), or the tensors the
+        graph reads moved (captured again after the warm-up)."""
+        if session.generation != self._generation:
+            self._generation = session.generation
+            self.host_steps = self.reruns = 0
+            self._replays_before = self.captured.replays
+        inputs = session.graph_inputs()
+        if inputs != self._inputs:
+            self._inputs = inputs
+            if self.captured.graph is not None:
+                self.captures += 1
+            self.captured = CapturedStep(self._body, self.capture)
+            self._replays_before = 0
+
     @property
     def steps(self) -> int:
         """Sync-free steps run."""
@@ -156,7 +184,8 @@ class SparseDecodeGraph:
 
     @property
     def replays(self) -> int:
-        return self.captured.replays
+        """Steps of this session replayed."""
+        return self.captured.replays - self._replays_before
 
     @property
     def graph(self) -> torch.cuda.CUDAGraph | None:

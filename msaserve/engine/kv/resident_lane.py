@@ -11,6 +11,9 @@ Requests come here while the lane has room (`EngineConfig.sparse_residency_sessi
   index now, the K/V leased in place or read as selected; the tokens after the stored ones are
   decode steps that sample nothing.
 A session is sized for its request (`session_pages`); its host tier may be a larger kept one.
+A greedy request's session that ends is kept, with its CUDA graph, while the lane has room (its
+device memory is inside the lane's reservation): the next session of the same size takes it over
+(`ResidentSession.adopt(into=)`, `offload(into=)`), and its first step replays that graph.
 Each engine step decodes every request here once, alone, beside the pool's batch:
 - a greedy request without logprobs, penalties, bias or grammar through `SparseDecodeGraph` (on
   CUDA the step replays as one CUDA graph from its third on; the host sees the token only);
@@ -97,6 +100,8 @@ class LaneStats:
     move_seconds: float = 0.0
     host_tiers_allocated: int = 0
     """Host tiers allocated (the others were kept ones reused)."""
+    sessions_reused: int = 0
+    """Sessions that took over an ended one's device memory and CUDA graph (the others allocated)."""
     session_device_bytes: int = 0
     """Device bytes of the last moved request's session (`ResidentSession.gpu_bytes`)."""
     adopted: int = 0
@@ -157,6 +162,9 @@ class SparseResidentLane:
         self.members: dict[str, _Member] = {}
         self._free_hosts: list[HostKV] = []
         """Host tiers of requests that finished, kept for the next move (pinning GiBs takes seconds)."""
+        self._free_sessions: list[tuple[ResidentSession, SparseDecodeGraph]] = []
+        """Ended greedy sessions, with their graphs, kept for the next session of their size (at
+        most max_sessions with the members: the lane's device reservation); oldest first."""
         self.stats = LaneStats()
 
     def __len__(self) -> int:
@@ -179,20 +187,41 @@ class SparseResidentLane:
         """K/V pages per layer on the device of a session of `pages` pages."""
         return lane_budget_pages(self.model.config, pages, self.budget_fraction)
 
-    def _join(self, seq: Sequence, session: ResidentSession) -> None:
-        """seq decodes here from its next step, through `session`."""
+    def _join(self, seq: Sequence, session: ResidentSession, graph: SparseDecodeGraph | None = None) -> None:
+        """seq decodes here from its next step, through `session` (and `graph`, a kept one)."""
         seq.status = SequenceStatus.RESIDENT
-        self.members[seq.request_id] = _Member(seq, session, session.wrap_ops(self.ops), None)
+        self.members[seq.request_id] = _Member(seq, session, session.wrap_ops(self.ops), graph)
         self.stats.session_device_bytes = session.gpu_bytes
+
+    def _room_for(self, pages: int) -> tuple[ResidentSession | None, SparseDecodeGraph | None, HostKV | None]:
+        """Where a new session of `pages` pages goes → (a kept session it takes over and its graph, or
+        None; else a kept host tier, or None: it allocates one). Kept sessions of other sizes are
+        given up as far as the lane's reservation needs (their host tiers kept)."""
+        budget = self._budget(pages)
+        device, dtype = self.caches[0].k_cache.device, self.caches[0].k_cache.dtype
+        for i, (session, graph) in enumerate(self._free_sessions):
+            if session.mismatch(self.model.config, pages, budget, None, device, dtype,
+                                self.caches[0].index_cache.dtype, dense_layers=self.dense_layers) is None:
+                del self._free_sessions[i]
+                self.stats.sessions_reused += 1
+                return session, graph, None
+        while self._free_sessions and len(self.members) + len(self._free_sessions) >= self.max_sessions:
+            self._keep_host(self._free_sessions.pop(0)[0].host)
+        return None, None, self._host_for(pages)
 
     def _host_for(self, pages: int) -> HostKV | None:
         """The smallest kept host tier of at least `pages` pages (None: the session allocates one):
         a larger tier serves a smaller session, so sessions of varied lengths pin memory only when
-        none kept is large enough."""
+        none kept is large enough. A kept session's tier is taken (the session given up) before a
+        new one is pinned."""
         fits = [(host.present.shape[1], i) for i, host in enumerate(self._free_hosts)
                 if host.present.shape[1] >= pages]
         if fits:
             return self._free_hosts.pop(min(fits)[1])
+        kept = [(session.host.present.shape[1], i) for i, (session, _) in enumerate(self._free_sessions)
+                if session.host.present.shape[1] >= pages]
+        if kept:
+            return self._free_sessions.pop(min(kept)[1])[0].host
         self.stats.host_tiers_allocated += 1
         return None
 
@@ -206,12 +235,13 @@ class SparseResidentLane:
         """seq's pages → a sparse-resident session; `free_pages(seq)` then gives its pool pages back."""
         t0 = time.perf_counter()
         pages = self.session_pages(seq)
+        into, graph, host = self._room_for(pages)
         session = ResidentSession.offload(
             self.model.config, self.caches, seq.num_computed_tokens, self._budget(pages), pages,
-            host=self._host_for(pages), block_table=seq.block_table, dense_layers=self.dense_layers)
+            host=host, block_table=seq.block_table, dense_layers=self.dense_layers, into=into)
         pool_pages = len(seq.block_table)
         free_pages(seq)
-        self._join(seq, session)
+        self._join(seq, session, graph)
         self.stats.moved_in += 1
         self.stats.pages_freed += pool_pages
         self.stats.move_seconds += time.perf_counter() - t0
@@ -238,20 +268,22 @@ class SparseResidentLane:
         (`ResidentSession.adopt`) → the tokens it covers (0: none, nothing adopted)."""
         t0 = time.perf_counter()
         pages = self.session_pages(seq)
-        host, cache = self._host_for(pages), self.caches[0]
+        (into, graph, host), cache = self._room_for(pages), self.caches[0]
         try:
             session, covered = ResidentSession.adopt(
                 client, record, self.model.config, self._budget(pages), pages, cache.k_cache.device,
-                cache.k_cache.dtype, cache.index_cache.dtype, host=host)
+                cache.k_cache.dtype, cache.index_cache.dtype, host=host, into=into)
         except Exception:
-            if host is not None:
+            if into is not None:
+                self._keep_host(into.host)
+            elif host is not None:
                 self._keep_host(host)
             raise
         if covered == 0:
-            self._keep_host(session.host)
+            self._keep_session(session, graph)
             return 0
         seq.num_computed_tokens = seq.num_cached_tokens = covered
-        self._join(seq, session)
+        self._join(seq, session, graph)
         self.stats.adopted += 1
         self.stats.adopt_seconds += time.perf_counter() - t0
         logger.info("[%s] adopted sparse-resident from the KV cache service: %d tokens stored, %d to "
@@ -265,7 +297,15 @@ class SparseResidentLane:
             self.stats.finished += 1
             seq.status = SequenceStatus.FINISHED
 
-    def _release(self, seq: Sequence) -> bool:
+    def _keep_session(self, session: ResidentSession, graph: SparseDecodeGraph | None) -> None:
+        """An ended session: kept with its graph for the next one of its size while the lane has
+        room (its device memory is part of the lane's reservation), else only its host tier."""
+        if graph is not None and len(self.members) + len(self._free_sessions) < self.max_sessions:
+            self._free_sessions.append((session, graph))
+        else:
+            self._keep_host(session.host)
+
+    def _release(self, seq: Sequence, keep: bool = True) -> bool:
         member = self.members.pop(seq.request_id, None)
         if member is None:
             return False
@@ -275,11 +315,14 @@ class SparseResidentLane:
             if member.session.device.type == "cuda":
                 torch.cuda.synchronize(member.session.device)  # no kernel reads the leased pages any more
             host.release_lease()
-        self._keep_host(host)
         stats = member.session.stats
         self.stats.replays += 0 if member.graph is None else member.graph.replays
         self.stats.pages_fetched += stats.pages_fetched
         self.stats.evictions += stats.evictions
+        if keep:
+            self._keep_session(member.session, member.graph)
+        else:
+            self._keep_host(host)
         return True
 
     @torch.inference_mode()
@@ -311,7 +354,7 @@ class SparseResidentLane:
                     logits.append(self.model.compute_logits(hidden))
             except PageLostInService as e:
                 logger.warning("[%s] leaves the sparse-resident lane to be recomputed: %s", seq.request_id, e)
-                self._release(seq)
+                self._release(seq, keep=False)
                 self.stats.lost += 1
                 out.lost.append(seq)
                 continue

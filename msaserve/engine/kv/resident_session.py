@@ -189,16 +189,12 @@ class ResidentSession:
         self.index_table = torch.arange(max_pages, dtype=torch.int32, device=self.device)[None]
         self._layer_of_index = {self.caches[i].index_cache.data_ptr(): i for i in self.sparse_layers}
         self._layer_of_kv = {self.caches[i].k_cache.data_ptr(): i for i in self.sparse_layers}
-        self.write_page = -1
-        self.last_selected: list[list[int]] = [[] for _ in self.caches]
-        self._stats = ResidencyStats()
         self.step_number = torch.zeros(1, dtype=torch.int64, device=self.device)
         """The current step's number on the device: the admission reads it there (a captured
         step replays with the number of its replay, `resident_graph.py`)."""
-        self._host_complete = False
-        self.adopt_phases: dict[str, float] = {}
-        """Seconds of `adopt`'s phases (host_reset_s, allocate_s, index_s: the whole index and a stored
-        tail's K/V), measured on the host: device work still queued is not in them."""
+        self.generation = 0
+        """Sessions this object has held before the current one (`adopt(into=)`, `offload(into=)`
+        reuse its device memory, so a `SparseDecodeGraph` captured for it replays for the next)."""
         # Where the miss fill reads the host tier: the pinned memory itself on CPU, a UVA view of it
         # on CUDA (no host sync); None: the host learns the misses (a sync per layer) and copies.
         self._host_src = host.data if self.device.type == "cpu" else host_view(host.data, self.device)
@@ -210,13 +206,8 @@ class ResidentSession:
         self._present_dev = (torch.zeros(len(self.caches), max_pages, dtype=torch.bool, device=self.device)
                              if per_head and self._host_src is not None and room and not self.dense_layers
                              else None)
-        self._presence_final = False
         self._skipped: list[torch.Tensor | None] = [None] * len(self.caches)
         self._step_src: list[torch.Tensor | None] = [None] * len(self.caches)
-        self.speculating = False
-        """Set by `SparseDecodeGraph` around its step body (see `can_speculate`)."""
-        self.repairs = 0
-        """Steps run again because pages they selected were not in the host tier yet."""
         # Pages the host tier leased from the service (`_use_lease`): the miss fill reads them where
         # they lie, and each is checked against its stored checksum on the device at first use.
         self._src_flat: torch.Tensor | None = None
@@ -226,7 +217,6 @@ class ResidentSession:
         self._verified: torch.Tensor | None = None
         self._failures: torch.Tensor | None = None
         """[L, 2] int64 on the device: per layer, leased pages that failed their check, and one of them."""
-        self._unchecked = False
         self.check_stream: torch.cuda.Stream | None = None
         """Where leased pages are checked: None, the compute stream (in order, before the attention);
         a side stream (`SparseDecodeGraph` on CUDA sets one): each layer's check forks there after its
@@ -234,22 +224,91 @@ class ResidentSession:
         a 256 KiB page hashed over PCIe is one program's ~0.16 ms of dependent reads."""
         self._checks_forked = False
         self._check_inputs: list[tuple[torch.Tensor, torch.Tensor] | None] = [None] * len(self.caches)
+        self._start_state()
+
+    def _start_state(self) -> None:
+        """The host-side state of a session that holds no page yet (a new object, or one reused:
+        `_reuse`). The tensors a captured step reads keep their memory."""
+        self.write_page = -1
+        self.last_selected: list[list[int]] = [[] for _ in self.caches]
+        self._stats = ResidencyStats()
+        self._host_complete = False
+        self.adopt_phases: dict[str, float] = {}
+        """Seconds of `adopt`'s phases (host_reset_s, allocate_s, index_s: the whole index and a stored
+        tail's K/V), measured on the host: device work still queued is not in them."""
+        self._presence_final = False
+        self.speculating = False
+        """Set by `SparseDecodeGraph` around its step body (see `can_speculate`)."""
+        self.repairs = 0
+        """Steps run again because pages they selected were not in the host tier yet."""
+        self._unchecked = False
+
+    # ---- reuse: the next session in this one's device memory --------------------------------
+    def mismatch(self, config: MSAConfig, max_pages: int, budget_pages: int, host: HostKV | None,
+                 device: torch.device, dtype: torch.dtype, index_dtype: torch.dtype | None = None,
+                 per_head: bool = True, dense_layers: Sequence[int] | None = None) -> str | None:
+        """Why a session of these settings cannot live in this one's memory (`adopt(into=)`,
+        `offload(into=)`), or None: the same model, sizes, dtypes and device, and this session's
+        host tier (a captured step reads it through its address) or none given."""
+        dense = tuple(sorted(set(config_dense_layers(config) if dense_layers is None else dense_layers)))
+        theirs = dict(config=config, max_pages=max_pages, budget_pages=budget_pages,
+                      device=torch.device(device), dtype=dtype, index_dtype=index_dtype or dtype,
+                      per_head=per_head, dense_layers=dense)
+        ours = dict(config=self.config, max_pages=self.max_pages, budget_pages=self.budget_pages,
+                    device=self.device, dtype=self.pools[0].dtype,
+                    index_dtype=self.caches[0].index_cache.dtype, per_head=self.per_head,
+                    dense_layers=self.dense_layers)
+        for name, value in theirs.items():
+            if value != ours[name]:
+                shown = "its own" if name == "config" else repr(ours[name])
+                return f"{name}={'(another config)' if name == 'config' else repr(value)}: allowed {shown}"
+        if host is not None and host is not self.host:
+            return "host is another host tier: allowed None or this session's own (a captured step reads it)"
+        return None
+
+    def _reuse(self) -> "ResidentSession":
+        """This object, emptied for the next session (its host tier reset by the caller, which
+        waited for the device): no page resident, step 0; the device tensors keep their memory."""
+        if self.device.type == "cuda":  # the last session's steps (and checks on a side stream) ended
+            torch.cuda.synchronize(self.device)
+        self.working.reset()
+        self.step_number.zero_()
+        if self._present_dev is not None:
+            self._present_dev.zero_()
+        self._start_state()
+        self.generation += 1
+        return self
+
+    def graph_inputs(self) -> tuple[int, ...]:
+        """Addresses of the tensors set outside a step that a captured step reads (besides those
+        allocated with the object): a `SparseDecodeGraph` captures again when they change."""
+        tensors = (self._host_src, self._src_flat, self._elem_offsets, self._byte_offsets, self._expected,
+                   self._verified, self._failures, self._present_dev)
+        return tuple(-1 if t is None else t.data_ptr() for t in tensors)
 
     # ---- building one -------------------------------------------------------------------------
     @classmethod
     def offload(cls, config: MSAConfig, caches: Sequence[LayerKVCache], num_tokens: int, budget_pages: int,
-                max_pages: int, host: HostKV | None = None, per_head: bool = True,
+                max_pages: int, host: HostKV | HostHoldsPages | None = None, per_head: bool = True,
                 block_table: Sequence[int] | None = None, dense_layers: Sequence[int] | None = None,
-                ) -> "ResidentSession":
+                into: "ResidentSession | None" = None) -> "ResidentSession":
         """A session held fully resident in `caches` → sparse resident: its index copied to its
         logical pages, every page's K/V written to the (pinned) host tier, the page being written to
         its ring slot. block_table: the physical page of each logical page (an engine's paged pool;
         None: logical page = physical page). host: a host tier to reuse (reset, then written), or
-        `HOST_HOLDS_PAGES` wrapped around one that already holds these pages (benchmarks offload one
+        `HostHoldsPages` wrapped around one that already holds these pages (benchmarks offload one
         session at several budgets). dense_layers: layers that read every page (their K/V stay whole on
-        the device, see `__init__`)."""
+        the device, see `__init__`). into: a session that ended, whose device memory and host tier
+        this one takes over (as `adopt`'s)."""
         first = caches[0]
         device, dtype = first.k_cache.device, first.k_cache.dtype
+        if into is not None:
+            given = host.host if isinstance(host, HostHoldsPages) else host
+            why = into.mismatch(config, max_pages, budget_pages, given, device, dtype,
+                                first.index_cache.dtype, per_head, dense_layers)
+            if why is not None:
+                raise ValueError(f"into: the session cannot take this one: {why}")
+            host = host if given is not None else into.host
         pages = -(-num_tokens // config.page_size)
         table = torch.as_tensor(list(range(pages)) if block_table is None else list(block_table[:pages]),
                                 dtype=torch.long, device=device)
@@ -269,8 +328,12 @@ class ResidentSession:
                     rows = table[start : start + 1024]
                     host.write(layer, range(start, start + len(rows)),
                                torch.stack([src.k_cache[rows], src.v_cache[rows]], dim=1))
-        session = cls(config, max_pages, budget_pages, host, device, dtype, first.index_cache.dtype, per_head,
-                      dense_layers)
+        if into is not None:
+            session = into._reuse()
+            session._use_lease()  # (a reused object's lease tables: every page in its own row)
+        else:
+            session = cls(config, max_pages, budget_pages, host, device, dtype, first.index_cache.dtype,
+                          per_head, dense_layers)
         for layer in session.dense_layers:
             src, pool = caches[layer], session.pools[layer]
             pool[:pages, 0] = src.k_cache[table]
@@ -287,7 +350,7 @@ class ResidentSession:
     def adopt(cls, client: KVCacheClient, record: SessionRecord, config: MSAConfig, budget_pages: int,
               max_pages: int, device: torch.device, dtype: torch.dtype,
               index_dtype: torch.dtype | None = None, host: HostKV | None = None, per_head: bool = True,
-              lease_kv: bool = True) -> tuple["ResidentSession", int]:
+              lease_kv: bool = True, into: "ResidentSession | None" = None) -> tuple["ResidentSession", int]:
         """Adopt a stored session: the whole index now, K/V pages as they are selected (read from
         the service into the pinned host tier, then into the working set) → (session, tokens
         covered; the caller runs the record's remaining tokens). host: a host tier to reuse (a
@@ -296,6 +359,9 @@ class ResidentSession:
         every stored page's K/V is leased and read where it lies — no read into the host tier, no
         background fill, no step through the host — each page checked against its stored checksum
         on the device at its first copy (`check_pages`); False: pages come by reads as before.
+        into: a session that ended (nothing reads it any more) whose device memory and host tier
+        the new one takes over (`mismatch` says which settings must agree): a `SparseDecodeGraph`
+        built for it replays the new session's steps from its first, with no warm-up or capture.
 
         The garbage collector waits until the adoption is done: a full collection over the shards'
         and the engine's objects takes tens of ms, and the adoption allocates enough to start one
@@ -304,13 +370,19 @@ class ResidentSession:
         hashes = list(record.page_hashes) + ([record.tail_hash] if record.tail_hash is not None else [])
         c = config
         source = ServiceSource(client, hashes, record.session_id)
+        if into is not None:
+            why = into.mismatch(config, max_pages, budget_pages, host, device, dtype, index_dtype, per_head)
+            if why is not None:
+                raise ValueError(f"into: the session cannot take this one: {why}")
+            host = into.host
         if host is None:
             host = HostKV(c.num_layers, max_pages, (c.page_size, c.num_kv_heads, c.head_dim), dtype,
                           pin=torch.device(device).type == "cuda", source=source)
         else:
             host.reset(source)
         t1 = time.perf_counter()
-        session = cls(config, max_pages, budget_pages, host, device, dtype, index_dtype, per_head)
+        session = (into._reuse() if into is not None
+                   else cls(config, max_pages, budget_pages, host, device, dtype, index_dtype, per_head))
         t2 = time.perf_counter()
         ring = session.ring
         # Index of every page at its logical page; the stored tail's K/V (it is written into
@@ -355,15 +427,24 @@ class ResidentSession:
         the miss fill, at their element offsets from the tier's memory) and of their checks: a
         leased page counts as unchecked until the first step that copies it in has hashed it."""
         host = self.host
-        if host.lease is None or not host.leased.any():
+        if self._elem_offsets is None and (host.lease is None or not host.leased.any()):
             return
-        self._src_flat = self._host_src.reshape(-1, *self._host_src.shape[2:])  # base address and layout
+        # A reused object that has the tables keeps them (a captured step reads them), lease or not:
+        # without one every page lies in its own row of the tier and counts as checked, so the
+        # leased path reads what the plain one would.
         elem = host.data.element_size()
-        self._elem_offsets = torch.from_numpy(host.byte_offsets // elem).to(self.device)
-        self._byte_offsets = torch.from_numpy(host.byte_offsets.copy()).to(self.device)
-        self._expected = torch.from_numpy(host.lease_checksums.copy()).to(self.device)
-        self._verified = torch.from_numpy((~host.leased).astype(np.uint8)).to(self.device)
-        self._failures = torch.zeros(len(self.caches), 2, dtype=torch.int64, device=self.device)
+        tables = dict(_elem_offsets=torch.from_numpy(host.byte_offsets // elem),
+                      _byte_offsets=torch.from_numpy(host.byte_offsets.copy()),
+                      _expected=torch.from_numpy(host.lease_checksums.copy()),
+                      _verified=torch.from_numpy((~host.leased).astype(np.uint8)),
+                      _failures=torch.zeros(len(self.caches), 2, dtype=torch.int64))
+        self._src_flat = self._host_src.reshape(-1, *self._host_src.shape[2:])  # base address and layout
+        for name, table in tables.items():
+            mine = getattr(self, name)
+            if mine is not None and mine.shape == table.shape:
+                mine.copy_(table, non_blocking=True)  # (pageable: ordered before any later step)
+            else:
+                setattr(self, name, table.to(self.device))
 
     def check_pages(self) -> None:
         """After a step (the host has its token, so this reads 16 bytes a layer, no wait): if a leased
