@@ -23,7 +23,10 @@ for the sparse-resident one, ~3 ms per token for m3-mini, 4 layers, 1M tokens on
 - `kvcache.adopt_vs_reprefill`: the MSA re-prefill's time over the median first token of
   `--adoptions` graphed adoptions (K/V leased in place), and `kvcache.lazy_tpot_penalty` the
   median of their mean TPOTs over the first `--adopt-steps` tokens (`_filled`, `_host_steps`: one
-  adoption without the lease each).
+  adoption without the lease each). Each of those adoptions is by a new session object, so its
+  first steps run eagerly (warm-up) and it captures its own graph; `_warm`: `--adoptions` more, each
+  into the last one's session object (`ResidentSession.adopt(into=)`, as the engine's lane keeps an
+  ended session), whose captured graph replays the new session's steps from its first token.
 The same figures with both sides eager (launch bound, ~12-18 ms per token, varying with the host)
 carry `_eager`; without graphs (`--no-graphs`, or the CPU) the eager figures are the keys.
 adopt.py's adoption into fully resident caches writes `kvcache.full_kv_adopt_vs_reprefill`.
@@ -335,9 +338,18 @@ def run(args: argparse.Namespace) -> dict:
     if graphs:  # the engine's mode, the K/V leased in place: replays from the third step (two
         # warm-up steps, then the capture); several adoptions (the first token is one host-clock
         # sample each), their medians reported
+        warm: dict = {}
         runs = [adopt_and_decode(args, model, ops, client, config, pages, max_pages, dtype, device, first,
-                                 want, args.prefetch_items, graphed=True) for _ in range(args.adoptions)]
+                                 want, args.prefetch_items, graphed=True, keep=warm)
+                for _ in range(args.adoptions)]
         results["adoption_graph"] = median_run(runs)
+        # a replica's steady state: each adoption into the last one's session object (device memory,
+        # host tier, captured graph: `ResidentSession.adopt(into=)`), its first step a replay
+        runs = [adopt_and_decode(args, model, ops, client, config, pages, max_pages, dtype, device, first,
+                                 want, args.prefetch_items, graphed=True, keep=warm, into=warm)
+                for _ in range(args.adoptions)]
+        results["adoption_graph_warm"] = median_run(runs)
+        warm.clear()
         # without the lease: pages read into the host tier, filled in the background; steps replay
         # with presence checks and run again after repairs (filled), or run eagerly through the host
         results["adoption_graph_filled"] = adopt_and_decode(
@@ -375,16 +387,20 @@ def median_run(runs: list[dict]) -> dict:
                   tpot_median=statistics.median(r["tpot_median"] for r in runs),
                   tpot_mean=statistics.median(r["tpot_mean"] for r in runs),
                   tpot_max=max(r["tpot_max"] for r in runs),
-                  match=all(r["match"] for r in runs))
+                  match=all(r["match"] for r in runs),
+                  replayed_first=sum(r["first_step_replayed"] for r in runs))
     return middle
 
 
 def adopt_and_decode(
     args, model, ops, client, config, pages, max_pages, dtype, device, first, want, prefetch: int,
-    graphed: bool = False, speculate: bool = True, lease_kv: bool = True,
+    graphed: bool = False, speculate: bool = True, lease_kv: bool = True, keep: dict | None = None,
+    into: dict | None = None,
 ) -> dict:
     """A fresh sparse-resident session (10 % budget) adopts the stored session and decodes (graphed:
-    through `SparseDecodeGraph`, eager steps while the host tier fills, then replays)."""
+    through `SparseDecodeGraph`, eager steps while the host tier fills, then replays). keep: the
+    session and its graph stepper are left there (`session`, `stepper`); into: the adoption goes
+    into the session left there and is stepped by its stepper (`ResidentSession.adopt(into=)`)."""
     budget = budget_pages_for(config, pages, 0.10)
     host = args.adopt_host  # the replica's pinned host tier, allocated before (pinning takes seconds)
     sync(device)
@@ -395,7 +411,7 @@ def adopt_and_decode(
     with ThreadWatch() if args.thread_watch else contextlib.nullcontext() as watch:
         session, covered = ResidentSession.adopt(
             client, record, config, budget, max_pages, device, dtype, host=host, per_head=args.per_head,
-            lease_kv=lease_kv,
+            lease_kv=lease_kv, into=into["session"] if into else None,
         )
     sync(device)
     index_s = time.perf_counter() - t0
@@ -403,9 +419,13 @@ def adopt_and_decode(
         log(f"threads during the adoption: {watch.report()}")
     assert covered == args.context, (covered, args.context)
     last = int(token_ids.result()[-1])
+    first_replayed = False
     if graphed:
-        stepper = SparseDecodeGraph(session, model, ops, speculate=speculate)
+        stepper = into["stepper"] if into else SparseDecodeGraph(session, model, ops, speculate=speculate)
+        if keep is not None:
+            keep.update(session=session, stepper=stepper)
         got, times = graphed_decode(stepper, device, last, args.context, 1)
+        first_replayed = stepper.replays == 1
         ttft = time.perf_counter() - t0
         rest, rest_times = graphed_decode(stepper, device, got[0], args.context + 1, args.adopt_steps - 1,
                                           prefetch)
@@ -439,6 +459,8 @@ def adopt_and_decode(
         speculate=graphed and stepper.speculate,
         leased_items=int(session.host.leased.sum()),
         lease_kv=lease_kv,
+        into=bool(into),
+        first_step_replayed=first_replayed,
     )
     phases = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}" for k, v in session.adopt_phases.items())
     phases += " (host_reset: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}"
@@ -446,7 +468,9 @@ def adopt_and_decode(
     how = f"{result['leased_items']} (page, layer) leased in place" if lease_kv else "read"
     log(
         f"adopted ({how}"
-        f", prefetch {prefetch}{', CUDA graph' if graphed else ''}): "
+        f", prefetch {prefetch}{', CUDA graph' if graphed else ''}"
+        f"{', into the last session' if into else ''}"
+        f"{', first step replayed' if first_replayed else ''}): "
         f"first token {ttft * 1e3:.1f} ms (record {record_s * 1e3:.1f} ms, "
         f"caches + index {(index_s - record_s) * 1e3:.1f} ms [{phases} ms, host clock], "
         f"first step {times[0] * 1e3:.1f} ms; "
@@ -569,6 +593,26 @@ def report(args: argparse.Namespace, r: dict) -> None:
             f"{a['tpot_max'] * 1e3:.1f} ms, second token {a['second_token'] * 1e3:.1f} ms) vs the resident "
             f"graph "
             f"{graph_base * 1e3:.3f} ms; first token {a['ttft'] * 1e3:.1f} ms; tokens equal: {a['match']}")
+    warm = r.get("adoption_graph_warm")
+    if graph_base and warm:
+        ttfts = ", ".join(f"{t * 1e3:.1f}" for t in warm["ttfts"])
+        how = (f"each adoption into the last one's session object (`ResidentSession.adopt(into=)`: its "
+               f"device memory, host tier and captured CUDA graph, as the engine's lane keeps an ended "
+               f"session); "
+               f"first step replayed in {warm['replayed_first']} of {warm['runs']} runs")
+        entries["kvcache.adopt_vs_reprefill_warm"] = dict(
+            value=round(r["reprefill_s"] / warm["ttft"], 2), unit="x",
+            note=f"as kvcache.adopt_vs_reprefill, {how}: re-prefill {r['reprefill_s']:.3f} s / the median "
+            f"first token ({warm['ttft'] * 1e3:.1f} ms; each: {ttfts} ms; the median one's phases: record "
+            f"{warm['record_s'] * 1e3:.1f}, " + ", ".join(
+                f"{k.removesuffix('_s')} {v * 1e3:.1f}" for k, v in warm["phases"].items())
+            + f" ms, first step {warm['first_step'] * 1e3:.1f} ms); tokens equal: {warm['match']}")
+        entries["kvcache.lazy_tpot_penalty_warm"] = dict(
+            value=round(warm["tpot_mean"] / graph_base, 3),
+            unit="x resident TPOT (both CUDA graphs; mean over the first tokens)",
+            note=f"as kvcache.lazy_tpot_penalty, {how}: median over the runs of each run's mean over its "
+            f"first {warm['steps']} tokens {warm['tpot_mean'] * 1e3:.3f} ms vs the resident graph "
+            f"{graph_base * 1e3:.3f} ms; tokens equal: {warm['match']}")
     comparisons = (
         ("kvcache.lazy_tpot_penalty_filled", "adoption_graph_filled",
          "as kvcache.lazy_tpot_penalty, one adoption, without the lease (lease_kv=False): pages read "
@@ -637,8 +681,9 @@ def report(args: argparse.Namespace, r: dict) -> None:
         print(f"{name:<34}{graph_adoption['tpot_mean'] * 1e3:>9.2f}"
               f"{graph_adoption['tpot_mean'] / graph_base:>11.2f}"
               f"{graph_adoption['device_bytes_per_step'] / 2**20:>10.1f}{graph_adoption['match']!s:>10}")
-        for label_, key in (("filled, replays", "adoption_graph_filled"), ("filled, host steps",
-                                                                             "adoption_graph_host")):
+        for label_, key in (("into the last session", "adoption_graph_warm"),
+                            ("filled, replays", "adoption_graph_filled"),
+                            ("filled, host steps", "adoption_graph_host")):
             h = r.get(key)
             if h:
                 name = f"adopted 10%, CUDA graph, {label_} (ttft {h['ttft'] * 1e3:.0f} ms)"

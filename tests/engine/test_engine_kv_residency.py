@@ -417,6 +417,10 @@ def test_residency_benchmark_runs_and_reports_the_adoptions_mean(tmp_path):
     assert "tokens equal: True" in lazy["note"] and "over 2 runs" in lazy["note"]
     assert "leased in place" in lazy["note"] and "0 steps through the host, 0 runs again" in lazy["note"]
     assert "tokens equal: True" in results["kvcache.lazy_tpot_penalty_filled"]["note"]
+    warm = results["kvcache.adopt_vs_reprefill_warm"]
+    assert warm["value"] > 0 and "tokens equal: True" in warm["note"]
+    assert "first step replayed in 0 of 2 runs" in warm["note"]  # (no CUDA graphs on the CPU)
+    assert "tokens equal: True" in results["kvcache.lazy_tpot_penalty_warm"]["note"]
 
 
 def test_kv_lease_profile_runs_and_leases_every_item(tmp_path):
