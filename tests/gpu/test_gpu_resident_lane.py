@@ -59,3 +59,31 @@ def test_the_lane_on_cuda_gives_the_pools_greedy_tokens_and_replays_graphs(kind)
     assert stats.moved_in == 3 and stats.graph_steps == stats.steps > 2 * 30
     assert stats.pages_fetched > 0 and stats.evictions > 0
     assert stats.replays >= stats.steps - 3 * 3  # each session: 2 eager warm-up steps, 1 captured
+
+
+def test_a_session_of_the_lane_takes_over_an_ended_ones_graph_and_replays_from_its_first_step():
+    """Two requests of one session size, one after the other, through a lane of one session: the
+    second takes over the first one's session and CUDA graph (`ResidentSession.offload(into=)`), so
+    every one of its steps is a replay; the tokens are the pool's."""
+    from engine.engine_helpers import collect
+
+    model = init_random_weights(MSATransformer(get_preset("tiny"), "msa"), seed=0).eval()
+    model = model.to("cuda", torch.bfloat16)
+    prompts = [random_prompt(n, seed=50 + i) for i, n in enumerate((300, 420))]  # 32-page sessions both
+    requests = [GenerateRequest(f"r{i}", p, greedy(40)) for i, p in enumerate(prompts)]
+
+    def engine(lane: bool) -> LLMEngine:
+        config = EngineConfig(model="tiny", device="cuda", dtype="bfloat16", attention_backend="msa",
+                              num_pages=256, max_num_seqs=4, max_num_batched_tokens=128, max_model_len=640,
+                              **({**LANE, "sparse_residency_sessions": 1} if lane else {}))
+        return LLMEngine(config, model=model)
+
+    want = run_to_completion(engine(lane=False), requests)
+    lane_engine, got = engine(lane=True), {}
+    for request in requests:  # one after the other
+        lane_engine.add_request(request)
+        collect(lane_engine, got)
+    assert got == want
+    stats = lane_engine.resident.stats
+    assert stats.moved_in == 2 and stats.sessions_reused == 1 and stats.host_tiers_allocated == 1
+    assert stats.replays == stats.steps - 2  # only the first session's 2 warm-up steps run eagerly
