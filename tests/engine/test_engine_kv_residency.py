@@ -698,6 +698,16 @@ def traced_step(stepper: SparseDecodeGraph, token: int, position: int) -> tuple[
     return token, mode.read
 
 
+def stepped(stepper: SparseDecodeGraph, first_token: int, steps: int) -> list[int]:
+    """Greedy decode through the stepper from PROMPT_LEN → the first token and the `steps` after it
+    (an adopted session's host tier filled to the end after each step)."""
+    tokens = [first_token]
+    for step in range(steps):
+        tokens.append(stepper.step(tokens[-1], PROMPT_LEN + step))
+        stepper.session.host.wait_all()
+    return tokens
+
+
 def session_tensors(session: ResidentSession) -> list[int]:
     w = session.working
     tensors = [*session.pools, *(c.index_cache for c in session.caches), w.slot_of, w.page_in, w.last_used,
@@ -780,10 +790,7 @@ def test_an_offload_into_a_leased_session_and_an_adoption_into_an_offloaded_one_
                                        max_pages=state.max_pages, device=torch.device("cpu"),
                                        dtype=torch.float32)
     stepper = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
-    got = [other[2][0]]
-    for step in range(4):
-        got.append(stepper.step(got[-1], PROMPT_LEN + step))
-    assert got == other[2][:5]
+    assert stepped(stepper, other[2][0], 4) == other[2][:5]
     inputs = session.graph_inputs()
     again = ResidentSession.offload(model.config, state.caches, PROMPT_LEN, 12, state.max_pages, into=session)
     assert again is session and session.graph_inputs() == inputs
@@ -791,27 +798,17 @@ def test_an_offload_into_a_leased_session_and_an_adoption_into_an_offloaded_one_
     own = torch.arange(session._elem_offsets.numel()).view_as(session._elem_offsets) * (
         session.host.page_bytes // session.host.data.element_size())
     assert torch.equal(session._elem_offsets, own)
-    got = [want[0]]
-    for step in range(STEPS):
-        got.append(stepper.step(got[-1], PROMPT_LEN + step))
-    assert got == want and stepper.captures == 0
+    assert stepped(stepper, want[0], STEPS) == want and stepper.captures == 0
     # a session adopted without a lease (pages read from the service), then a leased one in its memory
     plain = stored_session(model, *other)
     first, _ = ResidentSession.adopt(plain, plain.get_session("long"), model.config, budget_pages=12,
                                      max_pages=state.max_pages, device=torch.device("cpu"),
                                      dtype=torch.float32)
     stepper = SparseDecodeGraph(first, model, get_ops("msa", "cpu"))
-    got = [other[2][0]]
-    for step in range(4):
-        got.append(stepper.step(got[-1], PROMPT_LEN + step))
-        first.host.wait_all()
-    assert got == other[2][:5]
+    assert stepped(stepper, other[2][0], 4) == other[2][:5]
     old = stepper.captured
     second, _ = ResidentSession.adopt(client, client.get_session("long"), model.config, budget_pages=12,
                                       max_pages=state.max_pages, device=torch.device("cpu"),
                                       dtype=torch.float32, into=first)
     assert second.graph_inputs() != stepper._inputs  # leased now: the tables exist
-    got = [want[0]]
-    for step in range(STEPS):
-        got.append(stepper.step(got[-1], PROMPT_LEN + step))
-    assert got == want and stepper.captured is not old
+    assert stepped(stepper, want[0], STEPS) == want and stepper.captured is not old
