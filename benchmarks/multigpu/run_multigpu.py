@@ -233,9 +233,13 @@ def decode_steps(engine: LLMEngine, args: argparse.Namespace, device: torch.devi
     for i in range(args.batch):
         engine.add_request(GenerateRequest(f"b{i}", prompt(args.context, 100 + i, vocab), greedy))
     produced: Counter = Counter()
-    while len(produced) < args.batch or min(produced.values()) < 2:  # every request past its prefill
+    for _ in range(100_000):
+        if len(produced) == args.batch and min(produced.values()) >= 2:  # every request past its prefill
+            break
         for output in engine.step():
             produced[output.request_id] += len(output.token_ids)
+    else:
+        raise RuntimeError(f"the batch of {args.batch} did not reach its decode steps: {dict(produced)}")
     times = []
     for _ in range(args.steps):
         sync(device)
