@@ -109,19 +109,21 @@ def run(args) -> dict:
     page_shape = (config.page_size, config.num_kv_heads, config.head_dim)
     host = HostKV(config.num_layers, max_pages, page_shape, dtype, pin=device.type == "cuda")
     gen = torch.Generator().manual_seed(2)
-    rows, ok = [], True
+    rows, ok, session = [], True, None
     for _ in range(args.repeats + 1):  # the first is a warm-up
         sync(device)
         t0 = time.perf_counter()
+        into = session if args.into else None  # the last adoption's object (ResidentSession.adopt(into=))
         session, covered = ResidentSession.adopt(client, client.get_session_head("s"), config, budget,
-                                                 max_pages, device, dtype, host=host)
+                                                 max_pages, device, dtype, host=host, into=into)
         sync(device)
         adopt_s = time.perf_counter() - t0
         assert covered == args.pages * config.page_size, covered
         step = first_step(session, config, args.pages, gen)
         ok = ok and all(check(session, caches, layer) for layer in range(config.num_layers))
         rows.append(dict(adopt_s=adopt_s, step_s=sum(step), **session.adopt_phases))
-        session = None
+        if not args.into:
+            session = None
     rows = rows[1:]
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
     return dict(config=config, device=device, median=med, checked=ok, budget=budget)
@@ -133,8 +135,9 @@ def report(args, r: dict) -> None:
                 hardware=hardware(r["device"]), date=datetime.now(UTC).isoformat(timespec="seconds"),
                 git_revision=os.environ.get("MSASERVE_GIT_REVISION") or git_revision(),
                 workload=f"m3-mini page shapes, {r['config'].num_layers} layers, {n} pages, 4 in-process "
-                f"shards, budget {r['budget']} pages, median of {args.repeats}")
-    suffix = "cpu" if r["device"].type == "cpu" else "gpu"
+                f"shards, budget {r['budget']} pages, median of {args.repeats}"
+                f"{', each into the last session object' if args.into else ''}")
+    suffix = ("cpu" if r["device"].type == "cpu" else "gpu") + ("_into" if args.into else "")
     entries = {
         f"kvcache.adopt_index_us_per_page_{suffix}": dict(value=round(m["index_s"] / n * 1e6, 2), unit="us"),
         f"kvcache.adopt_first_step_residency_ms_{suffix}": dict(
@@ -159,6 +162,8 @@ def main() -> None:
     parser.add_argument("--pages", type=int, default=512)
     parser.add_argument("--num-layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--into", action="store_true",
+                        help="each adoption into the last one's session object (its device memory reused)")
     parser.add_argument("--output",
                         default=str(ROOT / "benchmarks" / "results" / "kvcache_adoption_profile.json"))
     args = parser.parse_args()

@@ -812,3 +812,22 @@ def test_an_offload_into_a_leased_session_and_an_adoption_into_an_offloaded_one_
                                       dtype=torch.float32, into=first)
     assert second.graph_inputs() != stepper._inputs  # leased now: the tables exist
     assert stepped(stepper, want[0], STEPS) == want and stepper.captured is not old
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_adoption_profile_runs_and_checks_the_slots(tmp_path, into):
+    """benchmarks/kvcache/profile_adoption.py at a small size, adoptions by new session objects and
+    into the last one's: the first step's slots hold the stored pages' K/V (its own check)."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "profile.json"
+    command = [sys.executable, str(root / "benchmarks" / "kvcache" / "profile_adoption.py"), "--pages", "64",
+               "--repeats", "2", "--output", str(out), *(["--into"] if into else [])]
+    run = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=600, check=True)
+    assert "first step's slots equal to the stored pages: True" in run.stdout
+    suffix = "cpu_into" if into else "cpu"
+    assert json.loads(out.read_text())[f"kvcache.adopt_first_step_residency_ms_{suffix}"]["value"] > 0
