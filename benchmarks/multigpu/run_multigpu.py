@@ -207,9 +207,9 @@ def nccl_kernel_seconds(steps: int, run) -> Counter:
 
 # ---------------------------------------------------------------- 2. layouts
 
-def engine_config(args: argparse.Namespace, device: torch.device) -> EngineConfig:
+def engine_config(args: argparse.Namespace, device: torch.device, graphs: bool) -> EngineConfig:
     pages = args.batch * (-(-(args.context + args.steps * 3 + 64) // args.page_size)) + 64
-    return EngineConfig(model="m3-mini", device=device.type,
+    return EngineConfig(model="m3-mini", device=device.type, cuda_graphs=graphs,
                         dtype="bfloat16" if device.type == "cuda" else "float32", attention_backend="msa",
                         num_pages=pages, max_num_seqs=max(args.batch, 3),
                         max_num_batched_tokens=max(args.chunk, 256),
@@ -240,16 +240,21 @@ def decode_steps(engine: LLMEngine, args: argparse.Namespace, device: torch.devi
             produced[output.request_id] += len(output.token_ids)
     else:
         raise RuntimeError(f"the batch of {args.batch} did not reach its decode steps: {dict(produced)}")
-    times = []
-    for _ in range(args.steps):
-        sync(device)
-        start = time.perf_counter()
-        engine.step()
-        sync(device)
-        times.append(time.perf_counter() - start)
+    def timed_steps() -> list[float]:
+        times = []
+        for _ in range(args.steps):
+            sync(device)
+            start = time.perf_counter()
+            engine.step()
+            sync(device)
+            times.append(time.perf_counter() - start)
+        return times
+
+    times = timed_steps()
     graphs = getattr(engine.runner, "graphs", None)
-    engine.runner.graphs = None  # one eager step: the collectives' Python calls run (and are counted)
+    engine.runner.graphs = None  # eager steps: the collectives' Python calls run (and are counted)
     try:
+        eager = timed_steps() if graphs is not None else times
         with CountedCollectives(device, timed=device.type != "cuda") as counted:
             engine.step()
     finally:
@@ -265,6 +270,7 @@ def decode_steps(engine: LLMEngine, args: argparse.Namespace, device: torch.devi
     for request_id in list(produced):
         engine.abort(request_id)
     return dict(step_ms=statistics.median(times) * 1e3, step_times_ms=[t * 1e3 for t in times],
+                eager_step_ms=statistics.median(eager) * 1e3,
                 graphs=graphs is not None, calls=dict(counted.calls), bytes=dict(counted.bytes),
                 seconds_per_step=dict(per_step))
 
@@ -274,7 +280,9 @@ def run_layout(args: argparse.Namespace, device: torch.device, tp: int, ep: int,
     if tp * ep > 1:
         model = shard_m3_model(model, groups)
     vocab = model.config.vocab_size
-    engine = LLMEngine(engine_config(args, device), model=model)
+    # The EP layers read their all-to-all split sizes on the host: no capture (a failed one would leave
+    # an NCCL call half-enqueued on a capturing stream), so EP layouts decode eagerly.
+    engine = LLMEngine(engine_config(args, device, graphs=args.graphs and ep == 1), model=model)
     check = SamplingParams(max_tokens=args.check_tokens, temperature=0.0, ignore_eos=True)
     tokens = run_until_done(engine, [GenerateRequest(f"r{i}", prompt(n, 10 + i, vocab), check)
                                      for i, n in enumerate((args.page_size * 3 + 5, 9, 2 * args.page_size))])
@@ -410,7 +418,10 @@ def report(args: argparse.Namespace, ranks: list[dict]) -> dict:
     for name, case in cases.items():
         rank_tokens = [r["layouts"][name]["tokens"] for r in ranks if name in r["layouts"]]
         equal = all(t == base["tokens"] for t in rank_tokens)
-        scaling = base["step_ms"] / case["step_ms"]
+        # against TP 1 in the same mode: replayed graphs if both captured, else eager steps
+        both_graphs = case["graphs"] and base["graphs"]
+        scaling = (base["step_ms"] / case["step_ms"] if both_graphs
+                   else base["eager_step_ms"] / case["eager_step_ms"])
         per_step = case["seconds_per_step"]
         coll = {}
         for kind, nbytes in case["bytes"].items():
@@ -430,7 +441,9 @@ def report(args: argparse.Namespace, ranks: list[dict]) -> dict:
         entries[f"multigpu.decode_scaling_{label}{suffix}"] = dict(
             value=round(scaling, 3), unit="x TP 1 step time",
             note=f"decode step {case['step_ms']:.3f} ms vs TP 1 {base['step_ms']:.3f} ms (median of "
-            f"{args.steps} engine steps, CUDA graphs: {case['graphs']}); collectives per step: " + "; ".join(
+            f"{args.steps} engine steps, CUDA graphs: {case['graphs']} / {base['graphs']}); eager steps "
+            f"{case['eager_step_ms']:.3f} vs {base['eager_step_ms']:.3f} ms; the scaling compares "
+            f"{'replayed' if both_graphs else 'eager'} steps; collectives per step: " + "; ".join(
                 f"{k} {v['calls']} calls {size(v['bytes'])} {v['ms']:.3f} ms ({v['gbps']:.3g} GB/s; "
                 f"sweep {v['sweep_gbps']:.3g} GB/s at that size)" for k, v in coll.items()))
         fraction_key = f"multigpu.alltoall_fraction_of_link{suffix}"
@@ -471,11 +484,13 @@ def report(args: argparse.Namespace, ranks: list[dict]) -> dict:
     for kind, rows in sweep_rows.items():
         for row in rows:
             print(f"{kind:<22}{row['bytes']:>12}{row['us']:>10.1f}{row['busbw']:>10.2f}")
-    print(f"\n{'layout':<10}{'tokens eq':>10}{'step ms':>9}{'scaling':>9}  collectives per step")
+    print(f"\n{'layout':<10}{'tokens eq':>10}{'step ms':>9}{'eager ms':>9}{'scaling':>9}  "
+          "collectives per step")
     for name, equal, step_ms, scaling, coll in table:
+        eager_ms = cases[name]["eager_step_ms"]
         parts = ", ".join(f"{k} {size(v['bytes'])} {v['ms']:.3f} ms {v['gbps']:.3g} GB/s"
                           for k, v in coll.items())
-        print(f"{name:<10}{equal!s:>10}{step_ms:>9.3f}{scaling:>9.2f}  {parts}")
+        print(f"{name:<10}{equal!s:>10}{step_ms:>9.3f}{eager_ms:>9.3f}{scaling:>9.2f}  {parts}")
     if move and moved:
         print(f"\nsession move ({size(move['bytes'])}): direct {direct * 1e3:.1f} ms to token "
               f"({gbps:.3g} GB/s), host-staged {staged * 1e3:.1f} ms ({staged / direct:.2f}x), "
@@ -499,6 +514,8 @@ def main() -> None:
     parser.add_argument("--sweep-mib", type=float, nargs="+", default=None)
     parser.add_argument("--sweep-iters", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=600.0, help="collectives' timeout, seconds")
+    parser.add_argument("--no-graphs", dest="graphs", action="store_false",
+                        help="no CUDA graphs in any layout (by default TP layouts capture, EP ones cannot)")
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     cpu = args.device == "cpu"
