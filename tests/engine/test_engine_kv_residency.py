@@ -394,8 +394,9 @@ def test_a_demand_read_never_waits_behind_queued_background_reads(model, residen
 
 
 def test_residency_benchmark_runs_and_reports_the_adoptions_mean(tmp_path):
-    """benchmarks/kvcache/residency.py at CPU sizes (its smoke run): every key written, tokens equal,
-    the adopted TPOT key the mean over the first tokens with the slowest step and the second token."""
+    """benchmarks/kvcache/residency.py at CPU sizes (its smoke run, with --thread-watch): every key
+    written, tokens equal, the adopted TPOT key the mean over the first tokens with the slowest step
+    and the second token."""
     import json
     import subprocess
     import sys
@@ -403,9 +404,12 @@ def test_residency_benchmark_runs_and_reports_the_adoptions_mean(tmp_path):
 
     root = Path(__file__).resolve().parents[2]
     out = tmp_path / "kv.json"
-    subprocess.run([sys.executable, str(root / "benchmarks" / "kvcache" / "residency.py"), "--device", "cpu",
-                    "--quick", "--steps", "8", "--adopt-steps", "16", "--adoptions", "2", "--budgets", "0.1",
-                    "--output", str(out)], check=True, cwd=root, capture_output=True, timeout=600)
+    command = [sys.executable, str(root / "benchmarks" / "kvcache" / "residency.py"), "--device", "cpu",
+               "--quick", "--steps", "8", "--adopt-steps", "16", "--adoptions", "2", "--budgets", "0.1",
+               "--thread-watch", "--output", str(out)]
+    run = subprocess.run(command, check=True, cwd=root, capture_output=True, text=True, timeout=600)
+    # --thread-watch (the next GPU run's first diagnostic) logs each adoption's threads and collections
+    assert run.stdout.count("threads during the adoption:") >= 4
     results = json.loads(out.read_text())
     penalty = "kvcache.sparse_residency_tpot_penalty_10pct"
     for key in ("kvcache.adopt_vs_reprefill", "kvcache.lazy_tpot_penalty", "kvcache.lazy_tpot_penalty_eager",
