@@ -380,16 +380,17 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> N
         torch.set_num_threads(1)
     dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=args.world, timeout=datetime.timedelta(seconds=args.timeout))
-    result: dict = dict(rank=rank, device=hardware(device))
-    result["sweep"] = sweep(rank, args.world, device, args.sweep_mib, args.sweep_iters)
-    result["layouts"] = {}
-    for tp, ep in layouts(args.world):
+    result: dict = dict(rank=rank, device=hardware(device), sweep={}, layouts={}, move=None)
+    if "sweep" in args.parts:
+        result["sweep"] = sweep(rank, args.world, device, args.sweep_mib, args.sweep_iters)
+    for tp, ep in layouts(args.world) if "layouts" in args.parts else ():
         groups = build_groups(ParallelLayout(tp, ep), rank)  # collective: every rank takes part
         if groups is not None:
             result["layouts"][f"tp{tp}_ep{ep}"] = run_layout(args, device, tp, ep, groups)
         dist.barrier()
     pair = dist.new_group([0, 1])  # collective: every rank takes part
-    result["move"] = session_move(args, rank, device, pair)
+    if "move" in args.parts:
+        result["move"] = session_move(args, rank, device, pair)
     dist.barrier()
     with open(Path(out_dir) / f"rank{rank}.json", "w") as f:
         json.dump(result, f)
@@ -401,9 +402,11 @@ def rank_main(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> N
 def report(args: argparse.Namespace, ranks: list[dict]) -> dict:
     r0 = ranks[0]
     sweep_rows = r0["sweep"]
-    link = max((row["busbw"] for row in sweep_rows["send_recv"]), default=float("nan"))
+    link = max((row["busbw"] for row in sweep_rows.get("send_recv", [])), default=float("nan"))
     cases = r0["layouts"]
-    base = cases["tp1_ep1"]
+    base = cases.get("tp1_ep1")
+    if base is None:  # (--parts without layouts)
+        cases = {}
     suffix = "" if args.device == "cuda" else "_cpu"
     meta = dict(
         command="python benchmarks/multigpu/run_multigpu.py " + " ".join(sys.argv[1:]),
@@ -427,10 +430,10 @@ def report(args: argparse.Namespace, ranks: list[dict]) -> dict:
         for kind, nbytes in case["bytes"].items():
             seconds = per_step.get(kind, 0.0)
             calls = case["calls"][kind]
-            rows = sweep_rows["all_reduce" if kind == "all_reduce" else "all_to_all"]
+            rows = sweep_rows.get("all_reduce" if kind == "all_reduce" else "all_to_all")
             gbps = nbytes / seconds / 1e9 if seconds > 0 else float("nan")
             coll[kind] = dict(calls=calls, bytes=nbytes, ms=seconds * 1e3, gbps=gbps,
-                              sweep_gbps=bandwidth_at(rows, nbytes / max(calls, 1)),
+                              sweep_gbps=bandwidth_at(rows, nbytes / max(calls, 1)) if rows else float("nan"),
                               fraction_of_link=gbps / link if link == link and link > 0 else float("nan"))
         table.append((name, equal, case["step_ms"], scaling, coll))
         if name == "tp1_ep1":
@@ -447,7 +450,8 @@ def report(args: argparse.Namespace, ranks: list[dict]) -> dict:
                 f"{k} {v['calls']} calls {size(v['bytes'])} {v['ms']:.3f} ms ({v['gbps']:.3g} GB/s; "
                 f"sweep {v['sweep_gbps']:.3g} GB/s at that size)" for k, v in coll.items()))
         fraction_key = f"multigpu.alltoall_fraction_of_link{suffix}"
-        if "all_to_all_single" in coll and label.startswith("ep") and fraction_key not in entries:
+        if ("all_to_all_single" in coll and label.startswith("ep") and fraction_key not in entries
+                and math.isfinite(link)):
             a2a = coll["all_to_all_single"]
             entries[fraction_key] = dict(
                 value=round(a2a["fraction_of_link"], 5), unit="fraction",
@@ -465,8 +469,10 @@ def report(args: argparse.Namespace, ranks: list[dict]) -> dict:
         entries[f"multigpu.session_move_gbps{suffix}"] = dict(
             value=round(gbps, 2), unit="GB/s",
             note=f"{args.session_len}-token session, {size(move['bytes'])} (index first, then K/V), "
-            f"rank 0 → 1 by send/recv in {moved['receive_s'] * 1e3:.1f} ms; the link {link:.1f} GB/s "
-            f"({gbps / link:.2f} of it); next token on rank 1 {direct * 1e3:.1f} ms after the move began; "
+            f"rank 0 → 1 by send/recv in {moved['receive_s'] * 1e3:.1f} ms; "
+            + (f"the link {link:.1f} GB/s ({gbps / link:.2f} of it)" if math.isfinite(link)
+               else "the link not measured in this run (--parts without sweep)")
+            + f"; next token on rank 1 {direct * 1e3:.1f} ms after the move began; "
             f"its token equals rank 0's: {equal}")
         entries[f"multigpu.session_move_vs_host_staged{suffix}"] = dict(
             value=round(staged / direct, 3), unit="x (host-staged time to token / direct)",
@@ -514,6 +520,9 @@ def main() -> None:
     parser.add_argument("--sweep-mib", type=float, nargs="+", default=None)
     parser.add_argument("--sweep-iters", type=int, default=None)
     parser.add_argument("--timeout", type=float, default=600.0, help="collectives' timeout, seconds")
+    parser.add_argument("--parts", nargs="+", choices=["sweep", "layouts", "move"],
+                        default=["sweep", "layouts", "move"],
+                        help="what to run (e.g. one part per device call when calls are short)")
     parser.add_argument("--no-graphs", dest="graphs", action="store_false",
                         help="no CUDA graphs in any layout (by default TP layouts capture, EP ones cannot)")
     parser.add_argument("--output", default=None)
