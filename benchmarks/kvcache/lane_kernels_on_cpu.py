@@ -5,10 +5,17 @@ kernels and `kernels/dense/gpu.py`'s dense ops) under the Triton interpreter, th
 the GPU test's prompts, requests and lane settings. Equal tokens in fp32 and different ones in bf16
 point at summation order, not at the lane reading the wrong pages.
 
-Slow (the interpreter runs every kernel in Python): about 3 min for 12 tokens, 7 min for 40, per dtype.
+`--sequential` runs the requests one after the other in both engines (each collected before the
+next is added), so the pool never batches one request's decode tokens with another's prefill chunk
+(a mixed step, which runs every token through the prefill kernels) or with other decode tokens:
+what is left is the lane against the pool for the same request alone.
+
+Slow (the interpreter runs every kernel in Python): about 3 min for 12 tokens, 7–10 min for 40, per
+dtype.
 
     python benchmarks/kvcache/lane_kernels_on_cpu.py --dtype float32 --tokens 40
     python benchmarks/kvcache/lane_kernels_on_cpu.py --dtype bfloat16 --tokens 40
+    python benchmarks/kvcache/lane_kernels_on_cpu.py --dtype bfloat16 --tokens 40 --sequential
 """
 
 import argparse
@@ -24,7 +31,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT / "tests"), str(ROOT)]
 
 import torch  # noqa: E402
-from engine.engine_helpers import greedy, random_prompt, run_to_completion  # noqa: E402
+from engine.engine_helpers import collect, greedy, random_prompt, run_to_completion  # noqa: E402
 from parallel.m3_tiny import random_m3  # noqa: E402
 
 import msaserve.kernels.backends.msa as msa_backend  # noqa: E402
@@ -48,6 +55,8 @@ def main() -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     parser.add_argument("--tokens", type=int, default=12)
+    parser.add_argument("--sequential", action="store_true",
+                        help="requests one after the other in both engines (no mixed or batched steps)")
     parser.add_argument("--output", default=None, help="JSON path (default: print only)")
     args = parser.parse_args()
     msa_backend.resolve = gpu_ops  # the engine resolves the "msa" backend's ops through this
@@ -61,8 +70,14 @@ def main() -> int:
         engine = LLMEngine(config, model=model)
         if engine.runner.ops.indexer_decode.__module__ != "msaserve.kernels.indexer_decode.triton":
             raise SystemExit("the engine did not take the GPU backend's ops")
-        out = run_to_completion(engine, [GenerateRequest(f"r{i}", p, greedy(args.tokens))
-                                         for i, p in enumerate(prompts)])
+        requests = [GenerateRequest(f"r{i}", p, greedy(args.tokens)) for i, p in enumerate(prompts)]
+        if args.sequential:
+            out: dict[str, list[int]] = {}
+            for request in requests:
+                engine.add_request(request)
+                collect(engine, out)
+        else:
+            out = run_to_completion(engine, requests)
         if lane and engine.resident.stats.moved_in != 3:
             raise SystemExit(f"{engine.resident.stats.moved_in} of 3 requests moved to the lane")
         return out
@@ -71,16 +86,18 @@ def main() -> int:
     want, got = run(lane=False), run(lane=True)
     first = {r: next((i for i, (a, b) in enumerate(zip(got[r], want[r], strict=True)) if a != b), None)
              for r in want}
-    result = dict(dtype=args.dtype, tokens=args.tokens, equal=got == want, first_differing_token=first,
+    result = dict(dtype=args.dtype, tokens=args.tokens, sequential=args.sequential, equal=got == want,
+                  first_differing_token=first,
                   pool=want, lane=got, seconds=round(time.perf_counter() - start, 1),
                   command="python benchmarks/kvcache/lane_kernels_on_cpu.py " + " ".join(sys.argv[1:]),
                   date=datetime.now(UTC).isoformat(timespec="seconds"))
-    print(f"{args.dtype}, {args.tokens} tokens per request: lane tokens equal to the pool's: "
+    order = ", one after the other" if args.sequential else ""
+    print(f"{args.dtype}, {args.tokens} tokens per request{order}: lane tokens equal to the pool's: "
           f"{result['equal']}; first differing token per request: {first} ({result['seconds']} s)")
     if args.output:
         path = Path(args.output)
         runs = json.loads(path.read_text()) if path.exists() else {}
-        runs[f"{args.dtype}_{args.tokens}"] = result
+        runs[f"{args.dtype}_{args.tokens}{'_sequential' if args.sequential else ''}"] = result
         path.write_text(json.dumps(runs, indent=1) + "\n")
     return 0
 
