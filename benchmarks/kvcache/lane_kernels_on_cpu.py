@@ -21,6 +21,7 @@ dtype.
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from datetime import UTC, datetime
@@ -90,7 +91,10 @@ def main() -> int:
                   first_differing_token=first,
                   pool=want, lane=got, seconds=round(time.perf_counter() - start, 1),
                   command="python benchmarks/kvcache/lane_kernels_on_cpu.py " + " ".join(sys.argv[1:]),
-                  date=datetime.now(UTC).isoformat(timespec="seconds"))
+                  date=datetime.now(UTC).isoformat(timespec="seconds"),
+                  git_revision=os.environ.get("MSASERVE_GIT_REVISION") or subprocess.run(
+                      ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                      text=True).stdout.strip())
     order = ", one after the other" if args.sequential else ""
     print(f"{args.dtype}, {args.tokens} tokens per request{order}: lane tokens equal to the pool's: "
           f"{result['equal']}; first differing token per request: {first} ({result['seconds']} s)")
