@@ -147,7 +147,7 @@ KeyGroups = PageKeyGroups | SingleKeyGroups
 
 def index_key(model_key: str, page_hash: int) -> str:
     """Key of one page's index-K in every layer (the index is loaded whole, before any KV)."""
-    return f"{index_namespace(model_key)}/{page_hash:016x}"
+    return INDEX_GROUPS.join((index_namespace(model_key), page_hash), 0)
 
 
 def index_namespace(model_key: str) -> str:

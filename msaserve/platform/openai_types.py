@@ -274,27 +274,19 @@ class Completion(_Response):
     usage: Usage | None = None
 
 
-class CompletionChunkChoice(_Response):
+class CompletionChunkChoice(CompletionChoice):
     """A choice in one streamed chunk of /v1/completions. Chunks are sent without their None
     fields, so `finish_reason` is absent until the choice's last chunk: optional here, where a whole
     `CompletionChoice` always has it (null or not)."""
 
-    index: int = 0
-    text: str
     finish_reason: str | None = None
-    logprobs: CompletionLogprobs | None = None
 
 
-class CompletionChunk(_Response):
+class CompletionChunk(Completion):
     """One `data:` event of a /v1/completions stream, in the `Completion` shape: the choice's new
     text, or, last with `stream_options.include_usage`, no choices and the usage."""
 
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: list[CompletionChunkChoice]
-    usage: Usage | None = None
 
 
 class ModelCard(_Response):

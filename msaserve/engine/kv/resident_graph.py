@@ -163,12 +163,14 @@ class SparseDecodeGraph:
                            f"{len(session.caches) + 2} runs of the step")
 
     def _follow(self, session: ResidentSession) -> None:
-        """The session object holds another session (counters start again), or the tensors the
-        graph reads moved (captured again after the warm-up)."""
-        if session.generation != self._generation:
-            self._generation = session.generation
-            self.host_steps = self.reruns = 0
-            self._replays_before = self.captured.replays
+        """The session object holds another session (counters start again), and if the tensors the
+        graph reads moved with it, the graph is captured again after the warm-up. (They are set only
+        where a session starts, `adopt` / `offload`, so a step of the same session checks nothing.)"""
+        if session.generation == self._generation:
+            return
+        self._generation = session.generation
+        self.host_steps = self.reruns = 0
+        self._replays_before = self.captured.replays
         inputs = session.graph_inputs()
         if inputs != self._inputs:
             self._inputs = inputs
