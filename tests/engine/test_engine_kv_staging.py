@@ -75,3 +75,15 @@ def test_pinned_staging_chunks_cover_every_payload_in_order():
     big = [rng.integers(0, 256, 5000, dtype=np.uint8) for _ in range(3)]  # a row above the buffer size
     np.testing.assert_array_equal(torch.cat([c.clone() for _, c in staging.upload(big, 5000)]).numpy(),
                                   np.stack(big))
+
+
+def test_a_bare_cuda_device_names_the_current_one_so_both_spellings_compare_equal(monkeypatch):
+    """A session built with device "cuda" and one given its tensors' `cuda:0` are the same device
+    (`ResidentSession.mismatch` compares them this way: on an H100 the GPU test's adoption into an
+    ended session was refused with device=cuda:0 against cuda before this)."""
+    from msaserve.engine.kv.staging import indexed_device
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert indexed_device("cuda") == torch.device("cuda", 1) == indexed_device(torch.device("cuda:1"))
+    assert indexed_device("cuda") != indexed_device("cuda:0")
+    assert indexed_device("cpu") == torch.device("cpu")

@@ -37,6 +37,7 @@ import torch
 from msaserve.engine.kv.adoption import LazyPageFetcher
 from msaserve.engine.kv.device_working_set import DeviceWorkingSet
 from msaserve.engine.kv.host_tier import HostKV, PageLostInService, ServiceSource
+from msaserve.engine.kv.staging import indexed_device
 from msaserve.kernels import AttentionOps
 from msaserve.kernels.checksum import verify_pages
 from msaserve.kernels.page_gather import gather_head_pages, gather_pages, host_view
@@ -252,10 +253,10 @@ class ResidentSession:
         host tier (a captured step reads it through its address) or none given."""
         dense = tuple(sorted(set(config_dense_layers(config) if dense_layers is None else dense_layers)))
         theirs = dict(config=config, max_pages=max_pages, budget_pages=budget_pages,
-                      device=torch.device(device), dtype=dtype, index_dtype=index_dtype or dtype,
+                      device=indexed_device(device), dtype=dtype, index_dtype=index_dtype or dtype,
                       per_head=per_head, dense_layers=dense)
         ours = dict(config=self.config, max_pages=self.max_pages, budget_pages=self.budget_pages,
-                    device=self.device, dtype=self.pools[0].dtype,
+                    device=indexed_device(self.device), dtype=self.pools[0].dtype,
                     index_dtype=self.caches[0].index_cache.dtype, per_head=self.per_head,
                     dense_layers=self.dense_layers)
         for name, value in theirs.items():

@@ -126,11 +126,19 @@ RING_BUFFERS = 4
 _rings: dict[str, UploadRing] = {}
 
 
+def indexed_device(device: torch.device | str) -> torch.device:
+    """`device` with its index: a bare "cuda" names the current CUDA device, as a tensor's
+    `.device` does (so devices given either way compare equal)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
 def ring_for(device: torch.device) -> UploadRing:
     """The process's upload ring for `device` (RING_BUFFERS × CHUNK_BYTES of host memory, pinned
     on CUDA, allocated on first use)."""
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    device = indexed_device(device)
     with _staging_lock:
         key = str(device)
         if key not in _rings:
@@ -143,7 +151,7 @@ _staging_lock = threading.Lock()
 
 
 def staging_for(device: torch.device) -> PinnedStaging:
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = indexed_device(device).index
     with _staging_lock:
         if index not in _staging:
             _staging[index] = PinnedStaging(torch.device("cuda", index))
