@@ -275,12 +275,12 @@ def test_adoption_from_arena_pages_copied_directly_decodes_identical_tokens(mode
     assert covered == PROMPT_LEN
     arenas = [shard.stores["index"].memory.arena for shard in client.shards]
     assert all(a.stats.slots_in_use > 0 and a.stats.retired_slots == 0 for a in arenas)
-    # The index leases' releases were started after the K/V lease was asked for; the session waits
-    # for them at its second step (`release_ended_leases`), here by hand. The K/V lease is held
-    # while the session reads its pages in place.
-    session.host.release_ended_leases()
-    assert all(shard.open_lease_stores() == ["kv"] for shard in client.shards)
+    # The index leases stay open through the first token: the session's second step starts their
+    # releases (`release_ended_leases`) and its third waits for them. The K/V lease is held while
+    # the session reads its pages in place.
+    assert all("index" in shard.open_lease_stores() for shard in client.shards)
     assert decode(model, session, want[0], PROMPT_LEN, STEPS, prefetch_items=8) == want
+    assert all(shard.open_lease_stores() == ["kv"] for shard in client.shards)
     assert session.host.service_reads == 0
     # A reused host tier ends it; the shards hear of it from the next session's second step on (off
     # its first token; the release started at one step is waited for at the next), here by hand.
@@ -531,7 +531,8 @@ def adopt_leased(model, resident, client, per_head: bool = True) -> ResidentSess
 
 def test_an_adoption_asks_for_its_kv_lease_before_it_releases_the_index_leases(model, resident):
     """Each shard answers in order: the adoption's K/V lease reaches every shard before the index
-    leases' releases, which end after the first token (`release_later`); every index lease ends."""
+    leases' releases, which start only after the first token (at the session's second step,
+    `release_ended_leases`); every index lease ends."""
     client = leased_client(model, resident)
     calls: list[tuple[int, str]] = []
     submit = client.transport.submit
@@ -542,11 +543,13 @@ def test_an_adoption_asks_for_its_kv_lease_before_it_releases_the_index_leases(m
 
     client.transport.submit = recording
     session = adopt_leased(model, resident, client)
+    assert all(method != "release_lease" for _, method in calls), calls  # none before the first token
+    session.host.release_ended_leases()  # (the second step's call) starts the index releases
     for s in range(len(client.shards)):
         mine = [method for i, method in calls if i == s]
         assert "lease_index" in mine and "lease_kv" in mine and "release_lease" in mine, mine
         assert mine.index("lease_kv") < mine.index("release_lease"), mine
-    session.host.release_ended_leases()  # waits for the index releases
+    session.host.release_ended_leases()  # (the third step's) waits for them
     assert all(shard.open_lease_stores() == ["kv"] for shard in client.shards)
 
 

@@ -107,6 +107,8 @@ class HostKV:
         """Leases of earlier sessions not yet released to the shards (`release_ended_leases`)."""
         self._releasing: list[Callable[[], None]] = []
         """Waits for the releases `release_ended_leases` started and has not waited for yet."""
+        self._deferred: list[Callable[[], Callable[[], None]]] = []
+        """Releases another reader handed over to start later (`start_releases(later=True)`)."""
         self._lease_position = np.full((num_layers, max_pages), -1, dtype=np.int64)
         self._renewed = 0.0
         self.reset_phases: dict[str, float] = {}
@@ -235,13 +237,20 @@ class HostKV:
             done()
         while self._ended_leases:
             self._releasing.append(self._ended_leases.pop().release_async())
+        deferred, self._deferred = self._deferred, []
+        self._releasing.extend(start() for start in deferred)
         if wait:
             self.release_ended_leases()
 
-    def start_releases(self, starts: Sequence[Callable[[], Callable[[], None]]]) -> None:
+    def start_releases(self, starts: Sequence[Callable[[], Callable[[], None]]], later: bool = False) -> None:
         """Start releases another reader deferred (an adoption's index leases: `load_index_leased`'s
-        release_later); they are waited for with this tier's own, at `release_ended_leases`."""
-        self._releasing.extend(start() for start in starts)
+        release_later), or with `later` at the next `release_ended_leases` (an adopted session's
+        second step: the shards' threads then release while the device computes it, not while the
+        adoption attaches its K/V lease); they are waited for with this tier's own."""
+        if later:
+            self._deferred.extend(starts)
+        else:
+            self._releasing.extend(start() for start in starts)
 
     def leased_item(self, layer: int, page: int) -> int:
         """The lease's item of (layer, page), -1 if not leased."""

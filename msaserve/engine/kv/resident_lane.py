@@ -315,6 +315,7 @@ class SparseResidentLane:
             if member.session.device.type == "cuda":
                 torch.cuda.synchronize(member.session.device)  # no kernel reads the leased pages any more
             host.release_lease()
+        host.release_ended_leases()  # an adoption's index leases, if it ended before its second step
         stats = member.session.stats
         self.stats.replays += 0 if member.graph is None else member.graph.replays
         self.stats.pages_fetched += stats.pages_fetched

@@ -393,6 +393,7 @@ class ResidentSession:
                                   dense_layers=session.dense_layers)
         fetcher.release_later = []  # the index leases end after the K/V lease is asked for
         fetch = None
+        ok = False
         try:
             covered = fetcher.load_index()
             # A layer that attends densely reads every page from its first step: all of its stored
@@ -411,10 +412,15 @@ class ResidentSession:
             # for it after each of its GPU calls (on the H200 the load took 125-150 ms instead of 65).
             if lease_kv and session._host_src is not None:
                 fetch = host.request_lease(record.page_hashes[: source.readable])
+            ok = covered == record.num_stored_tokens  # (a missing or corrupt page: reported now)
         finally:
-            # Each shard answers in order: the K/V lease first, then the index releases (waited for
-            # at the session's second step, `release_ended_leases`), off the first token's path.
-            host.start_releases(fetcher.release_later)
+            # The index leases end at the session's second step (`release_ended_leases` starts their
+            # releases, the third waits for them), off the first token's path: started here, the
+            # shards' threads released them while this thread attached the K/V lease, and the lease
+            # phase grew by what the index phase lost (H100, 872b531: 27-32 against 13-17 ms at
+            # a721afc). An adoption that failed, or stopped at a missing or corrupt index page (which
+            # the release reports to its shard), releases them now.
+            host.start_releases(fetcher.release_later, later=ok)
         if fetch is not None:
             host.attach_lease(fetch, source.readable, cuda=session.device.type == "cuda")
         session._use_lease()
@@ -466,6 +472,7 @@ class ResidentSession:
         if self.device.type == "cuda":
             torch.cuda.synchronize()  # no kernel reads the leased pages any more
         self.host.release_lease(corrupt=[i for i in items if i >= 0])
+        self.host.release_ended_leases(wait=True)  # the session ends here: its index leases too
         self._failures = None
         session = self.host.source.session_id if self.host.source is not None else "?"
         raise PageLostInService(f"session {session!r}: leased K/V (page, layer) {lost} failed the checksum "
