@@ -21,8 +21,8 @@ answer later groups while the first is copied):
     scattered;
 - the first missing or bad page ends the load there (the caller recomputes from its tokens) and is
   reported to its shard as corrupt.
-The leases end after every check and copy that reads the leased bytes has completed (an adoption
-starts their releases after asking for its K/V lease: `release_later`).
+The leases end after every check and copy that reads the leased bytes has completed (a
+sparse-resident adoption starts their releases at its session's second step: `release_later`).
 """
 
 import contextlib

@@ -391,7 +391,7 @@ class ResidentSession:
         fetcher = LazyPageFetcher(client, record, session.caches, list(range(max_pages)),
                                   kv_block_table=[p % ring for p in range(max_pages)],
                                   dense_layers=session.dense_layers)
-        fetcher.release_later = []  # the index leases end after the K/V lease is asked for
+        fetcher.release_later = []  # the index leases end after the first token (below)
         fetch = None
         ok = False
         try:
