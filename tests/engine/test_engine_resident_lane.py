@@ -361,6 +361,28 @@ def test_a_stored_session_is_adopted_into_the_lane_or_the_pool(tiny_model, promp
     assert lane.stats.catch_up_steps == (new_tokens if where == "lane" else 0)
 
 
+def test_a_lane_session_ending_at_its_first_step_releases_its_index_leases(tiny_model, prompts):
+    """An adopted session's index leases are released from its second step on (off its first token);
+    one that ends at its first step (here aborted) starts their releases when the lane lets it go."""
+    client, turn = stored_session(tiny_model, prompts[1], 8)
+    calls: list[str] = []
+    submit = client.transport.submit
+
+    def recording(shard, method, *args):
+        calls.append(method)
+        return submit(shard, method, *args)
+
+    client.transport.submit = recording
+    engine = LLMEngine(EngineConfig(model="tiny", num_pages=128, max_num_batched_tokens=64, **LANE),
+                       model=tiny_model, kv_client=client)
+    engine.add_request(GenerateRequest("t2", [*prompts[1], *turn, *random_prompt(20, seed=98)],
+                                       greedy(MAX_TOKENS), session_id="s"))
+    assert engine.resident.stats.adopted == 1 and "lease_index" in calls
+    assert engine.step() == [] and "release_lease" not in calls  # the first step: leases held
+    engine.abort("t2")
+    assert calls.count("release_lease") == calls.count("lease_index"), calls
+
+
 def test_a_lane_session_whose_pages_the_service_lost_is_recomputed(tiny_model, prompts):
     prompt = prompts[2]
     client, turn = stored_session(tiny_model, prompt, 4)
