@@ -453,6 +453,7 @@ def adopt_and_decode(
         record_s=record_s,
         host_synced_layer_steps=session.stats.host_steps,
         phases=dict(session.adopt_phases),
+        lease_phases=dict(session.lease_phases),
         eager_steps=stepper.host_steps if graphed else n,
         replays=stepper.replays if graphed else 0,
         reruns=stepper.reruns if graphed else 0,
@@ -465,6 +466,8 @@ def adopt_and_decode(
     phases = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}" for k, v in session.adopt_phases.items())
     phases += " (host_reset: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}"
                                            for k, v in session.host.reset_phases.items()) + ")"
+    phases += " (lease: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}"
+                                      for k, v in session.lease_phases.items()) + ")"
     how = f"{result['leased_items']} (page, layer) leased in place" if lease_kv else "read"
     log(
         f"adopted ({how}"

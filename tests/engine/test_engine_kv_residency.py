@@ -565,6 +565,9 @@ def test_an_adopted_session_reads_its_leased_kv_in_place_with_no_fill(model, res
     host, stored = session.host, PROMPT_LEN // model.config.page_size
     assert host.leased[:, :stored].all() and not host.leased[:, stored:].any()
     assert not session.synced_steps and session.adopt_phases["lease_s"] >= 0
+    parts = session.lease_phases  # the lease phase in parts, which add up to it
+    assert set(parts) == {"request_s", "wait_s", "attach_s", "tables_s", "rest_s"}
+    assert sum(parts.values()) == pytest.approx(session.adopt_phases["lease_s"], abs=1e-6)
     stepper = SparseDecodeGraph(session, model, get_ops("msa", "cpu"))
     got = [want[0]]
     for step in range(STEPS):

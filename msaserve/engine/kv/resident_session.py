@@ -236,7 +236,11 @@ class ResidentSession:
         self._host_complete = False
         self.adopt_phases: dict[str, float] = {}
         """Seconds of `adopt`'s phases (host_reset_s, allocate_s, index_s: the whole index and a stored
-        tail's K/V), measured on the host: device work still queued is not in them."""
+        tail's K/V, lease_s), measured on the host: device work still queued is not in them."""
+        self.lease_phases: dict[str, float] = {}
+        """`adopt_phases["lease_s"]` in parts: request_s (asked of the shards, the index releases
+        handed over), wait_s (for their answers), attach_s (`HostKV.attach_lease`), tables_s (the
+        device's lease tables), rest_s (the write page entered)."""
         self._presence_final = False
         self.speculating = False
         """Set by `SparseDecodeGraph` around its step body (see `can_speculate`)."""
@@ -421,12 +425,21 @@ class ResidentSession:
             # a721afc). An adoption that failed, or stopped at a missing or corrupt index page (which
             # the release reports to its shard), releases them now.
             host.start_releases(fetcher.release_later, later=ok)
+        t4 = time.perf_counter()
+        if fetch is not None:
+            fetch.result()  # (the shards' answers; `attach_lease` takes the same merged lease)
+        t5 = time.perf_counter()
         if fetch is not None:
             host.attach_lease(fetch, source.readable, cuda=session.device.type == "cuda")
+        t6 = time.perf_counter()
         session._use_lease()
+        t7 = time.perf_counter()
         session._enter_page(covered // c.page_size, load=False)  # a loaded tail is already in its slot
+        t8 = time.perf_counter()
         session.adopt_phases = dict(host_reset_s=t1 - t0, allocate_s=t2 - t1, index_s=t3 - t2,
-                                    lease_s=time.perf_counter() - t3)
+                                    lease_s=t8 - t3)
+        session.lease_phases = dict(request_s=t4 - t3, wait_s=t5 - t4, attach_s=t6 - t5, tables_s=t7 - t6,
+                                    rest_s=t8 - t7)
         return session, covered
 
     def _use_lease(self) -> None:
