@@ -378,6 +378,11 @@ def run(args: argparse.Namespace) -> dict:
     return results
 
 
+def in_ms(parts: dict[str, float]) -> str:
+    """Phases in seconds (`name_s`) → "name 1.2, other 3.4" in milliseconds."""
+    return ", ".join(f"{name.removesuffix('_s')} {seconds * 1e3:.1f}" for name, seconds in parts.items())
+
+
 def median_run(runs: list[dict]) -> dict:
     """Several adoptions → the one of median first token, with every run's first token and the
     median of their TPOT medians."""
@@ -463,11 +468,8 @@ def adopt_and_decode(
         into=bool(into),
         first_step_replayed=first_replayed,
     )
-    phases = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}" for k, v in session.adopt_phases.items())
-    phases += " (host_reset: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}"
-                                           for k, v in session.host.reset_phases.items()) + ")"
-    phases += " (lease: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}"
-                                      for k, v in session.lease_phases.items()) + ")"
+    phases = (f"{in_ms(session.adopt_phases)} (host_reset: {in_ms(session.host.reset_phases)}) "
+              f"(lease: {in_ms(session.lease_phases)})")
     how = f"{result['leased_items']} (page, layer) leased in place" if lease_kv else "read"
     log(
         f"adopted ({how}"
@@ -577,9 +579,8 @@ def report(args: argparse.Namespace, r: dict) -> None:
             note=f"re-prefill (MSA, chunk {args.chunk}) {r['reprefill_s']:.3f} s / the median first token "
             f"of {a['runs']} sparse-resident adoptions decoding through SparseDecodeGraph "
             f"({a['ttft'] * 1e3:.1f} ms; each: {ttfts} ms; the median one's phases: record "
-            f"{a['record_s'] * 1e3:.1f}, " + ", ".join(
-                f"{k.removesuffix('_s')} {v * 1e3:.1f}" for k, v in a["phases"].items())
-            + f" ms, first step {a['first_step'] * 1e3:.1f} ms; in-process shards, host clock)")
+            f"{a['record_s'] * 1e3:.1f}, {in_ms(a['phases'])} ms, first step {a['first_step'] * 1e3:.1f} ms; "
+            f"in-process shards, host clock)")
         entries["kvcache.sparse_adopt_time_to_token_s"] = dict(
             value=round(a["ttft"], 4), unit="s",
             note=f"median of {a['runs']} graphed adoptions (each: {ttfts} ms)")
@@ -607,9 +608,8 @@ def report(args: argparse.Namespace, r: dict) -> None:
             value=round(r["reprefill_s"] / warm["ttft"], 2), unit="x",
             note=f"as kvcache.adopt_vs_reprefill, {how}: re-prefill {r['reprefill_s']:.3f} s / the median "
             f"first token ({warm['ttft'] * 1e3:.1f} ms; each: {ttfts} ms; the median one's phases: record "
-            f"{warm['record_s'] * 1e3:.1f}, " + ", ".join(
-                f"{k.removesuffix('_s')} {v * 1e3:.1f}" for k, v in warm["phases"].items())
-            + f" ms, first step {warm['first_step'] * 1e3:.1f} ms); tokens equal: {warm['match']}")
+            f"{warm['record_s'] * 1e3:.1f}, {in_ms(warm['phases'])} ms, first step "
+            f"{warm['first_step'] * 1e3:.1f} ms); tokens equal: {warm['match']}")
         entries["kvcache.lazy_tpot_penalty_warm"] = dict(
             value=round(warm["tpot_mean"] / graph_base, 3),
             unit="x resident TPOT (both CUDA graphs; mean over the first tokens)",
@@ -695,8 +695,7 @@ def report(args: argparse.Namespace, r: dict) -> None:
         print("(adopted rows: mean TPOT over the first tokens; the log lines above give median, "
               "slowest and second token)")
     for how, a in r["adoption"].items():
-        phases = ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.1f}" for k, v in a["phases"].items())
-        print(f"adoption phases ({how}), ms: record {a['record_s'] * 1e3:.1f}, {phases}, "
+        print(f"adoption phases ({how}), ms: record {a['record_s'] * 1e3:.1f}, {in_ms(a['phases'])}, "
               f"first step {a['first_step'] * 1e3:.1f}; first token {a['ttft'] * 1e3:.1f}")
     print(
         f"re-prefill {r['reprefill_s']:.3f} s; "

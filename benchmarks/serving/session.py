@@ -100,8 +100,8 @@ def _session(args: argparse.Namespace, sizes: Sizes, backend: str, length: int, 
         result["rounds"] = {}
         if args.session_rounds:
             # The rounds' runs take the prompt from the prefix cache and recompute its last token alone,
-            # whose K/V then differ from the chunked prefill's in the last bits (bf16): their reference is
-            # a decode_steps=1 run through the cache too (an H100 run compared with the first run instead
+            # whose bf16 K/V need not be the bits the chunked prefill wrote: their reference is a
+            # decode_steps=1 run through the cache too (an H100 run compared with the first run instead
             # and stopped at a difference in the 15th token, 6e421dd).
             engine.config.decode_steps = 1
             cached = run_one_session(engine, length, decode, args.device)

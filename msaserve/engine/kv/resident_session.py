@@ -159,7 +159,7 @@ class ResidentSession:
         layers; None: the config's, `config_dense_layers`): they read every page, so they keep all of
         their K/V on the device at its logical page (their K/V are written at `slot_mapping`,
         `AttentionMetadata.kv_slot_mapping`), and only the other layers decode from a working set."""
-        self.config, self.max_pages, self.device, self.host = config, max_pages, torch.device(device), host
+        self.config, self.max_pages, self.device, self.host = config, max_pages, indexed_device(device), host
         self.ring = max(2, config.n_local + 1)
         least = least_budget_pages(config)
         if budget_pages < least or budget_pages > max_pages:
@@ -260,7 +260,7 @@ class ResidentSession:
                       device=indexed_device(device), dtype=dtype, index_dtype=index_dtype or dtype,
                       per_head=per_head, dense_layers=dense)
         ours = dict(config=self.config, max_pages=self.max_pages, budget_pages=self.budget_pages,
-                    device=indexed_device(self.device), dtype=self.pools[0].dtype,
+                    device=self.device, dtype=self.pools[0].dtype,
                     index_dtype=self.caches[0].index_cache.dtype, per_head=self.per_head,
                     dense_layers=self.dense_layers)
         for name, value in theirs.items():
@@ -425,11 +425,10 @@ class ResidentSession:
             # a721afc). An adoption that failed, or stopped at a missing or corrupt index page (which
             # the release reports to its shard), releases them now.
             host.start_releases(fetcher.release_later, later=ok)
-        t4 = time.perf_counter()
+        t4 = t5 = time.perf_counter()
         if fetch is not None:
             fetch.result()  # (the shards' answers; `attach_lease` takes the same merged lease)
-        t5 = time.perf_counter()
-        if fetch is not None:
+            t5 = time.perf_counter()
             host.attach_lease(fetch, source.readable, cuda=session.device.type == "cuda")
         t6 = time.perf_counter()
         session._use_lease()
