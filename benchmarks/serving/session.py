@@ -39,7 +39,8 @@ def _prompt(engine: LLMEngine, length: int, seed: int) -> list[int]:
 def run_one_session(engine: LLMEngine, length: int, decode: int, device: str, seed: int = 0
                     ) -> dict[str, float]:
     """Prefill `length` random tokens, decode `decode` → prefill_s, tpot_ms, hbm_gib, session_kv_gib,
-    tokens (the greedy tokens)."""
+    tokens (the greedy tokens), max_tokens_per_step (the most tokens one `engine.step()` gave: 1
+    where each token streams as its step ends)."""
     prompt = _prompt(engine, length, seed)
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -50,12 +51,14 @@ def run_one_session(engine: LLMEngine, length: int, decode: int, device: str, se
     first = last = None
     pages = 0
     tokens: list[int] = []
+    burst = 0
     while engine.has_unfinished():
         for output in engine.step():
             now = time.perf_counter()  # the step synchronised when it read the sampled token
             first = first or now
             last = now
             tokens += output.token_ids
+            burst = max(burst, len(output.token_ids))
             if output.finished:
                 pages = output.stats.num_pages
     hbm = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")
@@ -63,6 +66,7 @@ def run_one_session(engine: LLMEngine, length: int, decode: int, device: str, se
     return {
         "prefill_s": first - start, "tpot_ms": 1000 * (last - first) / max(1, decode - 1),
         "hbm_gib": hbm, "session_kv_gib": pages * per_page / 2**30, "tokens": tokens,
+        "max_tokens_per_step": burst,
     }
 
 
@@ -113,10 +117,12 @@ def _session(args: argparse.Namespace, sizes: Sizes, backend: str, length: int, 
             engine.config.decode_steps = steps
             again = run_one_session(engine, length, decode, args.device)
             result["rounds"][steps] = again["tpot_ms"]
+            result["round_burst"] = again["max_tokens_per_step"]
             differs = first_difference(again["tokens"], cached["tokens"])
             print(f"session {backend} {length}: decode_steps={steps}: TPOT {again['tpot_ms']:.3f} ms "
                   f"(decode_steps=1: {result['tpot_ms']:.3f} ms, from the cache {cached['tpot_ms']:.3f} ms), "
-                  f"tokens equal to decode_steps=1's from the cache {differs is None}", flush=True)
+                  f"tokens equal to decode_steps=1's from the cache {differs is None}, at most "
+                  f"{again['max_tokens_per_step']} token(s) per engine step", flush=True)
             if differs is not None:
                 raise AssertionError(f"session {backend}: decode_steps={steps} gave other greedy tokens than "
                                      f"decode_steps=1 (both from the prefix cache) from token {differs}: "
@@ -162,8 +168,10 @@ def part_session(args: argparse.Namespace, sizes: Sizes, report: Report) -> None
     for steps in sorted(set(msa["rounds"]) & set(dense["rounds"])):
         report.add(f"session_{t}_msa_tpot_ms_steps{steps}", msa["rounds"][steps], "ms",
                    note=f"the same session decoded again (its prompt from the prefix cache) with "
-                        f"EngineConfig.decode_steps={steps}: {steps} greedy steps per host sync, tokens in "
-                        f"bursts of {steps}; MSA backend, decode in a CUDA graph; greedy tokens equal to "
+                        f"EngineConfig.decode_steps={steps}: {steps} greedy steps queued on the device per "
+                        f"scheduling round, each token streamed as its step ends (at most "
+                        f"{msa['round_burst']} token(s) per engine step); MSA backend, decode in a CUDA "
+                        f"graph; greedy tokens equal to "
                         f"decode_steps=1's through the cache (against the first run's: first difference at "
                         f"{msa['cached_first_difference']}, the last prompt token recomputed alone)")
         report.add(f"session_{t}_dense_tpot_ms_steps{steps}", dense["rounds"][steps], "ms",
@@ -198,8 +206,8 @@ def _byte_ceiling(args: argparse.Namespace, report: Report, length: int, msa: di
               f"copy bandwidth {tbps:.2f} TB/s; floors MSA {floors['msa']['floor_ms']:.3f} ms / dense "
               f"{floors['dense']['floor_ms']:.3f} ms; TPOT MSA {msa['tpot_ms']:.3f} / dense "
               f"{dense['tpot_ms']:.3f} ms (whole engine step: forward, logits, sampling, host work)"
-              + (f"; EngineConfig.decode_steps={steps} on both: {steps} greedy steps per host sync, "
-                 f"tokens streamed in bursts of {steps}" if steps > 1 else
+              + (f"; EngineConfig.decode_steps={steps} on both: {steps} greedy steps queued per "
+                 f"scheduling round, each token streamed as its step ends" if steps > 1 else
                  "; decode_steps=1: one host sync per token, each token streamed as it is sampled"))
     suffix = f"_steps{steps}" if steps > 1 else ""
     report.add(f"session_decode_fraction_of_byte_ceiling{suffix}", speedup / ceiling, "fraction",

@@ -52,10 +52,10 @@ class EngineConfig:
     """Capture decode steps as CUDA graphs per batch size (GPU only; ignored on CPU)."""
     decode_steps: int = engine_default("decode_steps")
     """Decode steps per scheduling round (1–64). Above 1, a decode-only batch of greedy requests
-    runs up to this many steps back to back on the device, each step's tokens fed to the next
-    there, with one host synchronisation per round: the host's per-step work (scheduling, step
-    inputs, outputs) is paid once per round. Tokens are the same; they stream in bursts, and a
-    request arriving meanwhile waits for the round to end."""
+    has up to this many steps queued on the device at once, each step's tokens fed to the next
+    there: scheduling and step inputs are paid once per round, and each step's tokens are handed
+    out (streamed) as the device produces them, while it runs the next steps. Tokens are the same;
+    a request arriving meanwhile waits for the round to end."""
     sparse_residency_sessions: int = engine_default("sparse_residency_sessions")
     """Long decoding requests moved off the page pool at once, each decoding with its index and a
     working set of its K/V on the device (`engine/kv/resident_lane.py`); 0: off."""

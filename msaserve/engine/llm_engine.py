@@ -3,6 +3,7 @@
 `AsyncEngine` runs it in a background thread; tests and offline benchmarks call `step()`.
 """
 
+import dataclasses
 import logging
 import random
 
@@ -10,6 +11,7 @@ import torch
 
 from msaserve.engine.block_manager import BlockManager
 from msaserve.engine.config import EngineConfig
+from msaserve.engine.decode_round import RoundTokens
 from msaserve.engine.kv.adoption import PageLost
 from msaserve.engine.kv.resident_lane import SparseResidentLane, refusal
 from msaserve.engine.kv.service_swap import ServiceSwapStore
@@ -48,6 +50,16 @@ def load_engine_model(config: EngineConfig) -> tuple[MSATransformer, object]:
         seed=config.seed, **config.model_overrides,
     )
     return loaded.model, loaded.tokenizer
+
+
+@dataclasses.dataclass
+class PendingRound:
+    """A decode round being handed out: its batch, tokens, next step, and rows still decoding."""
+
+    batch: ScheduledBatch
+    tokens: RoundTokens
+    alive: list[int]
+    next_step: int = 0
 
 
 class LLMEngine:
@@ -98,6 +110,9 @@ class LLMEngine:
         self._seeds = random.Random(config.seed)
         self.record_selections = False
         """Tests set this to keep each step's MSA selections in runner.last_selections."""
+        self._round: PendingRound | None = None
+        """The decode round whose tokens the device still produces: `step()` hands out one step of
+        it at a time, and schedules again once it is done."""
         self.sessions: EngineSessions | None = None
         self._grammar_runtime: GrammarRuntime | None = None
         self.resident: SparseResidentLane | None = None
@@ -236,13 +251,18 @@ class LLMEngine:
     # ---- one step ---------------------------------------------------------------------------
     def step(self) -> list[GenerateOutput]:
         """Schedule, run the model, sample; returns one output per sequence that got a token.
-        Requests in the sparse-resident lane decode one token each beside the pool's batch, and the
-        pool's long decoding requests move there while it has room."""
-        batch = self.scheduler.schedule()
-        outputs = self._step_pool(batch) if batch.seqs else []
+        While a decode round runs (`EngineConfig.decode_steps`), a step hands out its next step's
+        tokens instead, as the device produces them. Requests in the sparse-resident lane decode
+        one token each beside the pool's batch, and the pool's long decoding requests move there
+        while it has room (between rounds)."""
+        outputs = self._next_round_step() if self._round is not None else []
+        if self._round is None and not outputs:
+            batch = self.scheduler.schedule()
+            outputs = self._step_pool(batch) if batch.seqs else []
         if self.resident is not None:
             outputs += self._step_resident()
-            self._move_to_resident()
+            if self._round is None:
+                self._move_to_resident()
         return outputs
 
     def _step_pool(self, batch: ScheduledBatch) -> list[GenerateOutput]:
@@ -381,24 +401,38 @@ class LLMEngine:
         return steps
 
     def _decode_round(self, batch: ScheduledBatch, steps: int) -> list[GenerateOutput]:
-        """`steps` decode steps on the device, then each step's tokens processed as a single
-        step's are (computed, committed, appended, stop conditions); tokens a sequence produced
-        after it finished are dropped (its pages, written past its end, are freed with it)."""
-        tokens = self.runner.execute_decode_round(batch, steps)
-        outputs: list[GenerateOutput] = []
+        """Queue `steps` decode steps on the device and hand out the first one's tokens; the next
+        `step()` calls hand out the others as the device produces them (`_next_round_step`)."""
+        self._round = PendingRound(batch, self.runner.execute_decode_round(batch, steps),
+                                   list(range(len(batch))))
+        return self._next_round_step()
+
+    def _next_round_step(self) -> list[GenerateOutput]:
+        """The pending round's next step: its tokens processed as a single step's are (computed,
+        committed, appended, stop conditions), once the device has produced them. Tokens a
+        sequence produced after it finished or was aborted are dropped: the device may still
+        write its later steps' K/V past the sequence's end, into pages freed with it, but every
+        later use of those pages is queued behind the round on the same stream."""
+        pending = self._round
+        step_tokens = pending.tokens.step(pending.next_step)
+        pending.next_step += 1
         timestamp = now()
-        alive = list(range(len(batch)))
-        for step_tokens in tokens:
-            still = []
-            for row in alive:
-                seq = batch.seqs[row]
-                seq.num_computed_tokens += 1  # as Scheduler.postprocess after a single step
-                self.block_manager.commit(seq)
-                output = self._emit(seq, step_tokens[row], None, timestamp)
-                if not output.finished:
-                    still.append(row)
-                outputs.append(output)
-            alive = still
+        outputs: list[GenerateOutput] = []
+        still = []
+        for row in pending.alive:
+            seq = pending.batch.seqs[row]
+            tracker = self.trackers.get(seq.request_id)
+            if tracker is None or tracker.seq is not seq:  # aborted while the round ran
+                continue
+            seq.num_computed_tokens += 1  # as Scheduler.postprocess after a single step
+            self.block_manager.commit(seq)
+            output = self._emit(seq, step_tokens[row], None, timestamp)
+            if not output.finished:
+                still.append(row)
+            outputs.append(output)
+        pending.alive = still
+        if not still or pending.next_step == pending.tokens.steps:
+            self._round = None
         return outputs
 
     # ---- state for the router and metrics ---------------------------------------------------

@@ -9,6 +9,7 @@ import torch
 
 from msaserve.engine.config import EngineConfig
 from msaserve.engine.cuda_graphs import DecodeGraphs
+from msaserve.engine.decode_round import RoundTokens
 from msaserve.engine.kv.resident_lane import lane_budget_pages, resident_session_bytes
 from msaserve.engine.media import release_finished_media, step_input_embeds
 from msaserve.engine.memory import cache_dtypes, plan_num_pages
@@ -79,20 +80,25 @@ class ModelRunner:
         return inputs, self.model.compute_logits(hidden[last_token])
 
     @torch.inference_mode()
-    def execute_decode_round(self, batch: ScheduledBatch, steps: int) -> list[list[int]]:
-        """Run `steps` greedy decode steps of a decode-only batch → tokens [steps][B]. Each step's
-        argmax is the next step's input on the device, and positions, slots and lengths advance
-        there; the host waits once, at the end. The block tables must already hold the pages of
-        all `steps` tokens (`LLMEngine` allocates them)."""
+    def execute_decode_round(self, batch: ScheduledBatch, steps: int) -> RoundTokens:
+        """Queue `steps` greedy decode steps of a decode-only batch → their tokens [steps][B] as the
+        device produces them (`RoundTokens.step(i)` waits for step i only). Each step's argmax is
+        the next step's input on the device, and positions, slots and lengths advance there. The
+        block tables must already hold the pages of all `steps` tokens (`LLMEngine` allocates
+        them)."""
         inputs = build_step_inputs(batch, self.page_size, self.device)
         if not inputs.meta.is_decode or len(inputs.sample_rows) != len(batch):
             raise ValueError("execute_decode_round needs a batch of one new token per sequence")
-        return self.decode_round(inputs.input_ids, inputs.meta, steps)
+        return self.queue_decode_round(inputs.input_ids, inputs.meta, steps)
+
+    def decode_round(self, ids: torch.Tensor, meta: AttentionMetadata, steps: int) -> list[list[int]]:
+        """The round from a decode step's inputs → tokens [steps][B], once all are done: the ranks
+        of a multi-rank replica run it from the driver's step message."""
+        return self.queue_decode_round(ids, meta, steps).all()
 
     @torch.inference_mode()
-    def decode_round(self, ids: torch.Tensor, meta: AttentionMetadata, steps: int) -> list[list[int]]:
-        """The round's loop from a decode step's inputs (ids [B], meta on the device) → tokens
-        [steps][B]; the ranks of a multi-rank replica run it from the driver's step message."""
+    def queue_decode_round(self, ids: torch.Tensor, meta: AttentionMetadata, steps: int) -> RoundTokens:
+        """The round's loop from a decode step's inputs (ids [B], meta on the device)."""
         page_size = self.page_size
         sampled = []
         for step in range(steps):
@@ -105,7 +111,7 @@ class ModelRunner:
             ids = torch.argmax(self.model.compute_logits(hidden), dim=-1)
             sampled.append(ids)
         self.last_selections = None
-        return torch.stack(sampled).tolist()
+        return RoundTokens.record(sampled)
 
     def forward(
         self, input_ids: torch.Tensor, meta: AttentionMetadata, input_embeds: torch.Tensor | None = None,

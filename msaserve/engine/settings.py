@@ -56,8 +56,9 @@ class EngineSettings(BaseModel):
     enable_cuda_graphs: bool = Field(True, description="Capture decode steps as CUDA graphs (CUDA only).")
     decode_steps: int = Field(
         1, ge=1, le=64,
-        description="Decode steps per scheduling round: above 1, a decode-only batch of greedy requests runs "
-        "that many steps on the device with one host sync (tokens stream in bursts of up to this many).",
+        description="Decode steps per scheduling round: above 1, a decode-only batch of greedy requests has "
+        "that many steps queued on the device at once, each token streamed as its step ends (a request "
+        "arriving meanwhile waits for the round's end).",
     )
     sparse_residency_sessions: int = Field(
         0, ge=0, le=1024,

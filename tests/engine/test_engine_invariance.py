@@ -152,6 +152,52 @@ def test_a_stop_token_inside_a_round_ends_the_request_there(tiny_model, prompts,
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
 
 
+def test_a_round_hands_out_one_token_per_request_per_step(tiny_model, prompts, expected):
+    """A decode round streams: each `step()` while it runs gives every request one token (its
+    step's), not the round's tokens in one burst; a request added meanwhile waits for the round's
+    end and then gets its reference tokens too."""
+    engine = make_engine(tiny_model, max_num_batched_tokens=1024, decode_steps=8)
+    rounds = []
+    original = engine.runner.execute_decode_round
+    engine.runner.execute_decode_round = lambda batch, steps: rounds.append(steps) or original(batch, steps)
+    for request in requests(prompts[:2]):
+        engine.add_request(request)
+    outputs: dict[str, list[int]] = {}
+    per_step = []
+    while engine.has_unfinished():
+        step = engine.step()
+        per_step.append({o.request_id: len(o.token_ids) for o in step})
+        for output in step:
+            outputs.setdefault(output.request_id, []).extend(output.token_ids)
+        if len(per_step) == 3:  # inside the first round: joins at its end
+            engine.add_request(GenerateRequest("late", prompts[2], greedy(MAX_TOKENS)))
+            assert engine._round is not None and rounds == [8]
+    assert all(n == 1 for step in per_step for n in step.values())
+    assert [outputs["r0"], outputs["r1"], outputs["late"]] == expected[:3]
+    assert per_step[1] == {"r0": 1, "r1": 1} and "late" not in set().union(*per_step[:8])
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_a_request_aborted_inside_a_round_gets_no_more_tokens(tiny_model, prompts, expected):
+    """Aborted while its round runs: no token of the round's later steps reaches it, its pages
+    come back, and the others in the round keep their reference tokens."""
+    engine = make_engine(tiny_model, max_num_batched_tokens=1024, decode_steps=8)
+    for request in requests(prompts[:2]):
+        engine.add_request(request)
+    outputs: dict[str, list[int]] = {}
+    aborted = None
+    while engine.has_unfinished():
+        for output in engine.step():
+            outputs.setdefault(output.request_id, []).extend(output.token_ids)
+        if aborted is None and len(outputs.get("r0", ())) == 3:
+            assert engine._round is not None
+            aborted = engine.abort("r0")
+    assert aborted is not None and aborted.finished and aborted.finish_reason == "abort"
+    assert outputs["r0"] == expected[0][:3] and outputs["r1"] == expected[1]
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+    engine.block_manager.check_consistency()
+
+
 def test_decode_steps_is_checked():
     with pytest.raises(ValueError, match="decode_steps=0 is invalid: allowed an integer from 1 to 64"):
         EngineConfig(decode_steps=0)

@@ -35,9 +35,11 @@ def run(model: MSATransformer, **overrides) -> tuple[LLMEngine, dict[str, list[i
     for i, prompt in enumerate(prompts()):
         engine.add_request(GenerateRequest(f"r{i}", prompt, params))
     tokens: dict[str, list[int]] = {}
+    engine.max_tokens_per_output = 0  # (read by the tests of decode rounds)
     while engine.has_unfinished():
         for output in engine.step():
             tokens.setdefault(output.request_id, []).extend(output.token_ids)
+            engine.max_tokens_per_output = max(engine.max_tokens_per_output, len(output.token_ids))
     return engine, tokens
 
 
@@ -76,7 +78,35 @@ def test_decode_rounds_with_cuda_graphs_match_single_steps():
     round_engine, rounds = run(fp32, dtype="float32", decode_steps=8)
     assert round_engine.runner.graphs is not None and single_engine.runner.graphs is not None
     assert rounds == single
+    assert round_engine.max_tokens_per_output == 1  # each token handed out as its step ends
     assert round_engine.block_manager.num_free_pages == 128
+
+
+def test_a_round_on_cuda_hands_out_each_step_from_pinned_memory_behind_its_event():
+    """`ModelRunner.queue_decode_round` on CUDA: the steps are queued at once, each step's tokens
+    copied to pinned host memory behind an event; `step(i)` gives step i's, equal to the round's
+    whole result."""
+    from msaserve.engine.step_inputs import build_step_inputs
+
+    with torch.device("cuda"):
+        fp32 = init_random_weights(MSATransformer(get_preset("tiny"), "msa"), seed=0).eval()
+    config = EngineConfig(model="tiny", device="cuda", dtype="float32", num_pages=64, max_num_seqs=2,
+                          max_num_batched_tokens=256, max_model_len=512)
+    engine = LLMEngine(config, model=fp32)
+    for i, prompt in enumerate(prompts()[:2]):
+        engine.add_request(GenerateRequest(f"r{i}", prompt, SamplingParams(max_tokens=40, temperature=0.0,
+                                                                            ignore_eos=True)))
+    while not engine.step():  # the prefill's step gives the first tokens
+        pass
+    batch = engine.scheduler.schedule()
+    assert len(batch.seqs) == 2 and all(n == 1 for n in batch.num_new_tokens)
+    for seq in batch.seqs:
+        engine.block_manager.allocate_slots(seq, 6)
+    inputs = build_step_inputs(batch, engine.page_size, engine.runner.device)
+    round_ = engine.runner.queue_decode_round(inputs.input_ids, inputs.meta, 6)
+    assert round_._host.is_pinned() and len(round_._events) == 6
+    steps = [round_.step(i) for i in range(6)]
+    assert steps == round_.all() and all(len(s) == 2 for s in steps)
 
 
 @pytest.mark.parametrize("backend", ["msa", "dense"])

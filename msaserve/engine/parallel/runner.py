@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from msaserve.engine.config import EngineConfig
+from msaserve.engine.decode_round import RoundTokens
 from msaserve.engine.parallel.errors import ReplicaGroupFailed
 from msaserve.engine.parallel.messages import StepMessage
 from msaserve.engine.scheduler import ScheduledBatch
@@ -116,9 +117,10 @@ class GroupRunner:
         step = build_host_step(batch, self.page_size)
         return step, self.group.call_all("execute", StepMessage(step, greedy=True))[0]
 
-    def execute_decode_round(self, batch: ScheduledBatch, steps: int) -> list[list[int]]:
+    def execute_decode_round(self, batch: ScheduledBatch, steps: int) -> RoundTokens:
+        """The round on every rank; rank 0 sends its tokens once the round is done."""
         step = build_host_step(batch, self.page_size)
-        return self.group.call_all("execute", StepMessage(step, decode_steps=steps))[0]
+        return RoundTokens.ready(self.group.call_all("execute", StepMessage(step, decode_steps=steps))[0])
 
     def gather(self, layer: int, name: str, pages: torch.Tensor) -> torch.Tensor:
         if name.startswith("index"):  # the index-K head is on every rank: read it once
