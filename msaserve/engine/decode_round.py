@@ -1,6 +1,6 @@
 """A decode round's tokens as the device produces them.
 
-`ModelRunner.decode_round` queues `steps` greedy decode steps at once, each step's argmax the next
+`ModelRunner.queue_decode_round` queues `steps` greedy decode steps at once, each step's argmax the next
 one's input on the device. On CUDA each step's tokens are copied to pinned host memory behind it,
 with an event, so the engine can hand out step i's tokens while the device runs steps i+1… (the
 host's work per token, its output and the stream to the client, overlaps the device's) instead
@@ -29,8 +29,10 @@ class RoundTokens:
     def record(cls, sampled: list[torch.Tensor]) -> "RoundTokens":
         """The round's per-step token tensors [B] (queued on the current stream, in order): on CUDA,
         each copied to pinned host memory behind an event; elsewhere they are computed already."""
-        if not sampled or sampled[0].device.type != "cuda":
-            return cls(torch.stack(sampled) if sampled else torch.empty(0, 0, dtype=torch.long))
+        if not sampled:
+            raise ValueError("a decode round has at least one step")
+        if sampled[0].device.type != "cuda":
+            return cls(torch.stack(sampled))
         host = torch.empty((len(sampled), sampled[0].shape[0]), dtype=torch.long, pin_memory=True)
         events = []
         for step, ids in enumerate(sampled):
