@@ -53,12 +53,13 @@ def run_one_session(engine: LLMEngine, length: int, decode: int, device: str, se
     tokens: list[int] = []
     burst = 0
     while engine.has_unfinished():
-        for output in engine.step():
+        step = engine.step()  # (one output per token: a round's burst is several outputs)
+        burst = max(burst, sum(len(output.token_ids) for output in step))
+        for output in step:
             now = time.perf_counter()  # the step synchronised when it read the sampled token
             first = first or now
             last = now
             tokens += output.token_ids
-            burst = max(burst, len(output.token_ids))
             if output.finished:
                 pages = output.stats.num_pages
     hbm = torch.cuda.max_memory_allocated() / 2**30 if device == "cuda" else float("nan")

@@ -6,6 +6,8 @@ a finished or aborted request's host tier is reused.
 tiny: P=16, K=4, Hkv=2, n_local=1: one step selects at most 8 pages per layer and the working set
 is the least one, 10 pages (ring 2 + 8), against 19-37 pages per request here."""
 
+from collections import Counter
+
 import pytest
 import torch
 from engine_helpers import collect, greedy, make_engine, random_prompt, run_to_completion
@@ -62,6 +64,35 @@ def test_long_requests_decode_sparse_resident_with_the_pools_greedy_tokens(tiny_
     assert lane.stats.pages_freed >= 19 + 27 + 35
     # the selection moved over more pages than the working set holds: pages came and went
     assert lane.stats.pages_fetched > 0 and lane.stats.evictions > 0
+    engine.block_manager.check_consistency()
+    assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
+
+
+def test_the_lane_decodes_beside_the_pools_streamed_decode_rounds(tiny_model, prompts, pooled):
+    """decode_steps=4 with room for one session in the lane: the pool's requests decode in rounds,
+    one step handed out per engine step, while the lane's request steps once per engine step
+    beside them; requests move to the lane only between rounds. Every token is the pool's."""
+    engine = make_engine(tiny_model, **{**LANE, "sparse_residency_sessions": 1}, decode_steps=4)
+    rounds = []
+    original = engine.runner.execute_decode_round
+    engine.runner.execute_decode_round = lambda batch, steps: rounds.append(steps) or original(batch, steps)
+    for request in requests(prompts, lambda i: greedy(MAX_TOKENS)):
+        engine.add_request(request)
+    outputs: dict[str, list[int]] = {}
+    beside = 0
+    while engine.has_unfinished():
+        moved = engine.resident.stats.moved_in
+        step = engine.step()
+        if engine._round is not None:
+            assert engine.resident.stats.moved_in == moved  # none moved while a round runs
+            beside += bool(engine.resident)
+        counts = Counter(output.request_id for output in step)  # one output per token
+        assert all(n == 1 for n in counts.values())  # a round's tokens one step at a time
+        for output in step:
+            outputs.setdefault(output.request_id, []).extend(output.token_ids)
+    assert outputs == pooled
+    assert rounds and max(rounds) == 4 and beside > 0
+    assert engine.resident.stats.moved_in == 3 and not engine.resident
     engine.block_manager.check_consistency()
     assert engine.block_manager.num_free_pages == engine.block_manager.num_pages
 

@@ -1,6 +1,8 @@
 """The engine on a CUDA GPU with the Triton MSA ops: CUDA-graph decode gives the eager tokens,
 preemption by swapping to pinned host memory resumes exactly, memory planning fills free HBM."""
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -35,11 +37,13 @@ def run(model: MSATransformer, **overrides) -> tuple[LLMEngine, dict[str, list[i
     for i, prompt in enumerate(prompts()):
         engine.add_request(GenerateRequest(f"r{i}", prompt, params))
     tokens: dict[str, list[int]] = {}
-    engine.max_tokens_per_output = 0  # (read by the tests of decode rounds)
+    engine.most_tokens_per_request_step = 0  # (read by the tests of decode rounds)
     while engine.has_unfinished():
-        for output in engine.step():
+        step = engine.step()  # one output per token: a burst is several outputs of one request
+        counts = Counter(output.request_id for output in step)
+        engine.most_tokens_per_request_step = max(engine.most_tokens_per_request_step, *counts.values(), 0)
+        for output in step:
             tokens.setdefault(output.request_id, []).extend(output.token_ids)
-            engine.max_tokens_per_output = max(engine.max_tokens_per_output, len(output.token_ids))
     return engine, tokens
 
 
@@ -78,7 +82,8 @@ def test_decode_rounds_with_cuda_graphs_match_single_steps():
     round_engine, rounds = run(fp32, dtype="float32", decode_steps=8)
     assert round_engine.runner.graphs is not None and single_engine.runner.graphs is not None
     assert rounds == single
-    assert round_engine.max_tokens_per_output == 1  # each token handed out as its step ends
+    assert round_engine.most_tokens_per_request_step == 1  # each token handed out as its step ends
+    assert single_engine.most_tokens_per_request_step == 1
     assert round_engine.block_manager.num_free_pages == 128
 
 
