@@ -21,12 +21,14 @@ async def consume(engine: AsyncEngine, request: GenerateRequest) -> list:
     return [output async for output in engine.generate(request)]
 
 
-def test_concurrent_streams_match_the_reference(tiny_model, tiny_tokenizer):
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_concurrent_streams_match_the_reference(tiny_model, tiny_tokenizer, decode_steps):
+    """decode_steps=8: the streams decode in rounds, each step's tokens handed out as it ends."""
     prompts = [random_prompt(n, seed=n) for n in (90, 17, 70)]
     want = [reference_decode.generate(tiny_model, p, 10) for p in prompts]
 
     async def main():
-        engine = make_async(tiny_model, tiny_tokenizer)
+        engine = make_async(tiny_model, tiny_tokenizer, decode_steps=decode_steps)
         await engine.start()
         try:
             results = await asyncio.gather(*(
@@ -72,7 +74,9 @@ def test_errors_are_raised_before_the_first_output(tiny_model, tiny_tokenizer):
     asyncio.run(main())
 
 
-def test_cancelling_a_consumer_aborts_and_frees_its_pages(tiny_model, tiny_tokenizer):
+@pytest.mark.parametrize("decode_steps", [1, 8])
+def test_cancelling_a_consumer_aborts_and_frees_its_pages(tiny_model, tiny_tokenizer, decode_steps):
+    """decode_steps=8: the abort reaches the engine between two steps of a round."""
     async def wait_until_idle(engine: AsyncEngine) -> None:
         for _ in range(500):
             stats = engine.stats()
@@ -81,7 +85,7 @@ def test_cancelling_a_consumer_aborts_and_frees_its_pages(tiny_model, tiny_token
             await asyncio.sleep(0.01)
 
     async def main():
-        engine = make_async(tiny_model, tiny_tokenizer)
+        engine = make_async(tiny_model, tiny_tokenizer, decode_steps=decode_steps)
         stream = engine.generate(GenerateRequest("long", random_prompt(120, seed=1), greedy(300)))
         first = await stream.__anext__()
         assert first.token_ids and engine.stats().num_free_pages < 64
