@@ -23,6 +23,31 @@ from msaserve.platform.loadgen import (
 MSASERVE = [str(Path(sys.executable).parent / "msaserve")]
 
 
+def test_the_metrics_port_is_never_one_ray_takes_by_default(monkeypatch) -> None:
+    """`serve`'s metrics exporter port comes from the OS; one that Ray's dashboard agent (52365) or
+    another fixed default takes, or the API's or dashboard's, is drawn again (a clean-clone run drew
+    52365 once and `ray.init` refused to start)."""
+    from msaserve.platform.cli import serve as serve_cli
+
+    drawn = iter([52365, 8265, 8000, 41234])
+
+    class FakeSocket:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *_):
+            return False
+
+        def bind(self, _address):
+            self.port = next(drawn)
+
+        def getsockname(self):
+            return ("127.0.0.1", self.port)
+
+    monkeypatch.setattr(serve_cli.socket, "socket", FakeSocket)
+    assert serve_cli._free_port(frozenset({8000})) == 41234
+
+
 def test_percentile_interpolates() -> None:
     assert percentile([], 50) is None
     assert percentile([3.0], 99) == 3.0

@@ -39,10 +39,20 @@ def load_config(args: argparse.Namespace) -> ServeConfig:
     return ServeConfig.from_dict(data)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+RAY_FIXED_PORTS = frozenset({52365, 8265, 6379, 10001})
+"""Ports Ray's components take by default when not given one (the dashboard agent's HTTP port, the
+dashboard, the GCS, the client server): a port picked for the metrics exporter must not be one of
+them, or `ray.init` refuses to start (a CI run drew 52365 from the OS, once)."""
+
+
+def _free_port(avoid: frozenset[int] = frozenset()) -> int:
+    """A port free on 127.0.0.1 now, other than Ray's fixed defaults and `avoid`."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in RAY_FIXED_PORTS and port not in avoid:
+            return port
 
 
 def dashboard_auth_hint() -> str:
@@ -111,7 +121,7 @@ def run(args: argparse.Namespace) -> int:
     from msaserve.platform.http_limits import apply_proxy_limits, proxy_http_options
     from msaserve.platform.ray_defaults import apply_local_loopback, apply_ray_defaults
 
-    metrics_port = args.metrics_port or _free_port()
+    metrics_port = args.metrics_port or _free_port(frozenset({config.http.port, args.dashboard_port}))
     apply_ray_defaults()  # before ray.init: the GCS reads them at start
     apply_local_loopback()  # every Ray port on 127.0.0.1, not only the API and the dashboard
     apply_proxy_limits(config.http)  # header/body deadlines and request caps inside Serve's proxy
