@@ -151,6 +151,11 @@ def main() -> None:
             note="HostKV.request_lease + attach_lease of every item: the part an adoption's first token "
             f"waits for (the release, {release_ms:.2f} ms here, comes at the next session's second step)",
             **meta),
+        f"kvcache.kv_lease_release{suffix}_ms": dict(
+            value=round(release_ms, 2), unit="ms",
+            note="HostKV.release_lease of every item (the shards end the lease and touch its pages for "
+            "the LRU): off the first token's path, but the shards' threads hold the GIL meanwhile",
+            **meta),
         f"kvcache.kv_lease_attach_index_releases_beside{suffix}_ms": dict(
             value=round(beside_ms, 2), unit="ms",
             note=f"request + attach with the adoption's {args.index_groups} index leases released beside it "

@@ -251,8 +251,11 @@ class PageStore:
                     else i in lease.loose and fastest.holds(key, lease.loose[i])):
                 fastest.pop(key)
             self.stats.add("corruptions")
-        fastest.release_ids(lease.ids[lease.ids >= 0])
-        fastest.touch(fastest.groups.join_all(lease.groups, lease.members))
+        held = lease.ids[lease.ids >= 0]
+        fastest.release_ids(held)
+        fastest.touch_slots(held)  # (in the lease's order, as the keys were touched before)
+        if lease.loose:  # pages outside the arena: by key
+            fastest.touch([lease.key(i, fastest.groups) for i in sorted(lease.loose)])
 
     def drop_corrupt(self, key: str, page: StoredPage) -> None:
         """A leased page failed the reader's check: drop that copy (if still stored) and count it."""
