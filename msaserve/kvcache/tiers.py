@@ -130,9 +130,8 @@ class MemoryTier:
             grown = np.zeros(len(self.arena.readers), np.uint64)
             grown[: len(self._checksum_of)] = self._checksum_of
             self._checksum_of = grown
+            self._key_of.extend([None] * (len(grown) - len(self._key_of)))
         self._checksum_of[slot.id] = page_checksum
-        if slot.id >= len(self._key_of):
-            self._key_of.extend([None] * (len(self._checksum_of) - len(self._key_of)))
         self._key_of[slot.id] = key
         split = None if self.groups is None else self.groups.split(key)
         if split is not None:
@@ -143,7 +142,7 @@ class MemoryTier:
             ids[member] = slot.id
 
     def _slot_given_up(self, key: str, slot: Slot) -> None:
-        if slot.id < len(self._key_of) and self._key_of[slot.id] == key:
+        if self._key_of[slot.id] == key:  # (a slot given up was taken: the table covers it)
             self._key_of[slot.id] = None
         split = None if self.groups is None else self.groups.split(key)
         if split is not None:
