@@ -102,7 +102,7 @@ def _session(args: argparse.Namespace, sizes: Sizes, backend: str, length: int, 
         with SelectorWatch(f"session {backend} {length}") as watch:
             result = run_one_session(engine, length, decode, args.device)
         result["selector_measurements"] = watch.count
-        result["rounds"] = {}
+        result["rounds"], result["round_bursts"] = {}, {}
         if args.session_rounds:
             # The rounds' runs take the prompt from the prefix cache and recompute its last token alone,
             # whose bf16 K/V need not be the bits the chunked prefill wrote: their reference is a
@@ -118,7 +118,7 @@ def _session(args: argparse.Namespace, sizes: Sizes, backend: str, length: int, 
             engine.config.decode_steps = steps
             again = run_one_session(engine, length, decode, args.device)
             result["rounds"][steps] = again["tpot_ms"]
-            result["round_burst"] = again["max_tokens_per_step"]
+            result["round_bursts"][steps] = again["max_tokens_per_step"]
             differs = first_difference(again["tokens"], cached["tokens"])
             print(f"session {backend} {length}: decode_steps={steps}: TPOT {again['tpot_ms']:.3f} ms "
                   f"(decode_steps=1: {result['tpot_ms']:.3f} ms, from the cache {cached['tpot_ms']:.3f} ms), "
@@ -171,8 +171,8 @@ def part_session(args: argparse.Namespace, sizes: Sizes, report: Report) -> None
                    note=f"the same session decoded again (its prompt from the prefix cache) with "
                         f"EngineConfig.decode_steps={steps}: {steps} greedy steps queued on the device per "
                         f"scheduling round, each token streamed as its step ends (at most "
-                        f"{msa['round_burst']} token(s) per engine step); MSA backend, decode in a CUDA "
-                        f"graph; greedy tokens equal to "
+                        f"{msa['round_bursts'][steps]} token(s) per engine step); MSA backend, decode in a "
+                        f"CUDA graph; greedy tokens equal to "
                         f"decode_steps=1's through the cache (against the first run's: first difference at "
                         f"{msa['cached_first_difference']}, the last prompt token recomputed alone)")
         report.add(f"session_{t}_dense_tpot_ms_steps{steps}", dense["rounds"][steps], "ms",
