@@ -9,6 +9,18 @@ from typing import Literal
 
 FinishReason = Literal["stop", "length", "abort", "error"]
 
+# The longest repr of a rejected value an error message quotes: a 100 KB stop string or schema is
+# named by its start and its length, not echoed back in full.
+MAX_QUOTED_CHARS = 200
+
+
+def quoted(value: object, limit: int = MAX_QUOTED_CHARS) -> str:
+    """repr(value), cut to `limit` characters with its full length named when longer."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}… ({len(text):,} characters)"
+
 
 class EngineError(Exception):
     """Base of the errors the engine reports to callers; `status` is the HTTP status to use."""
@@ -22,7 +34,7 @@ class InvalidParameter(EngineError, ValueError):
     status = 400
 
     def __init__(self, param: str, value: object, allowed: str) -> None:
-        super().__init__(f"{param}={value!r} is invalid: allowed {allowed}")
+        super().__init__(f"{param}={quoted(value)} is invalid: allowed {allowed}")
         self.param = param
         self.value = value
         self.allowed = allowed

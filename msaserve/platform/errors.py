@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from msaserve.engine.types import ContextTooLong, EngineError, InvalidParameter, QueueFull
+from msaserve.engine.types import ContextTooLong, EngineError, InvalidParameter, QueueFull, quoted
 
 logger = logging.getLogger("msaserve.gateway")
 
@@ -54,7 +54,7 @@ class APIError(Exception):
 
 def bad_parameter(param: str, value: object, allowed: str) -> APIError:
     return APIError(
-        400, f"{param}={value!r} is invalid: allowed {allowed}", param=param, code="invalid_value"
+        400, f"{param}={quoted(value)} is invalid: allowed {allowed}", param=param, code="invalid_value"
     )
 
 

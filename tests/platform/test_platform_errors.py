@@ -7,7 +7,7 @@ import pytest
 from msaserve.engine.types import ContextTooLong, InvalidParameter, QueueFull
 from msaserve.platform.auth import Authenticator, KeyLimits
 from msaserve.platform.config import AuthConfig
-from msaserve.platform.errors import APIError, error_response, from_engine_error
+from msaserve.platform.errors import APIError, bad_parameter, error_response, from_engine_error
 
 
 def body_of(response) -> dict:
@@ -44,6 +44,19 @@ def test_retry_after_is_whole_seconds_rounded_up() -> None:
     response = error_response(from_engine_error(QueueFull(64, 64, retry_after_s=2.5)), None)
     assert response.headers["retry-after"] == "3"
     assert body_of(response)["error"]["type"] == "rate_limit_error"
+
+
+def test_a_long_rejected_value_is_quoted_by_its_start_and_length() -> None:
+    """A 100 KB stop string (or 1,000 of them) is named, not echoed back whole in the error."""
+    long_stop = ["a" * 100_000]
+    for message in (str(InvalidParameter("stop", long_stop, "at most 256 characters")),
+                    bad_parameter("stop", long_stop, "at most 256 characters").message):
+        assert message.startswith("stop=['aaaa")
+        assert len(message) < 300
+        assert f"({len(repr(long_stop)):,} characters)" in message
+        assert message.endswith("is invalid: allowed at most 256 characters")
+    short = str(InvalidParameter("top_p", 0.0, "greater than 0.0"))
+    assert short == "top_p=0.0 is invalid: allowed greater than 0.0"
 
 
 def test_context_too_long_message_has_token_counts() -> None:

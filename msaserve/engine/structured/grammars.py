@@ -77,16 +77,12 @@ class GrammarCompiler:
         try:
             text = grammar_text(spec)
         except (ValueError, TypeError) as e:  # not JSON, or not an object
-            raise InvalidParameter(spec.param, _short(spec.source), f"a valid {spec.kind}: {e}") from None
+            raise InvalidParameter(spec.param, spec.source, f"a valid {spec.kind}: {e}") from None
         error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         matcher = None if error else llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher is not None and matcher.is_error():
             error = matcher.get_error()
         if error or matcher is None:
             allowed = f"a {spec.kind} llguidance supports: {error}"
-            raise InvalidParameter(spec.param, _short(spec.source), allowed)
+            raise InvalidParameter(spec.param, spec.source, allowed)
         return matcher
-
-
-def _short(text: str, limit: int = 200) -> str:
-    return text if len(text) <= limit else text[:limit] + "…"
