@@ -45,8 +45,12 @@ def response_format_grammar(fmt: ResponseFormat | None) -> GrammarSpec | None:
 def required_tools(request: ChatCompletionRequest) -> list[Tool]:
     """The tools one of which the reply must call: [] unless tool_choice is required or named."""
     choice, tools = request.tool_choice, request.tools or []
-    if not tools or choice in (None, "none", "auto"):
+    if choice in (None, "none", "auto"):
         return []
+    if not tools:  # OpenAI refuses this too; ignoring it would answer without the call asked for
+        shown = choice if isinstance(choice, str) else f"function {choice.function.name!r}"
+        raise _bad("tool_choice", f"tool_choice={shown} is invalid without tools: allowed 'none' or 'auto' "
+                   "when the request has no tools")
     if isinstance(choice, NamedToolChoice):
         named = [t for t in tools if t.function.name == choice.function.name]
         if not named:

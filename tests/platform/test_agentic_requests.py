@@ -41,3 +41,18 @@ def test_json_schema_strictness_and_refusals() -> None:
     assert error.value.param == "tool_choice" and "nope" in error.value.message
     with pytest.raises(APIError):
         chat_grammar(chat(response_format={"type": "regex"}))
+
+
+@pytest.mark.parametrize(
+    ("choice", "shown"),
+    [("required", "required"), ({"type": "function", "function": {"name": "search"}}, "function 'search'")],
+)
+@pytest.mark.parametrize("tools", [None, []])
+def test_a_forcing_tool_choice_without_tools_is_refused(choice, shown: str, tools) -> None:
+    """It used to be ignored: the reply came back without the call the request asked for."""
+    with pytest.raises(APIError) as error:
+        chat_grammar(chat(tools=tools, tool_choice=choice), HERMES)
+    assert error.value.status == 400 and error.value.param == "tool_choice"
+    assert f"tool_choice={shown} is invalid without tools" in error.value.message
+    for allowed in ("none", "auto", None):
+        assert chat_grammar(chat(tools=tools, tool_choice=allowed), HERMES) is None
