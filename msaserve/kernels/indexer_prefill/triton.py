@@ -89,7 +89,7 @@ _CONFIGS = configs([{}], [(8, 3), (4, 3)])
 # ---------------------------------------------------------------- jit kernel
 
 
-@triton.autotune(configs=_CONFIGS, key=["P", "DI", "BLOCK_M", "KP", "HAS_SCALE"])
+@triton.autotune(configs=_CONFIGS, key=["P", "DI", "BLOCK_M", "KP", "HAS_SCALE", "GATE"])
 @triton.jit
 def _indexer_prefill_kernel(
     q_ptr, cache_ptr, scale_ptr, tables_ptr, seq_lens_ptr, cu_q_ptr, tile_map_ptr, out_ptr,
@@ -99,7 +99,7 @@ def _indexer_prefill_kernel(
     stride_tb, stride_ot, stride_oh,
     HPK: tl.constexpr, BQ: tl.constexpr, BLOCK_M: tl.constexpr, P: tl.constexpr, DI: tl.constexpr,
     KP: tl.constexpr, TOP_K: tl.constexpr, N_INIT: tl.constexpr, N_LOCAL: tl.constexpr,
-    HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_SCALE: tl.constexpr, UPCAST: tl.constexpr, GATE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     hk = tl.program_id(1)
@@ -128,6 +128,7 @@ def _indexer_prefill_kernel(
         # Slots past TOP_K (KP is a power of two) hold +inf so they are never evicted.
         vals = tl.where(tl.arange(0, KP)[None, :] < TOP_K, vals, float("inf"))
         last_block = tl.max(tl.where(row_ok, local, 0), axis=0)
+        worst = tl.min(vals, axis=1)  # [BLOCK_M] each row's entry a new block must beat (GATE)
         for j in range(0, last_block + 1):
             page = tl.maximum(tl.load(tables_ptr + b * stride_tb + j), 0)
             keys = tl.load(cache_ptr + page.to(tl.int64) * stride_cp + hk * stride_ch
@@ -140,7 +141,13 @@ def _indexer_prefill_kernel(
             score = tl.max(logits, axis=1)
             # forced: the N_LOCAL blocks ending at c and the blocks < N_INIT (only j ≤ c enters below)
             score = tl.where((j > local - N_LOCAL) | (j < N_INIT), float("inf"), score)
-            vals, ids = topk_insert(vals, ids, score, j, row_ok & (j <= local))
+            valid = row_ok & (j <= local)
+            if GATE:  # once the rows' top-K have filled, most pages enter none: skip the insertion
+                if tl.max((valid & (score > worst)).to(tl.int32), axis=0) > 0:
+                    vals, ids = topk_insert(vals, ids, score, j, valid)
+                    worst = tl.min(vals, axis=1)
+            else:
+                vals, ids = topk_insert(vals, ids, score, j, valid)
         chosen = sorted_selection(ids, EMPTY_ID_BASE)  # [BLOCK_M, KP]
         offs_k = tl.arange(0, KP)
         ptrs = out_ptr + t[:, None].to(tl.int64) * stride_ot + h[:, None] * stride_oh + offs_k[None, :]
@@ -160,6 +167,7 @@ def _launch(
     top_k: int,
     n_init: int,
     n_local: int,
+    gate: bool = True,
 ) -> torch.Tensor:
     num_tokens, num_heads, index_dim = q_index.shape
     num_pages, page_size, key_heads, _ = index_cache.shape
@@ -193,7 +201,7 @@ def _launch(
         block_tables.stride(0), out.stride(0), out.stride(1),
         HPK=heads_per_key, BQ=queries_per_tile, BLOCK_M=block_m, P=page_size, DI=index_dim,
         KP=pow2(top_k), TOP_K=top_k, N_INIT=n_init, N_LOCAL=n_local, HAS_SCALE=index_scale is not None,
-        UPCAST=INTERPRET,
+        UPCAST=INTERPRET, GATE=gate,
     )
     return out
 
