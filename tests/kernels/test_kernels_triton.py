@@ -157,17 +157,17 @@ def test_indexer_prefill_matches_naive(shape: Shape) -> None:
     check_indexer_prefill(TRITON, NAIVE, shape, torch.float32, "cpu", seed=3)
 
 
-def _indexer_prefill_ungated(q, cache, tables, seq_lens, cu, top_k, n_init=1, index_scale=None, n_local=1):
-    """The tile kernel inserting every page into the running top-K (GATE off)."""
-    return _ipre._launch(q, cache, index_scale, tables, seq_lens, cu, top_k, n_init, n_local, gate=False)
-
-
+@pytest.mark.parametrize(("gate", "block_rows"), [(False, None), (True, 64)])
 @pytest.mark.parametrize("shape", [INDEXER_SHAPES[0], M3_SHAPES[1]], ids=_shape_id)
-def test_indexer_prefill_without_the_insertion_gate_matches_naive(shape: Shape) -> None:
-    """The gate (skip a page's top-K insertion when no row's score beats its worst entry) changes
-    no selection: both kernels against the spec, on the same inputs."""
-    ungated = dataclasses.replace(TRITON, indexer_prefill=_indexer_prefill_ungated)
-    check_indexer_prefill(ungated, NAIVE, shape, torch.float32, "cpu", seed=3)
+def test_indexer_prefill_tile_forms_match_naive(shape: Shape, gate: bool, block_rows: int | None) -> None:
+    """The insertion gate (skip a page's top-K insertion when no row's score beats its worst entry)
+    and the tile's row count change no selection: each form against the spec, on the same inputs."""
+    def form(q, cache, tables, seq_lens, cu, top_k, n_init=1, index_scale=None, n_local=1):
+        return _ipre._launch(q, cache, index_scale, tables, seq_lens, cu, top_k, n_init, n_local, gate=gate,
+                             block_rows=block_rows)
+
+    ops = dataclasses.replace(TRITON, indexer_prefill=form)
+    check_indexer_prefill(ops, NAIVE, shape, torch.float32, "cpu", seed=3)
 
 
 GROUPS = dataclasses.replace(TRITON, indexer_prefill=functools.partial(_ipre.indexer_prefill, path="groups"))

@@ -83,7 +83,7 @@ def choose_path(num_tokens: int, batch: int, key_heads: int, num_heads: int, pag
 
 # ---------------------------------------------------------------- autotune keyed on shapes
 
-_CONFIGS = configs([{}], [(8, 3), (4, 3)])
+_CONFIGS = configs([{}], [(8, 3), (4, 3), (8, 2)])
 
 
 # ---------------------------------------------------------------- jit kernel
@@ -168,7 +168,11 @@ def _launch(
     n_init: int,
     n_local: int,
     gate: bool = True,
+    block_rows: int | None = None,
 ) -> torch.Tensor:
+    """gate: skip a page's top-K insertion when no row enters (same selections); block_rows: rows
+    (query × head) per program, a power of two (default `_block_rows`): more rows read each key
+    page once for more queries."""
     num_tokens, num_heads, index_dim = q_index.shape
     num_pages, page_size, key_heads, _ = index_cache.shape
     batch = block_tables.shape[0]
@@ -187,7 +191,9 @@ def _launch(
     if num_tokens == 0:
         return out
     heads_per_key = num_heads // key_heads
-    block_m = max(_block_rows(page_size, index_dim), pow2(heads_per_key))
+    check(block_rows is None or (block_rows >= 16 and block_rows == pow2(block_rows)),
+          f"block_rows is {block_rows}; allowed None or a power of two ≥ 16")
+    block_m = max(block_rows or _block_rows(page_size, index_dim), pow2(heads_per_key))
     queries_per_tile = block_m // heads_per_key
     max_tiles = triton.cdiv(num_tokens, queries_per_tile) + batch
     tile_map = _tile_map(cu_seqlens_q.to(q_index.device), queries_per_tile, max_tiles)
