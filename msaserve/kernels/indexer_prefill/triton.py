@@ -81,6 +81,11 @@ def choose_path(num_tokens: int, batch: int, key_heads: int, num_heads: int, pag
     return "groups" if programs < num_sms(device) else "tiles"
 
 
+DEFAULT_GATE = False
+"""Skip a page's top-K insertion when no row of the tile enters (the decode kernel does; the
+selections are the same, tested against the spec). Off by default until it is timed on a GPU:
+`benchmarks/kernels/ab_indexer_prefill_tiles.py` compares it, and 256-row tiles, with this kernel."""
+
 # ---------------------------------------------------------------- autotune keyed on shapes
 
 _CONFIGS = configs([{}], [(8, 3), (4, 3), (8, 2)])
@@ -167,7 +172,7 @@ def _launch(
     top_k: int,
     n_init: int,
     n_local: int,
-    gate: bool = True,
+    gate: bool = DEFAULT_GATE,
     block_rows: int | None = None,
 ) -> torch.Tensor:
     """gate: skip a page's top-K insertion when no row enters (same selections); block_rows: rows
