@@ -26,18 +26,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from msa_baselines import bench_parser, gemm_tflops, index_keys, index_queries, time_ms
+from msa_baselines import bench_parser, gemm_tflops, index_keys, index_queries, indexer_causal_flops, time_ms
 
 from msaserve.kernels.indexer_prefill import triton as prefill
 
 P, HKV, HKI, DI, TOP_K, N_INIT, N_LOCAL, CHUNK = 128, 4, 1, 128, 16, 1, 1, 16384
-
-
-def indexer_flops(first: int, count: int) -> float:
-    """q·k FLOPs of `count` queries from position `first`: each scans the keys of its blocks up to its own."""
-    positions = torch.arange(first, first + count, dtype=torch.float64)
-    keys = (torch.div(positions, P, rounding_mode="floor") + 1) * P
-    return float(keys.sum()) * HKV * DI * 2
 
 
 # name → _launch options; the first is the baseline (the kernel before the gate).
@@ -54,7 +47,7 @@ def chunk_case(cache: torch.Tensor, tables: torch.Tensor, start: int, rounds: in
         return prefill._launch(q_index, cache, None, tables, seq_lens, cu, TOP_K, N_INIT, N_LOCAL,
                                **FORMS[form])
 
-    row: dict = {"start": start, "flops": indexer_flops(start, CHUNK)}
+    row: dict = {"start": start, "flops": indexer_causal_flops(start, CHUNK, P, HKV, DI)}
     reference = run("base")
     forms = []
     for form in FORMS:

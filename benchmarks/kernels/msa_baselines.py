@@ -45,6 +45,14 @@ def index_queries(num_tokens: int, first_pos: int, page_size: int, heads: int, d
     return q.to(torch.bfloat16)
 
 
+def indexer_causal_flops(first: int, count: int, page_size: int, heads: int, dim: int) -> float:
+    """The prefill indexer's q·k FLOPs for `count` queries from position `first`: each query scores
+    the keys of its blocks up to its own (whole pages, as the kernels read them), `heads` rows each."""
+    positions = torch.arange(first, first + count, dtype=torch.float64)
+    keys = (torch.div(positions, page_size, rounding_mode="floor") + 1) * page_size
+    return float(keys.sum()) * heads * dim * 2
+
+
 def bench_parser(doc: str) -> argparse.ArgumentParser:
     """The options every kernel benchmark script takes: --out DIR and --git-revision REV."""
     parser = argparse.ArgumentParser(description=doc.splitlines()[0])
