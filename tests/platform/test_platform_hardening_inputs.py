@@ -173,3 +173,36 @@ def test_error_bodies_are_ascii_json(gateway) -> None:
 def test_an_unparsable_body_says_what_the_parser_accepts(gateway, raw: str) -> None:
     error = error_of(post_raw(gateway, "/v1/chat/completions", raw), 400)
     assert error["code"] == "invalid_json" and "nested" in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("path", "fields", "param"),
+    [
+        ("/v1/chat/completions", {"stream": True, "stream_options": {"include_usage": "yes"}},
+         "stream_options.include_usage"),
+        ("/v1/chat/completions", {"max_tokens": "5"}, "max_tokens"),
+        ("/v1/chat/completions", {"max_tokens": True}, "max_tokens"),
+        ("/v1/chat/completions", {"n": 2.0}, "n"),
+        ("/v1/chat/completions", {"temperature": "0.5"}, "temperature"),
+        ("/v1/chat/completions", {"logprobs": 1}, "logprobs"),
+        ("/v1/completions", {"echo": "false"}, "echo"),
+        ("/v1/responses", {"store": "no"}, "store"),
+    ],
+)
+def test_a_value_of_the_wrong_json_type_is_a_400_not_coerced(gateway, path: str, fields: dict,
+                                                             param: str) -> None:
+    """"yes" for a boolean, "5" or true for an integer, "0.5" for a number: OpenAI refuses them, and a
+    lax parser would read "yes" as true and true as max_tokens=1."""
+    if path == "/v1/responses":
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **fields}
+    elif path == "/v1/completions":
+        body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, **fields}
+    else:
+        body = chat(**fields)
+    error = error_of(gateway.request("POST", path, json=body), 400)
+    assert error["param"] == param and error["code"] == "invalid_value", error
+
+
+def test_an_integer_is_a_valid_number(gateway) -> None:
+    response = gateway.request("POST", "/v1/chat/completions", json=chat(temperature=0, top_p=1))
+    assert response.status_code == 200, response.text
