@@ -1,17 +1,19 @@
 """OpenAI-compatible request and response bodies (the subset msaserve implements).
 
 Requests forbid unknown fields, so a misspelt or unsupported parameter is a 400 that names it rather
-than being silently ignored. Responses are plain pydantic models (they document the OpenAPI schema).
+than being silently ignored, and take each value in its own JSON type (strict): "yes" is not a
+boolean, "5" or true not an integer, "0.5" not a number (an integer is a number), as OpenAI answers.
+Responses are plain pydantic models (they document the OpenAPI schema).
 """
 
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class _Request(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class _Response(BaseModel):
@@ -60,7 +62,7 @@ class FunctionDefinition(_Request):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = Field(None, description="JSON Schema of the arguments.")
-    strict: StrictBool | None = None
+    strict: bool | None = None
 
 
 class Tool(_Request):
@@ -78,7 +80,7 @@ class NamedToolChoice(_Request):
 
 
 class StreamOptions(_Request):
-    include_usage: StrictBool = False
+    include_usage: bool = False
 
 
 class JSONSchemaFormat(_Request):
@@ -89,7 +91,7 @@ class JSONSchemaFormat(_Request):
     schema_: dict[str, Any] = Field(
         default_factory=dict, alias="schema", description="JSON Schema the output must satisfy."
     )
-    strict: StrictBool | None = Field(
+    strict: bool | None = Field(
         None, description="true: a keyword the grammar library cannot enforce is a 400; otherwise ignored."
     )
 
@@ -110,54 +112,48 @@ class _SamplingFields(_Request):
     `SamplingParams.validate()` so that both endpoints report them the same way."""
 
     model: str
-    stream: StrictBool = False
+    stream: bool = False
     stream_options: StreamOptions | None = None
-    temperature: StrictFloat | None = Field(None, description="0.0 to 2.0 (0 = greedy); default 1.0.")
-    top_p: StrictFloat | None = Field(None, description="Greater than 0.0 and at most 1.0; default 1.0.")
-    top_k: StrictInt | None = Field(None, description="msaserve extension: 0 (off) or a positive integer.")
-    max_tokens: StrictInt | None = Field(
-        None, description="Output tokens; default: up to the context length."
-    )
+    temperature: float | None = Field(None, description="0.0 to 2.0 (0 = greedy); default 1.0.")
+    top_p: float | None = Field(None, description="Greater than 0.0 and at most 1.0; default 1.0.")
+    top_k: int | None = Field(None, description="msaserve extension: 0 (off) or a positive integer.")
+    max_tokens: int | None = Field(None, description="Output tokens; default: up to the context length.")
     stop: str | list[str] | None = Field(None, description="Up to 16 strings that end the output.")
-    stop_token_ids: list[StrictInt] | None = Field(
+    stop_token_ids: list[int] | None = Field(
         None, description="msaserve extension (as vLLM's): token ids that end the output, not part of it."
     )
-    seed: StrictInt | None = Field(None, description="Same seed and request → same output.")
-    n: StrictInt = Field(1, description="Choices to generate, 1 to 16; they share the prompt's cached pages.")
-    presence_penalty: StrictFloat = Field(
-        0.0, description="-2.0 to 2.0, once per token already in the output."
-    )
-    frequency_penalty: StrictFloat = Field(0.0, description="-2.0 to 2.0, per occurrence in the output.")
-    repetition_penalty: StrictFloat = Field(
+    seed: int | None = Field(None, description="Same seed and request → same output.")
+    n: int = Field(1, description="Choices to generate, 1 to 16; they share the prompt's cached pages.")
+    presence_penalty: float = Field(0.0, description="-2.0 to 2.0, once per token already in the output.")
+    frequency_penalty: float = Field(0.0, description="-2.0 to 2.0, per occurrence in the output.")
+    repetition_penalty: float = Field(
         1.0, description="msaserve extension: greater than 0 and at most 2 (1 = off), over prompt and output."
     )
-    min_p: StrictFloat = Field(0.0, description="msaserve extension: 0.0 to 1.0, relative to the top token.")
-    logit_bias: dict[str, StrictFloat] | None = Field(
+    min_p: float = Field(0.0, description="msaserve extension: 0.0 to 1.0, relative to the top token.")
+    logit_bias: dict[str, float] | None = Field(
         None, description="Token id (as a string) → bias from -100 to 100 added to its logit."
     )
-    ignore_eos: StrictBool = Field(False, description="msaserve extension: keep going past end-of-sequence.")
+    ignore_eos: bool = Field(False, description="msaserve extension: keep going past end-of-sequence.")
     user: str | None = None
 
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: StrictInt | None = Field(
+    max_completion_tokens: int | None = Field(
         None, description="Preferred over max_tokens when both are set."
     )
-    logprobs: StrictBool = False
-    top_logprobs: StrictInt | None = Field(None, description="0 to 20; needs logprobs=true.")
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, description="0 to 20; needs logprobs=true.")
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: StrictBool | None = None
+    parallel_tool_calls: bool | None = None
     response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] = Field(description="Text, or token ids; a list of one string.")
-    logprobs: StrictInt | None = Field(
-        None, description="0 to 20 alternatives per token (legacy completions)."
-    )
-    echo: StrictBool = Field(False, description="Only false is supported.")
+    logprobs: int | None = Field(None, description="0 to 20 alternatives per token (legacy completions).")
+    echo: bool = Field(False, description="Only false is supported.")
     suffix: str | None = Field(None, description="Not supported (must be unset).")
 
 

@@ -7,7 +7,7 @@ accept the fields a Response's own output items carry, so `input=previous.output
 import time
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, StrictBool, StrictFloat, StrictInt, Tag
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
 
 from msaserve.platform.openai_types import _Request, _Response
 
@@ -70,7 +70,7 @@ class FunctionTool(_Request):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None
-    strict: StrictBool | None = None
+    strict: bool | None = None
 
 
 class FunctionChoice(_Request):
@@ -85,7 +85,7 @@ class TextFormat(_Request):
     name: str | None = Field(None, min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
     description: str | None = None
     schema_: dict[str, Any] | None = Field(None, alias="schema")
-    strict: StrictBool | None = None
+    strict: bool | None = None
 
 
 class TextConfig(_Request):
@@ -99,21 +99,19 @@ class ResponsesRequest(_Request):
     previous_response_id: str | None = Field(None, description="Continue a stored response's conversation.")
     tools: list[FunctionTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | FunctionChoice | None = None
-    parallel_tool_calls: StrictBool | None = None
-    store: StrictBool = Field(True, description="false: not retrievable, cannot be continued.")
-    stream: StrictBool = False
-    max_output_tokens: StrictInt | None = None
-    temperature: StrictFloat | None = None
-    top_p: StrictFloat | None = None
+    parallel_tool_calls: bool | None = None
+    store: bool = Field(True, description="false: not retrievable, cannot be continued.")
+    stream: bool = False
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     text: TextConfig | None = None
     metadata: dict[str, str] | None = Field(None, max_length=16, description="Up to 16 pairs, echoed back.")
     truncation: Literal["disabled"] | None = Field(
         None, description="Only disabled: an input too long for the context is a 400."
     )
     user: str | None = None
-    seed: StrictInt | None = Field(
-        None, description="msaserve extension: same seed and request → same output."
-    )
+    seed: int | None = Field(None, description="msaserve extension: same seed and request → same output.")
 
 
 # ----------------------------------------------------------------------------- responses
