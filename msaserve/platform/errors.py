@@ -163,6 +163,19 @@ UNPARSABLE_BODY = APIError(
 )
 
 
+def unparsable_body(body: bytes) -> APIError:
+    """Why json.loads refused a body FastAPI read: bytes that are not UTF-8 (named by offset), or
+    the parser's own limits."""
+    try:
+        body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return APIError(
+            400, f"the request body is not valid UTF-8: byte 0x{body[e.start]:02x} at offset {e.start} "
+            f"({e.reason}); allowed JSON encoded as UTF-8", code="invalid_json",
+        )
+    return UNPARSABLE_BODY
+
+
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -176,7 +189,7 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == FASTAPI_BODY_PARSE_ERROR:
-            return error_response(UNPARSABLE_BODY, _request_id(request))
+            return error_response(unparsable_body(await request.body()), _request_id(request))
         return error_response(APIError(exc.status_code, str(exc.detail)), _request_id(request))
 
     @app.exception_handler(Exception)

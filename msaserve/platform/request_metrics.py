@@ -12,13 +12,16 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from msaserve.platform.metrics import PlatformMetrics
 
-KNOWN_ROUTES = ("/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/ready", "/metrics")
+KNOWN_ROUTES = ("/v1/chat/completions", "/v1/completions", "/health", "/ready", "/metrics")
+COLLECTIONS = ("/v1/models", "/v1/responses", "/v1/sessions")
+"""Routes with ids below them, each counted as one label: /v1/responses/{id}[/...] → /v1/responses."""
 
 
 def route_label(path: str) -> str:
-    """A bounded label: the route, with /v1/sessions/{id}[/move] as /v1/sessions; other paths 'other'."""
-    if path == "/v1/sessions" or path.startswith("/v1/sessions/"):
-        return "/v1/sessions"
+    """A bounded label: the route, with an id below a collection dropped; other paths 'other'."""
+    for collection in COLLECTIONS:
+        if path == collection or path.startswith(collection + "/"):
+            return collection
     return path if path in KNOWN_ROUTES else "other"
 
 

@@ -11,6 +11,7 @@ path for both APIs — and the reply's content and tool calls become output item
                                              response_format, max_completion_tokens
 """
 
+import re
 import secrets
 from typing import Any
 
@@ -40,9 +41,15 @@ _CHAT_PARAMS = {
 """A chat parameter named in an error → the Responses parameter the client set."""
 
 
+_CHAT_TOOL = re.compile(r"^tools\[(\d+)\]\.function(?=\.|$)")
+"""Chat nests a tool's fields under `function`; the Responses API's tools are flat."""
+
+
 def responses_param(param: str | None) -> str | None:
     if param is None:
         return None
+    if _CHAT_TOOL.match(param):
+        return _CHAT_TOOL.sub(r"tools[\1]", param)
     for chat, responses in sorted(_CHAT_PARAMS.items(), key=lambda kv: -len(kv[0])):
         if param == chat or param.startswith(chat + ".") or param.startswith(chat + "["):
             return responses + param[len(chat):]

@@ -11,7 +11,7 @@ one call. Compiling (and the 400 for a construct the library cannot compile) hap
 import json
 from typing import Any
 
-from msaserve.engine.types import GrammarSpec
+from msaserve.engine.types import GrammarSpec, quoted
 from msaserve.platform.errors import APIError
 from msaserve.platform.openai_types import ChatCompletionRequest, NamedToolChoice, ResponseFormat, Tool
 from msaserve.platform.tools import CLOSE, HERMES, OPEN, ToolFormat
@@ -40,6 +40,47 @@ def response_format_grammar(fmt: ResponseFormat | None) -> GrammarSpec | None:
     if not source:
         raise _bad(f"response_format.{field}", f"response_format type {fmt.type} needs a non-empty {field}")
     return GrammarSpec("regex" if fmt.type == "regex" else "lark", source)
+
+
+def check_tools(tools: list[Tool] | None) -> None:
+    """Each tool's name unique (a call names one tool) and its parameters an object's JSON Schema (a
+    call's arguments are a JSON object), as OpenAI checks them, whether or not tool_choice forces a
+    call: a tool the reply may call must be callable."""
+    seen: dict[str, int] = {}
+    for i, tool in enumerate(tools or []):
+        name = tool.function.name
+        if name in seen:
+            raise _bad(f"tools[{i}].function.name", f"tools[{i}].function.name={name!r} is invalid: allowed "
+                       f"a name no other tool has (tools[{seen[name]}] has it)")
+        seen[name] = i
+        _check_parameters(tool.function.parameters, f"tools[{i}].function.parameters", name)
+
+
+_SCHEMA_SHAPES: dict[str, tuple[type, str]] = {
+    "properties": (dict, "an object of property name → schema"),
+    "required": (list, "a list of property names"),
+}
+
+
+def _check_parameters(schema: dict[str, Any] | None, param: str, name: str) -> None:
+    if schema is None:
+        return
+    if schema.get("type", "object") != "object":
+        raise _bad(param, f"{param}.type={quoted(schema['type'])} is invalid for function {name!r}: allowed "
+                   "'object' (a call's arguments are a JSON object)")
+    for key, (kind, allowed) in _SCHEMA_SHAPES.items():
+        if key in schema and not isinstance(schema[key], kind):
+            raise _bad(param, f"{param}.{key}={quoted(schema[key])} is invalid for function {name!r}: "
+                       f"allowed {allowed}")
+    properties = schema.get("properties", {})
+    for prop, sub in properties.items():
+        if not isinstance(sub, dict | bool):
+            raise _bad(param, f"{param}.properties.{prop}={quoted(sub)} is invalid for function {name!r}: "
+                       "allowed a JSON Schema (an object or a boolean)")
+    for prop in schema.get("required", []):
+        if not isinstance(prop, str):
+            raise _bad(param, f"{param}.required item {quoted(prop)} is invalid for function {name!r}: "
+                       "allowed property names (strings)")
 
 
 def required_tools(request: ChatCompletionRequest) -> list[Tool]:
@@ -93,6 +134,7 @@ def chat_grammar(request: ChatCompletionRequest, tool_format: ToolFormat = HERME
     """The constraint of a chat request; a required tool call and a response_format cannot both hold.
     Required calls get a grammar in the Hermes format only (a template's own format, e.g. MiniMax's,
     is forced by its call prefix instead: `tools.forced_prefix`)."""
+    check_tools(request.tools)
     tools = tool_call_grammar(request) if tool_format.name == HERMES.name else None
     fmt = response_format_grammar(request.response_format)
     if required_tools(request) and fmt is not None:

@@ -58,6 +58,9 @@ def assert_error(response: httpx.Response, status: int, error_type: str, *fragme
 
 def test_models_and_health(live_app, client) -> None:
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL  # sent as /v1/models/msaserve%2Ftiny
+    with pytest.raises(openai.NotFoundError, match="model 'nope' does not exist"):
+        client.models.retrieve("nope")
     assert httpx.get(live_app.base_url + "/health").json() == {"status": "ok"}
     ready = httpx.get(live_app.base_url + "/ready", timeout=30)
     assert ready.status_code == 200 and ready.json()["model"] == MODEL

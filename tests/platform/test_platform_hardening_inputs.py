@@ -206,3 +206,93 @@ def test_a_value_of_the_wrong_json_type_is_a_400_not_coerced(gateway, path: str,
 def test_an_integer_is_a_valid_number(gateway) -> None:
     response = gateway.request("POST", "/v1/chat/completions", json=chat(temperature=0, top_p=1))
     assert response.status_code == 200, response.text
+
+
+def test_a_body_that_is_not_utf8_is_named_as_such(gateway) -> None:
+    """Bytes that are not UTF-8 failed json.loads and were answered with the parser's nesting and digit
+    limits, which say nothing about the cause."""
+    raw = b'{"model":"msaserve/tiny","messages":[{"role":"user","content":"\xff\xfe"}]}'
+    response = gateway.request("POST", "/v1/chat/completions", content=raw,
+                               headers={"content-type": "application/json"})
+    error = error_of(response, 400)
+    assert error["code"] == "invalid_json", error
+    assert "not valid UTF-8" in error["message"] and "0xff at offset 63" in error["message"], error
+    assert "nested" not in error["message"]
+
+
+# ----------------------------------------------------------------------------- tools a reply may call
+
+FUNCTION = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
+
+def with_function(name: str = "f", parameters: object = None) -> dict:
+    function = {"name": name} | ({} if parameters is None else {"parameters": parameters})
+    return {"type": "function", "function": function}
+
+
+@pytest.mark.parametrize(
+    ("tools", "param", "words"),
+    [
+        ([FUNCTION, with_function("g"), with_function("f")], "tools[2].function.name",
+         "allowed a name no other tool has (tools[0] has it)"),
+        ([with_function(parameters={"type": "objectx"})], "tools[0].function.parameters",
+         "parameters.type='objectx' is invalid for function 'f': allowed 'object'"),
+        ([with_function(parameters={"type": "string"})], "tools[0].function.parameters", "allowed 'object'"),
+        ([with_function(parameters={"type": "object", "properties": ["a"]})], "tools[0].function.parameters",
+         "parameters.properties=['a'] is invalid"),
+        ([with_function(parameters={"properties": {"a": 3}})], "tools[0].function.parameters",
+         "parameters.properties.a=3 is invalid"),
+        ([with_function(parameters={"type": "object", "required": "a"})], "tools[0].function.parameters",
+         "parameters.required='a' is invalid"),
+        ([with_function(parameters={"required": [1]})], "tools[0].function.parameters",
+         "parameters.required item 1 is invalid"),
+    ],
+    ids=["duplicate-name", "unknown-type", "not-an-object", "properties-list", "property-not-schema",
+         "required-string", "required-not-names"],
+)
+@pytest.mark.parametrize("tool_choice", ["auto", "required"])
+def test_a_tool_that_cannot_be_called_is_a_400(gateway, tools: list, param: str, words: str,
+                                               tool_choice: str) -> None:
+    """Checked whatever tool_choice says: with "auto" the tools were only shown to the model, so a
+    schema no call can satisfy or two tools of one name went through to a reply that could not be
+    parsed back to one tool."""
+    body = chat(tools=tools, tool_choice=tool_choice)
+    error = error_of(gateway.request("POST", "/v1/chat/completions", json=body), 400)
+    assert (error["param"], error["code"]) == (param, "invalid_value"), error
+    assert words in error["message"], error
+
+
+def test_the_responses_api_names_its_own_flat_tool_fields(gateway) -> None:
+    tool = {"type": "function", "name": "f", "parameters": {"type": "array"}}
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "tools": [tool]}
+    error = error_of(gateway.request("POST", "/v1/responses", json=body), 400)
+    assert error["param"] == "tools[0].parameters", error
+    assert error["message"].startswith("tools[0].parameters.type='array'"), error
+
+
+def test_valid_tools_are_served(gateway) -> None:
+    tools = [FUNCTION, with_function("g", {"properties": {"a": {"type": "string"}, "b": True},
+                                           "required": ["a"]})]
+    # tool_choice none: the checks still run, and the tiny model's 512 tokens need not hold the tool list
+    response = gateway.request("POST", "/v1/chat/completions", json=chat(tools=tools, tool_choice="none"))
+    assert response.status_code == 200, response.text
+
+
+def test_one_model_is_retrieved_by_its_name_with_its_slash(gateway) -> None:
+    """`client.models.retrieve("msaserve/tiny")` sends the name with its slash escaped; it was a 404
+    with no route."""
+    card = gateway.request("GET", "/v1/models/msaserve%2Ftiny")
+    assert card.status_code == 200 and card.json()["id"] == MODEL, card.text
+    assert gateway.request("GET", "/v1/models/msaserve/tiny").json()["id"] == MODEL
+    error = error_of(gateway.request("GET", "/v1/models/nope"), 404)
+    assert (error["param"], error["code"]) == ("model", "model_not_found"), error
+
+
+def test_routes_with_ids_are_counted_under_their_collection() -> None:
+    from msaserve.platform.request_metrics import route_label
+
+    assert route_label("/v1/models/msaserve/tiny") == "/v1/models"
+    assert route_label("/v1/responses/resp_1/input_items") == "/v1/responses"
+    assert route_label("/v1/responses") == "/v1/responses"
+    assert route_label("/v1/sessions/s/move") == "/v1/sessions"
+    assert route_label("/v1/modelsx") == "other" and route_label("/v1/nope") == "other"
