@@ -76,6 +76,9 @@ class GrammarSpec:
     """json_schema only: False ignores keywords the library does not enforce instead of refusing."""
     param: str = "response_format"
     """The request field an uncompilable grammar is reported against."""
+    shown: str = ""
+    """What the client wrote, quoted in that report in place of `source` (which may hold what the server
+    added: JSON layout keywords, the tool-call wrapper); empty: `source`."""
 
 
 @dataclass

@@ -37,6 +37,7 @@ _CHAT_PARAMS = {
     "max_tokens": "max_output_tokens",
     "response_format": "text.format",
     "response_format.json_schema": "text.format.schema",
+    "response_format.json_schema.schema": "text.format.schema",
 }
 """A chat parameter named in an error → the Responses parameter the client set."""
 

@@ -34,12 +34,14 @@ def response_format_grammar(fmt: ResponseFormat | None) -> GrammarSpec | None:
         if fmt.json_schema is None:
             raise _bad("response_format.json_schema", "response_format type json_schema needs json_schema")
         schema = {**fmt.json_schema.schema_, "x-guidance": JSON_STYLE}
-        return GrammarSpec("json_schema", json.dumps(schema), strict=bool(fmt.json_schema.strict))
+        return GrammarSpec("json_schema", json.dumps(schema), strict=bool(fmt.json_schema.strict),
+                           param="response_format.json_schema.schema",
+                           shown=json.dumps(fmt.json_schema.schema_))
     field = "regex" if fmt.type == "regex" else "grammar"
     source = getattr(fmt, field)
     if not source:
         raise _bad(f"response_format.{field}", f"response_format type {fmt.type} needs a non-empty {field}")
-    return GrammarSpec("regex" if fmt.type == "regex" else "lark", source)
+    return GrammarSpec("regex" if fmt.type == "regex" else "lark", source, param=f"response_format.{field}")
 
 
 def check_tools(tools: list[Tool] | None) -> None:
@@ -101,22 +103,37 @@ def required_tools(request: ChatCompletionRequest) -> list[Tool]:
     return tools
 
 
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with every local `$ref` ("#", "#/$defs/X", "#/properties/a") pointing below `base`."""
+    if isinstance(schema, dict):
+        return {
+            key: base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            else _rebased(value, base)
+            for key, value in schema.items()
+        }
+    if isinstance(schema, list):
+        return [_rebased(item, base) for item in schema]
+    return schema
+
+
 def _call_schema(tools: list[Tool]) -> dict[str, Any]:
-    options = [
-        {
+    """One call's JSON: a tool's name and its arguments. Each tool's parameters schema sits under the
+    root's `$defs` with its local `$ref`s rebased there: a ref such as "#/$defs/X" (what pydantic and
+    `openai.pydantic_function_tool` write) points into the tool's own schema, not into the wrapper."""
+    defs: dict[str, Any] = {}
+    options = []
+    for i, t in enumerate(tools):
+        name = f"tool_{i}"
+        defs[name] = _rebased(t.function.parameters or {"type": "object"}, f"#/$defs/{name}")
+        options.append({
             "type": "object",
-            "properties": {
-                "name": {"const": t.function.name},
-                "arguments": t.function.parameters or {"type": "object"},
-            },
+            "properties": {"name": {"const": t.function.name}, "arguments": {"$ref": f"#/$defs/{name}"}},
             "required": ["name", "arguments"],
             "additionalProperties": False,
-        }
-        for t in tools
-    ]
+        })
     schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
     strict = all(t.function.strict for t in tools)
-    return {**schema, "x-guidance": {**JSON_STYLE, "lenient": not strict}}
+    return {"$defs": defs, **schema, "x-guidance": {**JSON_STYLE, "lenient": not strict}}
 
 
 def tool_call_grammar(request: ChatCompletionRequest) -> GrammarSpec | None:
@@ -127,7 +144,8 @@ def tool_call_grammar(request: ChatCompletionRequest) -> GrammarSpec | None:
     opening, closing = json.dumps(OPEN + "\n"), json.dumps("\n" + CLOSE)
     call = f"{opening} %json {json.dumps(_call_schema(tools))} {closing}"
     repeat = "" if request.parallel_tool_calls is False else ' ("\\n" call)*'
-    return GrammarSpec("lark", f"start: call{repeat}\ncall: {call}\n", param="tool_choice")
+    shown = json.dumps({t.function.name: t.function.parameters or {"type": "object"} for t in tools})
+    return GrammarSpec("lark", f"start: call{repeat}\ncall: {call}\n", param="tools", shown=shown)
 
 
 def chat_grammar(request: ChatCompletionRequest, tool_format: ToolFormat = HERMES) -> GrammarSpec | None:

@@ -109,3 +109,39 @@ def test_apply_bitmask_matches_reference(vocab):
     apply_bitmask_naive(naive, bitmask, rows)
     assert torch.equal(fast, naive)
     assert torch.equal(fast[1], logits[1]) and torch.equal(fast[3], logits[3])
+
+
+SMALL = {"type": "integer", "minimum": 0, "maximum": 99}
+PYDANTIC_PARAMETERS = {  # what `openai.pydantic_function_tool` writes for a model with a nested model
+    "type": "object",
+    "$defs": {"Point": {"type": "object", "properties": {"x": SMALL, "y": SMALL},
+                        "required": ["x", "y"], "additionalProperties": False}},
+    "properties": {"at": {"$ref": "#/$defs/Point"},
+                   "near": {"type": "array", "items": {"$ref": "#/$defs/Point"}, "maxItems": 2}},
+    "required": ["at", "near"],
+    "additionalProperties": False,
+}
+
+
+def test_forced_tool_calls_keep_each_tools_own_refs(tiny_model, tiny_tokenizer):
+    """A tool's `$ref: "#/$defs/Point"` is relative to its own parameters. The call grammar wraps them
+    in {"name", "arguments"}, and the ref resolved against the wrapper: a 400, "Pointer '/$defs/Point'
+    does not exist", for every pydantic-built tool under tool_choice required."""
+    from msaserve.platform.openai_types import ChatCompletionRequest
+    from msaserve.platform.structured_request import tool_call_grammar
+    from msaserve.platform.tools import parse_reply
+
+    tools = [{"type": "function", "function": {"name": name, "parameters": PYDANTIC_PARAMETERS}}
+             for name in ("place", "move")]
+    request = ChatCompletionRequest(model="m", messages=[{"role": "user", "content": "hi"}], tools=tools,
+                                    tool_choice="required", parallel_tool_calls=False)
+    spec = tool_call_grammar(request)
+    engine = make_engine(tiny_model, tiny_tokenizer)
+    requests = [GenerateRequest(f"call{i}", [5 + i, 6], _constrained(120, spec, 1.0, seed=i))
+                for i in range(3)]
+    out = run_to_completion(engine, requests)
+    for i in range(3):
+        text = tiny_tokenizer.decode(out[f"call{i}"])
+        _, calls = parse_reply(text, {"place", "move"}, None)
+        assert len(calls) == 1 and calls[0].name in {"place", "move"}, text
+        jsonschema.validate(json.loads(calls[0].arguments), PYDANTIC_PARAMETERS)

@@ -99,7 +99,7 @@ def test_uncompilable_schema_is_400_naming_the_construct(client) -> None:
     with pytest.raises(openai.BadRequestError) as error:
         client.chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, response_format=bad)
     body = error.value.body
-    assert body["param"] == "response_format" and "look-around" in body["message"]
+    assert body["param"] == "response_format.json_schema.schema" and "look-around" in body["message"]
 
 
 @pytest.mark.parametrize("parallel", [True, False])

@@ -19,7 +19,7 @@ def chat(**fields) -> ChatCompletionRequest:
 
 def test_required_call_is_a_hermes_grammar_and_parallel_false_allows_one() -> None:
     spec = chat_grammar(chat(tools=TOOLS, tool_choice="required", parallel_tool_calls=False), HERMES)
-    assert spec.kind == "lark" and spec.param == "tool_choice"
+    assert spec.kind == "lark" and spec.param == "tools"
     assert '"const": "search"' in spec.source and 'call ("\\n" call)*' not in spec.source
     assert 'call ("\\n" call)*' in chat_grammar(chat(tools=TOOLS, tool_choice="required"), HERMES).source
     assert chat_grammar(chat(tools=TOOLS, tool_choice="auto"), HERMES) is None

@@ -296,3 +296,26 @@ def test_routes_with_ids_are_counted_under_their_collection() -> None:
     assert route_label("/v1/responses") == "/v1/responses"
     assert route_label("/v1/sessions/s/move") == "/v1/sessions"
     assert route_label("/v1/modelsx") == "other" and route_label("/v1/nope") == "other"
+
+
+@pytest.mark.parametrize(
+    ("fields", "param", "quoted"),
+    [
+        ({"response_format": {"type": "json_schema",
+                              "json_schema": {"name": "a", "schema": {"$ref": "#/definitions/nope"}}}},
+         "response_format.json_schema.schema", '\'{"$ref": "#/definitions/nope"}\''),
+        ({"response_format": {"type": "regex", "regex": "(("}}, "response_format.regex", "'(('"),
+        ({"tools": [with_function(parameters={"properties": {"a": {"$ref": "#/nope"}}})],
+          "tool_choice": "required"},
+         "tools", '\'{"f": {"properties": {"a": {"$ref": "#/nope"}}}}\''),
+    ],
+    ids=["json-schema", "regex", "tool-parameters"],
+)
+def test_an_uncompilable_constraint_quotes_what_the_client_wrote(gateway, fields: dict, param: str,
+                                                                quoted: str) -> None:
+    """The 400 quoted the grammar the server built (the schema with its own `x-guidance` layout keys,
+    the tool call's Lark wrapper) and named `response_format` / `tool_choice` as a whole."""
+    error = error_of(gateway.request("POST", "/v1/chat/completions", json=chat(**fields)), 400)
+    assert error["param"] == param, error
+    assert error["message"].startswith(f"{param}={quoted} is invalid"), error
+    assert "x-guidance" not in error["message"] and "start:" not in error["message"].split("allowed")[0]

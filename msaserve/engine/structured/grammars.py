@@ -8,6 +8,7 @@ naming the request field and the library's message (which names the unsupported 
 
 import hashlib
 import json
+import re
 import threading
 from collections import OrderedDict
 
@@ -47,6 +48,23 @@ def llg_tokenizer(tokenizer: object, vocab_size: int, eos_token_ids: set[int]) -
     return llguidance.LLTokenizer(backend.to_str(), n_vocab=vocab_size, eos_token=sorted(eos_token_ids))
 
 
+_EXCERPT_LINE = re.compile(r"^\s*\d+ \| ")
+_CARET_LINE = re.compile(r"^\s*\^+\s*$")
+
+
+def _without_excerpt(message: str | None) -> str:
+    """llguidance's message less its excerpt of the grammar text (`   2 | call: ...` and the caret
+    under it): that text is the server's (the Lark rule around a regex, the tool-call wrapper with its
+    layout keywords), not what the client wrote; the line and column it names stay."""
+    kept: list[str] = []
+    in_excerpt = False
+    for line in (message or "").splitlines():
+        in_excerpt = bool(_EXCERPT_LINE.match(line) or (in_excerpt and _CARET_LINE.match(line)))
+        if not in_excerpt:
+            kept.append(line)
+    return "\n".join(kept).strip()
+
+
 class GrammarCompiler:
     """Compiled grammars of one tokenizer, cached by spec hash (LRU, `capacity` entries)."""
 
@@ -77,12 +95,13 @@ class GrammarCompiler:
         try:
             text = grammar_text(spec)
         except (ValueError, TypeError) as e:  # not JSON, or not an object
-            raise InvalidParameter(spec.param, spec.source, f"a valid {spec.kind}: {e}") from None
+            shown = spec.shown or spec.source
+            raise InvalidParameter(spec.param, shown, f"a valid {spec.kind}: {e}") from None
         error = llguidance.LLMatcher.validate_grammar(text, self.tokenizer)
         matcher = None if error else llguidance.LLMatcher(self.tokenizer, text, log_level=0)
         if matcher is not None and matcher.is_error():
             error = matcher.get_error()
         if error or matcher is None:
-            allowed = f"a {spec.kind} llguidance supports: {error}"
-            raise InvalidParameter(spec.param, spec.source, allowed)
+            allowed = f"a {spec.kind} llguidance supports: {_without_excerpt(error)}"
+            raise InvalidParameter(spec.param, spec.shown or spec.source, allowed)
         return matcher
