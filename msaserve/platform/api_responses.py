@@ -18,6 +18,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
+from msaserve.engine.types import quoted
 from msaserve.platform.api_chat import start_chat
 from msaserve.platform.choices import merged, total_usage
 from msaserve.platform.errors import APIError
@@ -29,12 +30,14 @@ from msaserve.platform.responses_convert import (
     assistant_message,
     call_ids_of,
     chat_request,
+    input_items,
     input_messages,
     output_items,
 )
 from msaserve.platform.responses_stream import ResponseEventWriter
 from msaserve.platform.responses_types import (
     DeletedResponse,
+    InputItemList,
     ResponseObject,
     ResponsesRequest,
     ResponseStreamEvent,
@@ -130,6 +133,7 @@ class _Turn:
             response=self.response.model_dump(mode="json"),
             messages=[*self.messages, assistant_message(self.response.output)],
             session_id=self.session,
+            input_items=input_items(self.body),
         )
         handle = ctx.model.options(session_id=self.session)
         await handle.put_response.remote(request.state.tenant.scope(self.response.id), record)
@@ -177,6 +181,31 @@ def build_router(ctx: Any) -> APIRouter:
         ctx.authorize(request)
         await ctx.require_ready()
         return (await _load(ctx, request, response_id, "response_id")).response
+
+    @router.get(ROUTE + "/{response_id}/input_items", response_model=InputItemList, responses=_ERRORS)
+    async def list_input_items(response_id: str, request: Request, limit: int = 20,
+                               order: str = "desc", after: str | None = None) -> Any:
+        """The response's own input items (not those of the responses before it), newest first by
+        default; `after` an item id to page on, as OpenAI's cursor."""
+        ctx.authorize(request)
+        if not 1 <= limit <= 100:
+            raise APIError(400, f"limit={limit} is invalid: allowed 1 to 100", param="limit",
+                           code="invalid_value")
+        if order not in ("asc", "desc"):
+            raise APIError(400, f"order={quoted(order)} is invalid: allowed 'asc' or 'desc'", param="order",
+                           code="invalid_value")
+        await ctx.require_ready()
+        items = (await _load(ctx, request, response_id, "response_id")).input_items
+        items = items if order == "asc" else items[::-1]
+        if after is not None:
+            ids = [item["id"] for item in items]
+            if after not in ids:
+                raise APIError(400, f"after={quoted(after)} is invalid: allowed the id of one of this "
+                               "response's input items", param="after", code="invalid_value")
+            items = items[ids.index(after) + 1:]
+        page = items[:limit]
+        return InputItemList(data=page, first_id=page[0]["id"] if page else None,
+                             last_id=page[-1]["id"] if page else None, has_more=len(items) > limit)
 
     @router.delete(ROUTE + "/{response_id}", response_model=DeletedResponse, responses=_ERRORS)
     async def delete_response(response_id: str, request: Request) -> Any:

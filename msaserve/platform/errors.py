@@ -104,10 +104,11 @@ def _is_union_tag(part: object) -> bool:
 
 
 def param_path(loc: tuple | list) -> str:
-    """`messages[0].content[1].type` from pydantic's ('body', 'messages', 0, 'content', ...)."""
+    """`messages[0].content[1].type` from pydantic's ('body', 'messages', 0, 'content', ...); a query
+    or path parameter by its name alone (`limit`, not `query.limit`)."""
     out = ""
     for part in loc:
-        if (part == "body" and not out) or _is_union_tag(part):
+        if (part in ("body", "query", "path") and not out) or _is_union_tag(part):
             continue
         out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else str(part))
     return out or "body"

@@ -8,7 +8,7 @@ that holds its pages and these records. Keys are tenant-scoped response ids: ano
 response is not found. The least recently used records go first beyond `max_responses`.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -21,6 +21,8 @@ class StoredResponse:
     instructions are not part of it (they apply to one response only)."""
     session_id: str
     """The conversation's scoped session id."""
+    input_items: list[dict[str, Any]] = field(default_factory=list)
+    """This response's own input, as items with ids (`GET /v1/responses/{id}/input_items`)."""
 
 
 class ResponseStore:

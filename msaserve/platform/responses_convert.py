@@ -69,6 +69,26 @@ def _text(content: str | list[InputText]) -> str:
     return content if isinstance(content, str) else "".join(part.text for part in content)
 
 
+_ITEM_ID_PREFIX = {"message": "msg", "function_call": "fc", "function_call_output": "fco"}
+
+
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    """The request's input as the items OpenAI lists for it: text is one user message; each item gets
+    an id (its own if it had one), a status, and its content as typed parts."""
+    items: list[dict[str, Any]] = (
+        [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str)
+        else [item.model_dump(exclude_none=True) for item in body.input]
+    )
+    for item in items:
+        kind = item.setdefault("type", "message")
+        item.setdefault("id", f"{_ITEM_ID_PREFIX[kind]}_{secrets.token_hex(12)}")
+        item.setdefault("status", "completed")
+        if kind == "message" and isinstance(item["content"], str):
+            part = "output_text" if item["role"] == "assistant" else "input_text"
+            item["content"] = [{"type": part, "text": item["content"]}]
+    return items
+
+
 def input_messages(body: ResponsesRequest, known_call_ids: set[str]) -> list[dict[str, Any]]:
     """The input as chat messages (ChatMessage dicts). `known_call_ids`: calls made earlier in the
     conversation; a function_call_output must answer one of those or of this input."""

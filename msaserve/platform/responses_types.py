@@ -179,6 +179,16 @@ class DeletedResponse(BaseModel):
     deleted: bool = True
 
 
+class InputItemList(_Response):
+    """One page of a response's input items (`GET /v1/responses/{id}/input_items`)."""
+
+    object: Literal["list"] = "list"
+    data: list[dict[str, Any]]
+    first_id: str | None
+    last_id: str | None
+    has_more: bool
+
+
 # ----------------------------------------------------------------------------- stream events
 # The `data:` of each event of a /v1/responses stream (`responses_stream.ResponseEventWriter` writes
 # them; the `event:` line repeats `type`). They document the stream in the OpenAPI schema, and the

@@ -319,3 +319,36 @@ def test_an_uncompilable_constraint_quotes_what_the_client_wrote(gateway, fields
     assert error["param"] == param, error
     assert error["message"].startswith(f"{param}={quoted} is invalid"), error
     assert "x-guidance" not in error["message"] and "start:" not in error["message"].split("allowed")[0]
+
+
+# ----------------------------------------------------------------------------- stored responses' input
+
+
+def test_a_stored_responses_input_items_are_listed_and_paged(gateway) -> None:
+    """`client.responses.input_items.list(id)` was a 404 (no route)."""
+    given = [{"role": "user", "content": "a"}, {"type": "message", "role": "assistant", "content": "b"},
+             {"role": "user", "content": [{"type": "input_text", "text": "c"}], "id": "msg_mine"}]
+    body = {"model": MODEL, "input": given, "max_output_tokens": 2}
+    created = gateway.request("POST", "/v1/responses", json=body)
+    assert created.status_code == 200, created.text
+    path = f"/v1/responses/{created.json()['id']}/input_items"
+    listed = gateway.request("GET", path, params={"order": "asc"}).json()
+    assert [i["content"][0]["text"] for i in listed["data"]] == ["a", "b", "c"]
+    assert [i["content"][0]["type"] for i in listed["data"]] == ["input_text", "output_text", "input_text"]
+    assert listed["data"][2]["id"] == "msg_mine" and listed["has_more"] is False
+    assert all(i["type"] == "message" and i["status"] == "completed" for i in listed["data"])
+    first = gateway.request("GET", path, params={"limit": 2}).json()  # newest first by default
+    assert [i["content"][0]["text"] for i in first["data"]] == ["c", "b"] and first["has_more"]
+    rest = gateway.request("GET", path, params={"limit": 2, "after": first["last_id"]}).json()
+    assert [i["content"][0]["text"] for i in rest["data"]] == ["a"] and not rest["has_more"]
+    for params, param in [({"limit": 0}, "limit"), ({"limit": "x"}, "limit"), ({"order": "up"}, "order"),
+                          ({"after": "msg_nope"}, "after")]:
+        error = error_of(gateway.request("GET", path, params=params), 400)
+        assert error["param"] == param, error
+    text = gateway.request("POST", "/v1/responses",
+                           json={"model": MODEL, "input": "hi", "max_output_tokens": 2})
+    (item,) = gateway.request("GET", f"/v1/responses/{text.json()['id']}/input_items").json()["data"]
+    assert item["role"] == "user" and item["content"] == [{"type": "input_text", "text": "hi"}]
+    assert item["id"].startswith("msg_")
+    error = error_of(gateway.request("GET", "/v1/responses/resp_nope/input_items"), 404)
+    assert error["param"] == "response_id"

@@ -62,6 +62,8 @@ def test_function_call_conversation_round_trips(client, live_app) -> None:
     # the second turn's prompt starts as the first's (instructions are per response, so they are sent
     # again, as agent frameworks do): it reused the first turn's cached pages
     assert second.usage.input_tokens_details.cached_tokens > 0
+    (item,) = client.responses.input_items.list(second.id).data  # its own input, not the first turn's
+    assert item.type == "function_call_output" and item.call_id == call.call_id and item.id
     again = client.responses.retrieve(second.id)
     assert again.id == second.id and again.output_text == second.output_text
     # a third turn continues from the second one's stored conversation
