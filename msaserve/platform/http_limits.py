@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from msaserve.engine.types import quoted
 from msaserve.platform import header_timeout
 from msaserve.platform.client_address import FORWARDED_ALLOW_IPS_ENV, ClientAddress
 from msaserve.platform.errors import APIError, error_response
@@ -59,6 +60,23 @@ operator's `request_timeout_s`, or keep running after its client left: a client 
 replica slot as long as it likes. Removed before the proxy reads them."""
 
 
+MAX_REQUEST_ID_CHARS = 256
+
+
+def bad_request_id(headers: list[tuple[bytes, bytes]]) -> APIError | None:
+    """A 400 for a client's X-Request-ID of more than 256 characters or any but printable ASCII (an empty
+    one is no id: the server makes one). Serve takes
+    the header as the request's id, which goes into the response's id (`chatcmpl-<id>`), every log
+    line and every error message: a 5,000-character id went there whole."""
+    value = next((v for n, v in headers if n == b"x-request-id"), None)
+    if not value or (len(value) <= MAX_REQUEST_ID_CHARS and all(0x21 <= b <= 0x7E for b in value)):
+        return None
+    shown = quoted(value.decode("latin-1"), limit=60)
+    return APIError(400, f"X-Request-ID={shown} is invalid: allowed 1 to {MAX_REQUEST_ID_CHARS} printable "
+                    "ASCII characters (no spaces), or no header for an id of the server's",
+                    param="X-Request-ID", code="invalid_value")
+
+
 class _BodyRefused(Exception):
     """Raised into the app from `receive` when the body broke a limit."""
 
@@ -83,6 +101,10 @@ class ConnectionGuard:
             await self._refuse(refusal, scope, receive, send, close=False)
             return
         headers = scope.get("headers") or []
+        bad_id = bad_request_id(headers)
+        if bad_id is not None:  # answered under an id of ours: the client's is what is wrong
+            await self._refuse(bad_id, scope, receive, send, close=False, request_id=uuid.uuid4().hex)
+            return
         if any(name in CLIENT_OVERRIDE_HEADERS for name, _ in headers):
             scope = {**scope, "headers": [(n, v) for n, v in headers if n not in CLIENT_OVERRIDE_HEADERS]}
         self.in_flight += 1
@@ -153,12 +175,13 @@ class ConnectionGuard:
 
     @staticmethod
     async def _refuse(
-        error: APIError, scope: Scope, receive: Receive, send: Send, close: bool = True
+        error: APIError, scope: Scope, receive: Receive, send: Send, close: bool = True,
+        request_id: str | None = None,
     ) -> None:
         """The error answer, with a request id as every other answer has (in the proxy this runs
         outside Serve's request-id middleware): the client's X-Request-ID, or a new one."""
         headers = dict(scope.get("headers") or [])
-        request_id = headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
+        request_id = request_id or headers.get(b"x-request-id", b"").decode("latin-1") or uuid.uuid4().hex
         response = error_response(error, request_id)
         response.headers["x-request-id"] = request_id
         if close:  # the rest of the body is unread: the connection cannot carry another request

@@ -352,3 +352,20 @@ def test_a_stored_responses_input_items_are_listed_and_paged(gateway) -> None:
     assert item["id"].startswith("msg_")
     error = error_of(gateway.request("GET", "/v1/responses/resp_nope/input_items"), 404)
     assert error["param"] == "response_id"
+
+
+@pytest.mark.parametrize("value", ["r" * 257, "a b", "caf\u00e9"], ids=["257-chars", "space", "latin-1"])
+def test_a_request_id_that_cannot_name_a_request_is_a_400(gateway, value: str) -> None:
+    """A client's X-Request-ID becomes the response's id and goes into every log line: 5,000
+    characters of it went there whole."""
+    response = gateway.request("POST", "/v1/chat/completions", json=chat(),
+                               headers={"x-request-id": value.encode("latin-1")})
+    error = error_of(response, 400)
+    assert (error["param"], error["code"]) == ("X-Request-ID", "invalid_value"), error
+    assert value not in response.headers["x-request-id"] and len(response.headers["x-request-id"]) == 32
+
+
+def test_a_client_request_id_names_the_request(gateway) -> None:
+    rid = "r" * 256
+    response = gateway.request("POST", "/v1/chat/completions", json=chat(), headers={"x-request-id": rid})
+    assert response.status_code == 200 and response.json()["id"] == f"chatcmpl-{rid}", response.text
