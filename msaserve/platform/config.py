@@ -198,7 +198,12 @@ class ServeConfig(StrictModel):
 
     @classmethod
     def from_yaml(cls, path: str | Path) -> "ServeConfig":
-        data = yaml.safe_load(Path(path).read_text())
+        try:
+            data = yaml.safe_load(Path(path).read_text())
+        except OSError as e:
+            raise ConfigError(f"{path}: cannot read the config file: {e.strerror or e}") from None
+        except yaml.YAMLError as e:  # its message names the line and column
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if data is not None and not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
         try:

@@ -163,3 +163,14 @@ def test_every_named_spec_is_one_the_loader_knows() -> None:
     config = ServeConfig.from_dict({"model": {"spec": "m3-mini", "device": "cuda"}})
     assert config.model.resolved_name() == "msaserve/m3-mini"
     assert "m3-mini" in TEXT_ONLY_PRESETS and preprocess_app(config) is None
+
+
+def test_an_unreadable_or_malformed_file_is_a_config_error_naming_it(tmp_path) -> None:
+    """Both were tracebacks from `msaserve serve --config` (a YAMLError, a FileNotFoundError)."""
+    missing = tmp_path / "missing.yaml"
+    with pytest.raises(ConfigError, match=r"missing\.yaml: cannot read the config file: No such file"):
+        ServeConfig.from_yaml(missing)
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("model: [1, 2\n")
+    with pytest.raises(ConfigError, match=r"broken\.yaml: not valid YAML: (?s:.*)line 2, column 1"):
+        ServeConfig.from_yaml(broken)
