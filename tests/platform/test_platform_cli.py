@@ -107,3 +107,43 @@ def test_serve_then_chat_then_ctrl_c(tmp_path: Path) -> None:
         log.close()
     assert code == 0
     assert "Shutting down" in (tmp_path / "serve.log").read_text()
+
+
+def _status(app_message: str, **deployments: str):
+    from types import SimpleNamespace
+
+    apps = {"msaserve": SimpleNamespace(
+        message=app_message,
+        deployments={name: SimpleNamespace(message=message) for name, message in deployments.items()},
+    )}
+    return SimpleNamespace(applications=apps)
+
+
+def test_a_deploy_that_waits_says_what_serve_says_about_it() -> None:
+    """`serve.run` waits in silence while a replica cannot be scheduled (two SmolLM2 replicas and the
+    gateway on 2 CPUs waited forever, printing nothing); Serve's own messages now show meanwhile."""
+    import io
+    import threading
+
+    from msaserve.platform.cli.serve import deploy_with_progress
+
+    stuck = "1 replicas that have taken more than 30s to be scheduled. Resources required: {\"CPU\": 0.5}"
+    statuses = iter([_status(""), _status("", Gateway=stuck, Model=""), _status("", Gateway=stuck)])
+    release = threading.Event()
+
+    def status():
+        try:
+            return next(statuses)
+        except StopIteration:
+            release.set()
+            return _status("")
+
+    out = io.StringIO()
+    deploy_with_progress(lambda: release.wait(10), status, "msaserve", poll_s=0.01, out=out)
+    assert out.getvalue() == f"  Gateway: {stuck}\n"  # once, though Serve said it twice
+
+    def fails():
+        raise RuntimeError("Deploying app 'msaserve' failed")
+
+    with pytest.raises(RuntimeError, match="failed"):
+        deploy_with_progress(fails, lambda: _status(""), "msaserve", poll_s=0.01, out=out)

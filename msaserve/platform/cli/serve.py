@@ -4,8 +4,12 @@ import argparse
 import os
 import signal
 import socket
+import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any, TextIO
 
 import httpx
 
@@ -70,6 +74,49 @@ def dashboard_auth_hint() -> str:
     return f"token auth is on: paste {source} when the dashboard asks; from scripts: {curl}"
 
 
+def deployment_messages(status: Any, app_name: str) -> dict[str, str]:
+    """Serve's own word on each deployment of `app_name` that is not yet running (e.g. replicas that
+    cannot be scheduled, with the resources one needs and what the cluster has free), and the app's."""
+    app = status.applications.get(app_name)
+    if app is None:
+        return {}
+    messages = {name: d.message for name, d in app.deployments.items() if d.message}
+    if app.message:
+        messages[app_name] = app.message
+    return messages
+
+
+def deploy_with_progress(deploy: Callable[[], Any], status: Callable[[], Any], app_name: str,
+                         poll_s: float = 2.0, out: TextIO = sys.stdout) -> None:
+    """Run `deploy` (serve.run: it blocks until every replica is up, which never happens while one
+    cannot be scheduled) in a thread, printing each new message Serve gives about the deployments
+    meanwhile, so a cluster too small for the config says so instead of waiting in silence."""
+    done = threading.Event()
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            deploy()
+        except BaseException as e:  # re-raised in the caller's thread
+            failure.append(e)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="serve-deploy", daemon=True).start()
+    shown: dict[str, str] = {}
+    while not done.wait(poll_s):
+        try:
+            messages = deployment_messages(status(), app_name)
+        except Exception:  # the controller may not answer yet: ask again
+            continue
+        for name, message in messages.items():
+            if shown.get(name) != message:
+                print(f"  {name}: {message}", file=out, flush=True)
+                shown[name] = message
+    if failure:
+        raise failure[0]
+
+
 def wait_until_ready(base_url: str, timeout_s: float = 600.0) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
@@ -117,7 +164,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from msaserve.platform.app import APP_NAME, build_app
+    from msaserve.platform.app import APP_NAME, build_app, needs_preprocess
     from msaserve.platform.http_limits import apply_proxy_limits, proxy_http_options
     from msaserve.platform.ray_defaults import apply_local_loopback, apply_ray_defaults
 
@@ -142,7 +189,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         host = config.http.host
         serve.start(http_options=proxy_http_options(config.http))
-        serve.run(build_app(config), name=APP_NAME, route_prefix="/")
+        print(f"Deploying {APP_NAME!r} (Gateway, Model{', Preprocess' if needs_preprocess(config) else ''}) "
+              "...", flush=True)
+        deploy_with_progress(lambda: serve.run(build_app(config), name=APP_NAME, route_prefix="/"),
+                             serve.status, APP_NAME)
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         base_url = f"http://{shown_host}:{config.http.port}"
         dashboard = context.dashboard_url or f"127.0.0.1:{args.dashboard_port}"
