@@ -15,6 +15,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 
+from msaserve.engine.types import quoted
 from msaserve.platform.errors import APIError
 from msaserve.platform.gateway_tenancy import check_session_id
 from msaserve.platform.openai_types import ErrorResponse
@@ -46,7 +47,14 @@ async def _move_target(request: Request) -> str | None:
         data = json.loads(body)
     except ValueError as e:
         raise APIError(400, f"the body is not JSON: {e}", code="invalid_json") from e
-    target = data.get("target_replica") if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        raise APIError(400, f"body={quoted(data)} is invalid: allowed a JSON object, "
+                       '{"target_replica": "<replica id>"} or {}', param="body", code="invalid_value")
+    for field in data:
+        if field != "target_replica":  # as every other route: a misspelt field is never ignored
+            raise APIError(400, f"{field} is not a supported parameter: allowed target_replica",
+                           param=field, code="unsupported_parameter")
+    target = data.get("target_replica")
     if target is not None and not isinstance(target, str):
         raise APIError(400, f"target_replica={target!r} is invalid: allowed a replica id (string)",
                        param="target_replica")
@@ -71,9 +79,10 @@ def _choose_target(core: Any, session_id: str, client_id: str, target: str | Non
     if home is None:
         raise _not_found(client_id)
     live = [rid for rid, replica in state.replicas.items() if replica.alive and not replica.draining]
-    if target is not None and target not in live:
-        raise APIError(400, f"target_replica={target!r} is invalid: allowed one of {sorted(live)}",
-                       param="target_replica")
+    if target is not None and (target not in live or target == home):
+        allowed = sorted(rid for rid in live if rid != home)
+        raise APIError(400, f"target_replica={target!r} is invalid: allowed a live replica other than the "
+                       f"session's home {home!r}: {allowed}", param="target_replica")
     if target is None:
         others = sorted((state.replicas[rid].load, rid) for rid in live if rid != home)
         if not others:

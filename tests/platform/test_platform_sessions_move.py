@@ -89,6 +89,9 @@ def test_moved_and_failed_over_sessions_continue_with_identical_tokens(live_app,
     bogus = httpx.post(f"{live_app.base_url}/v1/sessions/{SESSION}/move", json={"target_replica": "x"},
                        headers=AUTH)
     assert bogus.status_code == 400 and first in bogus.json()["error"]["message"]  # names the allowed
+    for body, param in [({"to": "x"}, "to"), ({"target_replica": first}, "target_replica"), ([1], "body")]:
+        refused = httpx.post(f"{live_app.base_url}/v1/sessions/{SESSION}/move", json=body, headers=AUTH)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param, refused.text
     # Another API key can neither move it nor see it (issue 26: sessions belong to their key).
     for method in ("POST", "GET", "DELETE"):
         path = f"/v1/sessions/{SESSION}" + ("/move" if method == "POST" else "")
