@@ -147,3 +147,31 @@ def test_a_deploy_that_waits_says_what_serve_says_about_it() -> None:
 
     with pytest.raises(RuntimeError, match="failed"):
         deploy_with_progress(fails, lambda: _status(""), "msaserve", poll_s=0.01, out=out)
+
+
+@pytest.mark.parametrize(
+    ("argv", "words"),
+    [
+        (["bench", "--concurrency", "1,x"], "--concurrency: must be comma-separated integers ≥ 1"),
+        (["bench", "--concurrency", "0"], "--concurrency: must be comma-separated integers ≥ 1"),
+        (["bench", "--max-tokens", "-3"], "--max-tokens: must be an integer ≥ 1, got -3"),
+        (["bench", "--time-scale", "nan"], "--time-scale: must be a number > 0, got nan"),
+        (["generate", "--max-tokens", "abc"], "--max-tokens: must be an integer ≥ 1, got 'abc'"),
+    ],
+)
+def test_a_bad_option_value_is_a_usage_error_naming_it(argv: list[str], words: str, capsys) -> None:
+    """`--concurrency 1,x` and the like were tracebacks (a ValueError from int()) once the run began."""
+    from msaserve.platform.cli import build_parser
+
+    with pytest.raises(SystemExit) as exit_info:
+        build_parser().parse_args(argv)
+    assert exit_info.value.code == 2 and words in capsys.readouterr().err
+
+
+def test_bench_without_a_server_says_so(capsys) -> None:
+    from msaserve.platform.cli import main
+
+    assert main(["bench", "--url", f"http://127.0.0.1:{free_port()}/v1", "--concurrency", "1"]) == 1
+    assert "msaserve bench: cannot reach" in capsys.readouterr().err
+    assert main(["bench", "--trace", "/nonexistent.jsonl"]) == 2
+    assert "--trace=/nonexistent.jsonl is not a file" in capsys.readouterr().err

@@ -7,6 +7,12 @@ import os
 import sys
 from pathlib import Path
 
+from msaserve.platform.cli.arg_types import (
+    non_negative_int,
+    positive_float,
+    positive_int,
+    positive_int_list,
+)
 from msaserve.platform.loadgen import (
     LevelResult,
     run_closed_loop,
@@ -24,17 +30,23 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--api-key", default=os.environ.get("MSASERVE_API_KEY", "none"))
     p.add_argument("--model", help="Model name (default: the server's first model).")
     p.add_argument(
-        "--concurrency", default="1,4,16", help="Comma-separated closed-loop levels (default 1,4,16)."
+        "--concurrency", type=positive_int_list, default=[1, 4, 16],
+        help="Comma-separated closed-loop levels (default 1,4,16).",
     )
-    p.add_argument("--requests", type=int, default=0, help="Requests per level (default: 2 × concurrency).")
-    p.add_argument("--prompt-tokens", type=int, default=128, help="Prompt length of synthetic requests.")
-    p.add_argument("--max-tokens", type=int, default=32, help="Output tokens per request (EOS ignored).")
+    p.add_argument("--requests", type=non_negative_int, default=0,
+                   help="Requests per level (default 0: 2 × concurrency).")
+    p.add_argument("--prompt-tokens", type=positive_int, default=128,
+                   help="Prompt length of synthetic requests.")
+    p.add_argument("--max-tokens", type=positive_int, default=32,
+                   help="Output tokens per request (EOS ignored).")
     p.add_argument("--trace", type=Path, help="Replay a Mooncake-format JSONL trace instead of levels.")
-    p.add_argument("--trace-limit", type=int, default=32, help="Requests taken from the trace.")
-    p.add_argument("--max-input", type=int, default=1024, help="Cap on a trace request's prompt tokens.")
-    p.add_argument("--max-output", type=int, default=32, help="Cap on a trace request's output tokens.")
+    p.add_argument("--trace-limit", type=positive_int, default=32, help="Requests taken from the trace.")
+    p.add_argument("--max-input", type=positive_int, default=1024,
+                   help="Cap on a trace request's prompt tokens.")
+    p.add_argument("--max-output", type=positive_int, default=32,
+                   help="Cap on a trace request's output tokens.")
     p.add_argument(
-        "--time-scale", type=float, default=1.0, help="Multiply trace inter-arrival times by this."
+        "--time-scale", type=positive_float, default=1.0, help="Multiply trace inter-arrival times by this."
     )
     p.add_argument("--json-out", type=Path, help="Also write the summaries as JSON here.")
     p.set_defaults(func=run)
@@ -72,7 +84,7 @@ async def bench(args: argparse.Namespace) -> list[LevelResult]:
         with tqdm(total=len(specs), desc="trace", unit="req") as bar:
             levels.append(await run_trace(client, model, specs, "trace", bar.update))
         return levels
-    for concurrency in [int(c) for c in args.concurrency.split(",")]:
+    for concurrency in args.concurrency:
         n = args.requests or 2 * concurrency
         specs = synthetic_requests(n, args.prompt_tokens, args.max_tokens, seed=concurrency)
         with tqdm(total=n, desc=f"c={concurrency}", unit="req") as bar:
@@ -83,7 +95,17 @@ async def bench(args: argparse.Namespace) -> list[LevelResult]:
 
 
 def run(args: argparse.Namespace) -> int:
-    levels = asyncio.run(bench(args))
+    import openai
+
+    if args.trace is not None and not args.trace.is_file():
+        print(f"msaserve bench: --trace={args.trace} is not a file: allowed a Mooncake-format JSONL trace",
+              file=sys.stderr)
+        return 2
+    try:
+        levels = asyncio.run(bench(args))
+    except openai.APIError as e:  # the model lookup: no server there, or a wrong key
+        print(f"msaserve bench: cannot reach {args.url}: {e}", file=sys.stderr)
+        return 1
     summaries = [level.summary() for level in levels]
     errors = [r.error for level in levels for r in level.results if not r.ok]
     if errors:

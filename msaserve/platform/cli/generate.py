@@ -18,6 +18,7 @@ from msaserve.engine.model_loading import (
     load_model,
 )
 from msaserve.engine.types import GenerateRequest, SamplingParams
+from msaserve.platform.cli.arg_types import positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -34,7 +35,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default="msa",
         help="attention backend: msa (block-sparse, default) or dense (the baseline)",
     )
-    parser.add_argument("--max-tokens", type=_positive_int, default=128, help="tokens to generate (≥ 1)")
+    parser.add_argument("--max-tokens", type=positive_int, default=128, help="tokens to generate (≥ 1)")
     parser.add_argument(
         "--temperature",
         type=float,
@@ -50,13 +51,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="wrap the prompt in the model's chat template (default on)",
     )
     parser.set_defaults(func=run)
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer ≥ 1, got {value}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:
