@@ -114,3 +114,19 @@ def test_calibration_fits_even_when_the_caller_turned_autograd_off() -> None:
         test_calibration_reduces_the_distillation_loss()
     finally:
         torch.set_grad_enabled(previous)
+
+
+def test_convert_names_bad_dense_layers(tmp_path, capsys) -> None:
+    """'9-0' was an empty range (no dense layer, silently); a layer past the model was pydantic's dump."""
+    source = tmp_path / "dense"
+    save_safetensors(_dense_tiny(seed=3).model, source)
+    text = tmp_path / "calibration.txt"
+    text.write_text("The quick brown fox jumps over the lazy dog. " * 20)
+    argv = ["convert", "--model", str(source), "--out", str(tmp_path / "o"), "--calibration-text", str(text),
+            "--tokens", "400", "--steps", "1", "--top-k", "3", "--dense-layers"]
+    with pytest.raises(SystemExit):
+        cli_main([*argv, "1-0"])
+    assert "'1-0' is invalid: allowed layer ids ≥ 0" in capsys.readouterr().err
+    assert cli_main([*argv, "0-5"]) == 2
+    err = capsys.readouterr().err
+    assert "dense_layers=[0, 1, 2, 3, 4, 5] is invalid" in err and "validation error" not in err, err

@@ -4,8 +4,11 @@ import argparse
 import sys
 from pathlib import Path
 
+from pydantic import ValidationError
+
 from msaserve.engine.checkpoint_convert import REPORT_FILE, CalibrationSettings, convert_checkpoint
 from msaserve.engine.model_loading import CheckpointMismatch, ModelFileMissing, UnsupportedModelType
+from msaserve.platform.cli.arg_types import positive_int
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -20,11 +23,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--out", required=True, type=Path, help="directory to write the MSA checkpoint to")
     parser.add_argument("--calibration-text", required=True, type=Path,
                         help="a text file to fit the index on (keep it apart from evaluation text)")
-    parser.add_argument("--tokens", type=_positive_int, default=4096,
+    parser.add_argument("--tokens", type=positive_int, default=4096,
                         help="calibration tokens, from the text's start (> top_k·page_size; default 4096)")
-    parser.add_argument("--steps", type=_positive_int, default=CalibrationSettings.steps,
+    parser.add_argument("--steps", type=positive_int, default=CalibrationSettings.steps,
                         help=f"optimiser steps per layer (default {CalibrationSettings.steps})")
-    parser.add_argument("--top-k", type=_positive_int, default=None,
+    parser.add_argument("--top-k", type=positive_int, default=None,
                         help="blocks each query attends to (default: the source's conversion, 16 for GGUF)")
     parser.add_argument("--dense-layers", type=_layer_list, default=None,
                         help="layers that attend densely, e.g. '0-3' or '0,1,5' (default none)")
@@ -34,21 +37,24 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def _layer_list(text: str) -> tuple[int, ...]:
     """'0-3' → (0, 1, 2, 3); '0,2,5' → (0, 2, 5); '' → ()."""
     layers: list[int] = []
+    message = f"{text!r} is invalid: allowed layer ids ≥ 0 like '0-3' or '0,2,5', each range low-high"
     try:
         for part in filter(None, text.split(",")):
             lo, _, hi = part.partition("-")
-            layers += range(int(lo), int(hi or lo) + 1)
+            first, last = int(lo), int(hi or lo)
+            if first < 0 or last < first:  # '9-0' was an empty range: no dense layer, silently
+                raise argparse.ArgumentTypeError(message)
+            layers += range(first, last + 1)
     except ValueError:
-        message = f"{text!r} is invalid: allowed layer ids like '0-3' or '0,2,5'"
         raise argparse.ArgumentTypeError(message) from None
     return tuple(layers)
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} is invalid: allowed ≥ 1")
-    return value
+def _reason(err: Exception) -> str:
+    """One line per problem: a config's validation error by its messages, not pydantic's dump."""
+    if isinstance(err, ValidationError):
+        return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
+    return str(err)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
                      if v is not None}
         reports = convert_checkpoint(args.model, args.out, text, args.tokens, settings, **overrides)
     except (ModelFileMissing, CheckpointMismatch, UnsupportedModelType, ValueError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        print(f"error: {_reason(err)}", file=sys.stderr)
         return 2
     before = sum(r.loss_before for r in reports) / len(reports)
     after = sum(r.loss_after for r in reports) / len(reports)
