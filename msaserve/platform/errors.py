@@ -152,6 +152,32 @@ def _validation_to_api_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"{param}: {msg}{shown}", param=param, code="invalid_value")
 
 
+def _body_error(exc: RequestValidationError, content_type: str | None) -> APIError | None:
+    """The body as a whole is not a JSON object: say which way (no body, not sent as JSON, JSON of
+    another type), not pydantic's "body: Field required" or "valid dictionary" with the raw bytes."""
+    errors = list(exc.errors())
+    if not errors or tuple(errors[0].get("loc", ())) != ("body",):
+        return None
+    kind, value = errors[0].get("type"), errors[0].get("input")
+    media_type = (content_type or "").split(";")[0].strip().lower()
+    if kind == "missing":
+        message = "the request body is empty: allowed a JSON object"
+    elif isinstance(value, bytes | str) and media_type != "application/json":
+        shown = repr(media_type) if media_type else "none"
+        message = (f"the request body was not read as JSON: its Content-Type is {shown}; allowed a JSON "
+                   "object sent with Content-Type: application/json")
+    else:
+        message = f"the request body is {_json_kind(value)}: allowed a JSON object"
+    return APIError(400, message, param="body", code="invalid_value")
+
+
+def _json_kind(value: object) -> str:
+    if value is None:
+        return "null"
+    names = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "an array"}
+    return names.get(type(value), "not a JSON object")
+
+
 FASTAPI_BODY_PARSE_ERROR = "There was an error parsing the body"
 """FastAPI's 400 when json.loads itself fails on the body (not a JSON syntax error, which it reports
 as json_invalid): nesting deeper than the parser's recursion limit, an integer of more than 4,300
@@ -185,7 +211,8 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return error_response(_validation_to_api_error(exc), _request_id(request))
+        error = _body_error(exc, request.headers.get("content-type")) or _validation_to_api_error(exc)
+        return error_response(error, _request_id(request))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -369,3 +369,28 @@ def test_a_client_request_id_names_the_request(gateway) -> None:
     rid = "r" * 256
     response = gateway.request("POST", "/v1/chat/completions", json=chat(), headers={"x-request-id": rid})
     assert response.status_code == 200 and response.json()["id"] == f"chatcmpl-{rid}", response.text
+
+
+@pytest.mark.parametrize(
+    ("content", "content_type", "words"),
+    [
+        (b"", "application/json", "the request body is empty: allowed a JSON object"),
+        (b'{"model": "msaserve/tiny"}', "text/plain",
+         "its Content-Type is 'text/plain'; allowed a JSON object sent with Content-Type: application/json"),
+        (b"model=x", "application/x-www-form-urlencoded",
+         "its Content-Type is 'application/x-www-form-urlencoded'"),
+        (b"null", "application/json", "the request body is null: allowed a JSON object"),
+        (b"[1, 2]", "application/json", "the request body is an array: allowed a JSON object"),
+        (b'"hi"', "application/json", "the request body is a string: allowed a JSON object"),
+    ],
+    ids=["empty", "text-plain", "form", "null", "array", "string"],
+)
+def test_a_body_that_is_not_a_json_object_says_which_way(gateway, content: bytes, content_type: str,
+                                                          words: str) -> None:
+    """These were pydantic's "body: Field required" and "Input should be a valid dictionary ... (got
+    b'...')", with the raw bytes."""
+    response = gateway.request("POST", "/v1/chat/completions", content=content,
+                               headers={"content-type": content_type})
+    error = error_of(response, 400)
+    assert (error["param"], error["code"]) == ("body", "invalid_value"), error
+    assert words in error["message"], error
