@@ -68,13 +68,13 @@ def build_router(ctx: Any) -> APIRouter:
 
 
 def _prompt_ids(body: CompletionRequest, tokenizer: Any) -> list[int]:
-    prompt = body.prompt
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        if len(prompt) != 1:
-            raise bad_parameter(
-                "prompt", f"list of {len(prompt)} strings", "a string or a list of one string"
-            )
-        prompt = prompt[0]
+    prompt: Any = body.prompt
+    for kind, one in ((str, "string"), (list, "list of token ids")):  # a batch of one is that prompt
+        if isinstance(prompt, list) and prompt and all(isinstance(p, kind) for p in prompt):
+            if len(prompt) != 1:  # OpenAI's batch of prompts: one request per prompt here
+                raise bad_parameter("prompt", f"a batch of {len(prompt)} prompts",
+                                    f"one prompt: a string, a list of token ids or a list of one {one}")
+            prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt:
             raise bad_parameter("prompt", prompt, "a non-empty string")

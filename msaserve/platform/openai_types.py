@@ -151,7 +151,9 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: str | list[int] | list[str] = Field(description="Text, or token ids; a list of one string.")
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="Text, or token ids; a list of one string or of one list of token ids."
+    )
     logprobs: int | None = Field(None, description="0 to 20 alternatives per token (legacy completions).")
     echo: bool = Field(False, description="Only false is supported.")
     suffix: str | None = Field(None, description="Not supported (must be unset).")

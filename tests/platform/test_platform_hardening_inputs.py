@@ -394,3 +394,19 @@ def test_a_body_that_is_not_a_json_object_says_which_way(gateway, content: bytes
     error = error_of(response, 400)
     assert (error["param"], error["code"]) == ("body", "invalid_value"), error
     assert words in error["message"], error
+
+
+def test_a_batch_of_prompts_is_refused_by_name_and_a_batch_of_one_is_served(gateway) -> None:
+    """OpenAI takes a list of token-id lists as a batch; that was "prompt[0]: Input should be a valid
+    integer". A batch of one is the one prompt, as a list of one string already was."""
+    def complete(prompt):
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0}
+        return gateway.request("POST", "/v1/completions", json=body)
+
+    for batch in ([[1, 2, 3], [4, 5]], ["a", "b"]):
+        error = error_of(complete(batch), 400)
+        assert error["param"] == "prompt", error
+        assert "'a batch of 2 prompts' is invalid: allowed one prompt" in error["message"], error
+    one = complete([[5, 6, 7]])
+    assert one.status_code == 200 and one.json()["usage"]["prompt_tokens"] == 3, one.text
+    assert complete([5, 6, 7]).json()["choices"][0]["text"] == one.json()["choices"][0]["text"]
