@@ -5,8 +5,11 @@ ServerErrorMiddleware renders it after the exception passed through), so interna
 uncounted. This pure ASGI middleware watches the status the app sends and the exception that
 escapes: every request on /v1/ counts in `msaserve_requests`, every 5xx on any route in
 `msaserve_server_errors` with its cause (the APIError code the handler left in the request state,
-or the exception's type name).
+or the exception's type name). A request whose client left (Serve cancels its handler) counts under
+the status already sent, or 499 when none was.
 """
+
+import asyncio
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,6 +26,10 @@ def route_label(path: str) -> str:
         if path == collection or path.startswith(collection + "/"):
             return collection
     return path if path in KNOWN_ROUTES else "other"
+
+
+CLIENT_CLOSED_REQUEST = 499
+"""The status label of a request whose client left before any response was sent (nginx's code)."""
 
 
 class RequestMetricsMiddleware:
@@ -43,6 +50,11 @@ class RequestMetricsMiddleware:
 
         try:
             await self.app(scope, receive, watched_send)
+        except asyncio.CancelledError:
+            # The client left and Serve cancelled the handler (a stream closed mid-way): counted under
+            # the status already sent, or 499 before any, rather than not at all.
+            self._record(scope, status or CLIENT_CLOSED_REQUEST, "client_disconnected")
+            raise
         except Exception as e:
             self._record(scope, status if status >= 500 else 500, type(e).__name__)
             raise

@@ -410,3 +410,30 @@ def test_a_batch_of_prompts_is_refused_by_name_and_a_batch_of_one_is_served(gate
     one = complete([[5, 6, 7]])
     assert one.status_code == 200 and one.json()["usage"]["prompt_tokens"] == 3, one.text
     assert complete([5, 6, 7]).json()["choices"][0]["text"] == one.json()["choices"][0]["text"]
+
+
+def test_a_request_whose_client_left_is_counted() -> None:
+    """Serve cancels a handler when its client disconnects (a stream closed mid-way): the middleware
+    saw a CancelledError, not an Exception, and counted nothing, so requests_total missed every
+    aborted stream (13 of 26 in a hand test)."""
+    import asyncio
+
+    from msaserve.platform.metrics import PlatformMetrics
+    from msaserve.platform.request_metrics import RequestMetricsMiddleware
+
+    async def streaming_app(scope, receive, send):
+        if scope["path"] == "/v1/responses":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        raise asyncio.CancelledError
+
+    async def sent(_message):
+        return None
+
+    metrics = PlatformMetrics()
+    middleware = RequestMetricsMiddleware(streaming_app, metrics, MODEL)
+    for path in ("/v1/responses", "/v1/chat/completions"):  # left mid-stream; before any answer
+        with pytest.raises(asyncio.CancelledError):
+            asyncio.run(middleware({"type": "http", "path": path}, None, sent))
+    assert metrics.count("requests", route="/v1/responses", status="200") == 1
+    assert metrics.count("requests", route="/v1/chat/completions", status="499") == 1
+    assert metrics.count("server_errors") == 0
