@@ -92,6 +92,10 @@ class TextConfig(_Request):
     format: TextFormat | None = None
 
 
+MetadataKey = Annotated[str, Field(max_length=64)]
+MetadataValue = Annotated[str, Field(max_length=512)]
+
+
 class ResponsesRequest(_Request):
     model: str
     input: str | list[InputItem] = Field(description="Text (one user message) or input items.")
@@ -106,7 +110,10 @@ class ResponsesRequest(_Request):
     temperature: float | None = None
     top_p: float | None = None
     text: TextConfig | None = None
-    metadata: dict[str, str] | None = Field(None, max_length=16, description="Up to 16 pairs, echoed back.")
+    metadata: dict[MetadataKey, MetadataValue] | None = Field(
+        None, max_length=16, description="Up to 16 pairs (keys ≤ 64, values ≤ 512 characters, as OpenAI's), "
+        "echoed back.",
+    )
     truncation: Literal["disabled"] | None = Field(
         None, description="Only disabled: an input too long for the context is a 400."
     )

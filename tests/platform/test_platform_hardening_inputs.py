@@ -437,3 +437,15 @@ def test_a_request_whose_client_left_is_counted() -> None:
     assert metrics.count("requests", route="/v1/responses", status="200") == 1
     assert metrics.count("requests", route="/v1/chat/completions", status="499") == 1
     assert metrics.count("server_errors") == 0
+
+
+@pytest.mark.parametrize(("metadata", "param"),
+                         [({"k": "v" * 513}, "metadata.k"), ({"k" * 65: "v"}, "metadata.")])
+def test_responses_metadata_has_openais_bounds(gateway, metadata: dict, param: str) -> None:
+    """Values of any length were kept with the stored response (16 values of 2 MB fit a body)."""
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "metadata": metadata}
+    error = error_of(gateway.request("POST", "/v1/responses", json=body), 400)
+    assert error["param"].startswith(param) and "at most" in error["message"], error
+    fits = {"k" * 64: "v" * 512}
+    response = gateway.request("POST", "/v1/responses", json={**body, "metadata": fits})
+    assert response.status_code == 200 and response.json()["metadata"] == fits
