@@ -103,11 +103,17 @@ def required_tools(request: ChatCompletionRequest) -> list[Tool]:
     return tools
 
 
+def _is_pointer(ref: str) -> bool:
+    """A JSON Pointer into this document ("#", "#/$defs/X"), not an anchor ("#name") or another URI."""
+    return ref == "#" or ref.startswith("#/")
+
+
 def _rebased(schema: Any, base: str) -> Any:
-    """`schema` with every local `$ref` ("#", "#/$defs/X", "#/properties/a") pointing below `base`."""
+    """`schema` with every local JSON Pointer `$ref` ("#", "#/$defs/X", "#/properties/a") pointing
+    below `base`."""
     if isinstance(schema, dict):
         return {
-            key: base + value[1:] if key == "$ref" and isinstance(value, str) and value.startswith("#")
+            key: base + value[1:] if key == "$ref" and isinstance(value, str) and _is_pointer(value)
             else _rebased(value, base)
             for key, value in schema.items()
         }

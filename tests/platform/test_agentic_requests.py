@@ -56,3 +56,14 @@ def test_a_forcing_tool_choice_without_tools_is_refused(choice, shown: str, tool
     assert f"tool_choice={shown} is invalid without tools" in error.value.message
     for allowed in ("none", "auto", None):
         assert chat_grammar(chat(tools=tools, tool_choice=allowed), HERMES) is None
+
+
+def test_a_tools_pointers_are_rebased_into_its_own_schema_and_nothing_else_is() -> None:
+    from msaserve.platform.structured_request import _rebased
+
+    schema = {"a": {"$ref": "#"}, "b": {"$ref": "#/$defs/X"}, "c": {"$ref": "#anchor"},
+              "d": [{"$ref": "https://example.com/s#/y"}], "properties": {"$ref": {"type": "string"}}}
+    assert _rebased(schema, "#/$defs/tool_0") == {
+        "a": {"$ref": "#/$defs/tool_0"}, "b": {"$ref": "#/$defs/tool_0/$defs/X"}, "c": {"$ref": "#anchor"},
+        "d": [{"$ref": "https://example.com/s#/y"}], "properties": {"$ref": {"type": "string"}},
+    }
