@@ -45,10 +45,38 @@ def _text_of(message: ChatMessage, index: int, media: list[ContentPart]) -> str:
     return "".join(texts)
 
 
+def check_messages(messages: list[ChatMessage]) -> None:
+    """Each message carries what its role needs and only that, as OpenAI checks them: a tool's
+    `tool_calls` on a user message, or a tool result with no `tool_call_id`, were dropped or
+    rendered without a word, so the model answered a conversation other than the one sent."""
+    for i, message in enumerate(messages):
+        where, role = f"messages[{i}]", message.role
+        if isinstance(message.content, list) and not message.content:
+            raise APIError(400, f"{where}.content=[] is invalid: allowed a string or at least one part",
+                           param=f"{where}.content", code="invalid_value")
+        if role == "assistant":
+            if message.content is None and not message.tool_calls:
+                raise APIError(400, f"{where} (assistant) needs content or tool_calls",
+                               param=f"{where}.content", code="missing_required_parameter")
+        elif message.content is None:
+            raise APIError(400, f"{where}.content is required for role {role!r}",
+                           param=f"{where}.content", code="missing_required_parameter")
+        if message.tool_calls is not None and role != "assistant":
+            raise APIError(400, f"{where}.tool_calls is invalid for role {role!r}: allowed on assistant "
+                           "messages only", param=f"{where}.tool_calls", code="invalid_value")
+        if role == "tool" and not message.tool_call_id:
+            raise APIError(400, f"{where}.tool_call_id is required for role 'tool': the id of the call "
+                           "it answers", param=f"{where}.tool_call_id", code="missing_required_parameter")
+        if message.tool_call_id is not None and role != "tool":
+            raise APIError(400, f"{where}.tool_call_id is invalid for role {role!r}: allowed on tool "
+                           "messages only", param=f"{where}.tool_call_id", code="invalid_value")
+
+
 def template_messages(
     request: ChatCompletionRequest, fmt: ToolFormat | None = None
 ) -> tuple[list[dict[str, Any]], list[ContentPart]]:
     """([{"role", "content": str}], media parts in order)."""
+    check_messages(request.messages)
     if fmt is not None and fmt.native:
         return native_tool_messages(request)
     media: list[ContentPart] = []

@@ -449,3 +449,39 @@ def test_responses_metadata_has_openais_bounds(gateway, metadata: dict, param: s
     fits = {"k" * 64: "v" * 512}
     response = gateway.request("POST", "/v1/responses", json={**body, "metadata": fits})
     assert response.status_code == 200 and response.json()["metadata"] == fits
+
+
+CALL = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+
+
+@pytest.mark.parametrize(
+    ("messages", "param", "code"),
+    [
+        ([{"role": "user"}], "messages[0].content", "missing_required_parameter"),
+        ([{"role": "user", "content": []}], "messages[0].content", "invalid_value"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant"}, {"role": "user", "content": "x"}],
+         "messages[1].content", "missing_required_parameter"),
+        ([{"role": "user", "content": "hi", "tool_calls": [CALL]}], "messages[0].tool_calls",
+         "invalid_value"),
+        ([{"role": "user", "content": "hi", "tool_call_id": "call_1"}], "messages[0].tool_call_id",
+         "invalid_value"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [CALL]},
+          {"role": "tool", "content": "sunny"}], "messages[2].tool_call_id", "missing_required_parameter"),
+    ],
+    ids=["user-without-content", "empty-parts", "assistant-with-nothing", "user-with-calls",
+         "user-with-call-id", "tool-without-call-id"],
+)
+def test_a_message_missing_or_carrying_what_its_role_does_not_is_a_400(gateway, messages: list, param: str,
+                                                                      code: str) -> None:
+    """All of these were served: the fields a role does not take were dropped, a missing content read
+    as empty, so the model answered a conversation other than the one sent."""
+    error = error_of(gateway.request("POST", "/v1/chat/completions", json=chat(messages=messages)), 400)
+    assert (error["param"], error["code"]) == (param, code), error
+
+
+def test_a_tool_round_trip_with_its_ids_is_served(gateway) -> None:
+    messages = [{"role": "user", "content": "hi"},
+                {"role": "assistant", "content": None, "tool_calls": [CALL]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+    response = gateway.request("POST", "/v1/chat/completions", json=chat(messages=messages))
+    assert response.status_code == 200, response.text
