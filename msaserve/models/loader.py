@@ -11,8 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import ValidationError
 from tokenizers import Tokenizer as BackendTokenizer
 
+from msaserve.models.checkpoint_plan import CheckpointMismatch
 from msaserve.models.config import MSAConfig
 from msaserve.models.gguf_loader import ModelFileMissing, load_gguf, smollm2_gguf_path
 from msaserve.models.memory_check import check_fits
@@ -56,9 +58,39 @@ def load_model(
         model, tokenizer, config = load_gguf(path, device, dtype, attention_backend, progress, **overrides)
         return LoadedModel(model, tokenizer, config)
     if path.is_dir():
-        model, config = architecture_of(path).load(path, device, dtype, attention_backend, progress)
+        try:
+            model, config = architecture_of(path).load(path, device, dtype, attention_backend, progress)
+        except ValidationError as e:  # config.json lacks or mistypes a field: one line per field
+            raise CheckpointMismatch(f"{path / 'config.json'} does not describe a {e.title}: "
+                                     f"{validation_problems(e)}") from None
         return LoadedModel(model, _directory_tokenizer(path, config), config)
-    raise ModelFileMissing(
+    raise _not_found(spec)
+
+
+def validation_problems(e: ValidationError) -> str:
+    """pydantic's errors as `field: message; ...`, not its multi-line dump with documentation links."""
+    return "; ".join(f"{'.'.join(map(str, err['loc'])) or '(top level)'}: {err['msg']}" for err in e.errors())
+
+
+def check_model_spec(spec: str) -> None:
+    """Raise `load_model`'s ModelFileMissing now, reading no weights, for a spec it could not find:
+    `msaserve serve` says so before it starts Ray (a missing path was a traceback from the readiness
+    probe, after the whole app had deployed)."""
+    if spec == "smollm2":
+        smollm2_gguf_path()
+        return
+    path = Path(spec)
+    if spec in CHECKPOINT_PRESETS or spec in PRESETS or path.is_dir():
+        return
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelFileMissing(f"GGUF file {path} not found")
+        return
+    raise _not_found(spec)
+
+
+def _not_found(spec: str) -> ModelFileMissing:
+    return ModelFileMissing(
         f"model {spec!r} not found: expected 'smollm2', a preset ({', '.join(preset_names())}), a directory "
         "with config.json and safetensors, or a .gguf file"
     )

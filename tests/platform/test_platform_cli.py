@@ -175,3 +175,23 @@ def test_bench_without_a_server_says_so(capsys) -> None:
     assert "msaserve bench: cannot reach" in capsys.readouterr().err
     assert main(["bench", "--trace", "/nonexistent.jsonl"]) == 2
     assert "--trace=/nonexistent.jsonl is not a file" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_model_it_cannot_find_before_starting_ray(tmp_path: Path, capsys) -> None:
+    """Both were tracebacks from the readiness probe, after Ray and the whole app had started."""
+    from msaserve.platform.cli import main
+
+    assert main(["serve", "--model", str(tmp_path / "nothing")]) == 2
+    assert "msaserve serve: model.spec: model" in capsys.readouterr().err
+    assert main(["serve", "--model", str(tmp_path / "x.gguf")]) == 2
+    assert "GGUF file" in capsys.readouterr().err
+
+
+def test_a_checkpoint_whose_config_lacks_fields_names_them(tmp_path: Path) -> None:
+    from msaserve.engine.model_loading import CheckpointMismatch, load_model
+
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "vocab_size": 10}))
+    with pytest.raises(CheckpointMismatch, match=r"config\.json does not describe a MSAConfig: "
+                       r"hidden_size: Field required; .*head_dim: Field required") as info:
+        load_model(str(tmp_path), progress=False)
+    assert "errors.pydantic.dev" not in str(info.value) and "vocab_size" not in str(info.value)

@@ -13,6 +13,7 @@ from typing import Any, TextIO
 
 import httpx
 
+from msaserve.engine.model_loading import ModelFileMissing, check_model_spec
 from msaserve.platform.config import ConfigError, ServeConfig
 
 DASHBOARD_PORT = 8265
@@ -117,6 +118,10 @@ def deploy_with_progress(deploy: Callable[[], Any], status: Callable[[], Any], a
         raise failure[0]
 
 
+class ModelLoadFailed(RuntimeError):
+    """The model replica reported that the model failed to load (the readiness probe's 503)."""
+
+
 def wait_until_ready(base_url: str, timeout_s: float = 600.0) -> float:
     start = time.monotonic()
     while time.monotonic() - start < timeout_s:
@@ -126,7 +131,7 @@ def wait_until_ready(base_url: str, timeout_s: float = 600.0) -> float:
                 return time.monotonic() - start
             error = response.json().get("error", {})
             if error.get("code") == "model_failed":
-                raise RuntimeError(error.get("message"))
+                raise ModelLoadFailed(error.get("message"))
         except httpx.HTTPError:
             pass
         time.sleep(0.5)
@@ -158,8 +163,12 @@ def _interrupt(*_: object) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         config = load_config(args)
+        check_model_spec(config.model.spec)
     except ConfigError as e:
-        print(f"msaserve serve: {e}")
+        print(f"msaserve serve: {e}", file=sys.stderr)
+        return 2
+    except ModelFileMissing as e:
+        print(f"msaserve serve: model.spec: {e}", file=sys.stderr)
         return 2
     import ray
     from ray import serve
@@ -186,6 +195,7 @@ def run(args: argparse.Namespace) -> int:
     # is installed explicitly because shells start background jobs with it ignored.
     signal.signal(signal.SIGINT, _interrupt)
     signal.signal(signal.SIGTERM, _interrupt)
+    status = 0
     try:
         host = config.http.host
         serve.start(http_options=proxy_http_options(config.http))
@@ -205,8 +215,11 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(3600)
     except KeyboardInterrupt:
         pass
+    except ModelLoadFailed as e:
+        print(f"msaserve serve: {e}", file=sys.stderr)
+        status = 1
     finally:
         print("\nShutting down ...", flush=True)
         serve.shutdown()
         ray.shutdown()
-    return 0
+    return status
