@@ -68,8 +68,12 @@ def load_model(
 
 
 def validation_problems(e: ValidationError) -> str:
-    """pydantic's errors as `field: message; ...`, not its multi-line dump with documentation links."""
-    return "; ".join(f"{'.'.join(map(str, err['loc'])) or '(top level)'}: {err['msg']}" for err in e.errors())
+    """pydantic's errors as `field: message; ...`, not its multi-line dump with documentation links (a
+    model validator's error, whose message names its fields, without pydantic's "Value error, ")."""
+    return "; ".join(
+        ": ".join(filter(None, (".".join(map(str, err["loc"])), err["msg"].removeprefix("Value error, "))))
+        for err in e.errors()
+    )
 
 
 def check_model_spec(spec: str) -> None:

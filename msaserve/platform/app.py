@@ -37,15 +37,9 @@ def router_config(router: RouterConfig) -> RequestRouterConfig:
     return request_router_config(router.model_dump())
 
 
-def needs_preprocess(config: ServeConfig) -> bool:
-    """Whether the app has a Preprocess deployment: models that may take media (not the text-only
-    presets)."""
-    return config.model.spec not in TEXT_ONLY_PRESETS
-
-
 def preprocess_app(config: ServeConfig) -> Application | None:
     """The Preprocess deployment, for models that may take media (not the text-only presets)."""
-    if not needs_preprocess(config):
+    if config.model.spec in TEXT_ONLY_PRESETS:
         return None
     deployment = serve.deployment(PreprocessDeployment, name="Preprocess")
     options = config.deployments.preprocess.to_serve_options()

@@ -64,10 +64,10 @@ MAX_REQUEST_ID_CHARS = 256
 
 
 def bad_request_id(headers: list[tuple[bytes, bytes]]) -> APIError | None:
-    """A 400 for a client's X-Request-ID of more than 256 characters or any but printable ASCII (an empty
-    one is no id: the server makes one). Serve takes
-    the header as the request's id, which goes into the response's id (`chatcmpl-<id>`), every log
-    line and every error message: a 5,000-character id went there whole."""
+    """A 400 for a client's X-Request-ID of more than 256 characters or any but printable ASCII (an
+    empty one is no id: the server makes one). Serve takes the header as the request's id, which goes
+    into the response's id (`chatcmpl-<id>`), every log line and every error message: a
+    5,000-character id went there whole."""
     value = next((v for n, v in headers if n == b"x-request-id"), None)
     if not value or (len(value) <= MAX_REQUEST_ID_CHARS and all(0x21 <= b <= 0x7E for b in value)):
         return None

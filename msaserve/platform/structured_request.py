@@ -58,31 +58,26 @@ def check_tools(tools: list[Tool] | None) -> None:
         _check_parameters(tool.function.parameters, f"tools[{i}].function.parameters", name)
 
 
-_SCHEMA_SHAPES: dict[str, tuple[type, str]] = {
-    "properties": (dict, "an object of property name → schema"),
-    "required": (list, "a list of property names"),
-}
-
-
 def _check_parameters(schema: dict[str, Any] | None, param: str, name: str) -> None:
     if schema is None:
         return
+
+    def bad(what: str, allowed: str) -> APIError:
+        return _bad(param, f"{param}{what} is invalid for function {name!r}: allowed {allowed}")
+
     if schema.get("type", "object") != "object":
-        raise _bad(param, f"{param}.type={quoted(schema['type'])} is invalid for function {name!r}: allowed "
-                   "'object' (a call's arguments are a JSON object)")
-    for key, (kind, allowed) in _SCHEMA_SHAPES.items():
-        if key in schema and not isinstance(schema[key], kind):
-            raise _bad(param, f"{param}.{key}={quoted(schema[key])} is invalid for function {name!r}: "
-                       f"allowed {allowed}")
-    properties = schema.get("properties", {})
+        raise bad(f".type={quoted(schema['type'])}", "'object' (a call's arguments are a JSON object)")
+    properties, required = schema.get("properties", {}), schema.get("required", [])
+    if not isinstance(properties, dict):
+        raise bad(f".properties={quoted(properties)}", "an object of property name → schema")
+    if not isinstance(required, list):
+        raise bad(f".required={quoted(required)}", "a list of property names")
     for prop, sub in properties.items():
         if not isinstance(sub, dict | bool):
-            raise _bad(param, f"{param}.properties.{prop}={quoted(sub)} is invalid for function {name!r}: "
-                       "allowed a JSON Schema (an object or a boolean)")
-    for prop in schema.get("required", []):
+            raise bad(f".properties.{prop}={quoted(sub)}", "a JSON Schema (an object or a boolean)")
+    for prop in required:
         if not isinstance(prop, str):
-            raise _bad(param, f"{param}.required item {quoted(prop)} is invalid for function {name!r}: "
-                       "allowed property names (strings)")
+            raise bad(f".required item {quoted(prop)}", "property names (strings)")
 
 
 def required_tools(request: ChatCompletionRequest) -> list[Tool]:

@@ -7,7 +7,12 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from msaserve.engine.checkpoint_convert import REPORT_FILE, CalibrationSettings, convert_checkpoint
-from msaserve.engine.model_loading import CheckpointMismatch, ModelFileMissing, UnsupportedModelType
+from msaserve.engine.model_loading import (
+    CheckpointMismatch,
+    ModelFileMissing,
+    UnsupportedModelType,
+    validation_problems,
+)
 from msaserve.platform.cli.arg_types import positive_int
 
 
@@ -50,13 +55,6 @@ def _layer_list(text: str) -> tuple[int, ...]:
     return tuple(layers)
 
 
-def _reason(err: Exception) -> str:
-    """One line per problem: a config's validation error by its messages, not pydantic's dump."""
-    if isinstance(err, ValidationError):
-        return "; ".join(e["msg"].removeprefix("Value error, ") for e in err.errors())
-    return str(err)
-
-
 def run(args: argparse.Namespace) -> int:
     try:
         text = args.calibration_text.read_text()
@@ -69,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
                      if v is not None}
         reports = convert_checkpoint(args.model, args.out, text, args.tokens, settings, **overrides)
     except (ModelFileMissing, CheckpointMismatch, UnsupportedModelType, ValueError) as err:
-        print(f"error: {_reason(err)}", file=sys.stderr)
+        reason = validation_problems(err) if isinstance(err, ValidationError) else err
+        print(f"error: {reason}", file=sys.stderr)
         return 2
     before = sum(r.loss_before for r in reports) / len(reports)
     after = sum(r.loss_after for r in reports) / len(reports)

@@ -173,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
     import ray
     from ray import serve
 
-    from msaserve.platform.app import APP_NAME, build_app, needs_preprocess
+    from msaserve.platform.app import APP_NAME, build_app
     from msaserve.platform.http_limits import apply_proxy_limits, proxy_http_options
     from msaserve.platform.ray_defaults import apply_local_loopback, apply_ray_defaults
 
@@ -199,8 +199,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         host = config.http.host
         serve.start(http_options=proxy_http_options(config.http))
-        print(f"Deploying {APP_NAME!r} (Gateway, Model{', Preprocess' if needs_preprocess(config) else ''}) "
-              "...", flush=True)
+        print(f"Deploying the {APP_NAME!r} Serve app ...", flush=True)
         deploy_with_progress(lambda: serve.run(build_app(config), name=APP_NAME, route_prefix="/"),
                              serve.status, APP_NAME)
         shown_host = "127.0.0.1" if host in ("0.0.0.0", "::") else host
