@@ -5,6 +5,7 @@ same ids; or a plain byte vocabulary for the random-weight presets.
 """
 
 import json
+import re
 from collections.abc import Sequence
 from datetime import datetime
 from functools import cache
@@ -22,6 +23,8 @@ CHATML_TEMPLATE = (
     "{% endif %}"
 )
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
+_INCOMPLETE = "\ufffd"
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 @cache
@@ -68,6 +71,22 @@ class Tokenizer:
 
     def token(self, token_id: int | None) -> str:
         return "" if token_id is None else (self.backend.id_to_token(token_id) or "")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for. A byte-level token may hold part of a UTF-8 character
+        (an emoji is often three or four tokens), which `decode` shows as U+FFFD: those come from
+        the token's spelling in the byte alphabet (or a `<0xNN>` byte-fallback token), so that the
+        tokens' bytes concatenated are the text's."""
+        text = self.decode([token_id], skip_special_tokens=False)
+        if _INCOMPLETE not in text:
+            return text.encode()
+        spelled = self.token(token_id)
+        if fallback := _BYTE_FALLBACK.fullmatch(spelled):
+            return bytes([int(fallback[1], 16)])
+        byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+        if spelled and all(char in byte_of for char in spelled):
+            return bytes(byte_of[char] for char in spelled)
+        return text.encode()
 
     def apply_chat_template(
         self,

@@ -12,12 +12,14 @@ from msaserve.platform.gateway_tenancy import session_of
 from msaserve.platform.generation import (
     SSE_DONE,
     Generation,
+    TextOffsets,
     fit_max_tokens,
     record_metrics,
     sampling_from,
     sse,
     start_generation,
-    token_text,
+    token_bytes,
+    token_label,
     usage_of,
 )
 from msaserve.platform.openai_types import (
@@ -96,9 +98,15 @@ async def _start(ctx: Any, body: CompletionRequest, request: Request, info: Any)
     if body.n != 1:
         raise bad_parameter("n", body.n, "1 on /v1/completions (n > 1 is served by /v1/chat/completions)")
     top = body.logprobs or 0
-    params, given = sampling_from(
-        body, body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=top, extra_stop=[]
-    )
+    try:
+        params, given = sampling_from(
+            body, body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=top, extra_stop=[]
+        )
+    except APIError as e:  # the engine's top_logprobs is this route's `logprobs`: name what was sent
+        if e.param != "top_logprobs":
+            raise
+        e.param, e.message = "logprobs", e.message.replace("top_logprobs=", "logprobs=", 1)
+        raise
     token_ids = _prompt_ids(body, info.tokenizer)
     fit_max_tokens(params, given, len(token_ids), info, "prompt", "max_tokens")
     greq = GenerateRequest(
@@ -111,16 +119,14 @@ async def _start(ctx: Any, body: CompletionRequest, request: Request, info: Any)
     return await start_generation(ctx, greq)
 
 
-def _logprobs(tokenizer: Any, outputs_logprobs: list, offset: int) -> CompletionLogprobs:
+def _logprobs(tokenizer: Any, outputs_logprobs: list, offsets: TextOffsets) -> CompletionLogprobs:
     result = CompletionLogprobs(top_logprobs=[])
     for lp in outputs_logprobs:
-        text = token_text(tokenizer, lp.token_id)
-        result.tokens.append(text)
+        result.tokens.append(token_label(tokenizer, lp.token_id))
         result.token_logprobs.append(lp.logprob)
-        result.text_offset.append(offset)
-        offset += len(text)
+        result.text_offset.append(offsets.add(token_bytes(tokenizer, lp.token_id)))
         assert result.top_logprobs is not None
-        result.top_logprobs.append({token_text(tokenizer, t): v for t, v in lp.top})
+        result.top_logprobs.append({token_label(tokenizer, t): v for t, v in lp.top})
     return result
 
 
@@ -131,7 +137,7 @@ async def _complete(ctx: Any, gen: Generation, body: CompletionRequest, tokenize
         all_logprobs += out.logprobs or []
         finish_reason = out.finish_reason
     record_metrics(ctx, gen, _ROUTE)
-    logprobs = _logprobs(tokenizer, all_logprobs, 0) if body.logprobs is not None else None
+    logprobs = _logprobs(tokenizer, all_logprobs, TextOffsets()) if body.logprobs is not None else None
     return Completion(
         id="cmpl-" + gen.request.request_id,
         model=ctx.model_name,
@@ -144,11 +150,10 @@ async def _stream(
     ctx: Any, gen: Generation, body: CompletionRequest, include_usage: bool, tokenizer: Any, key: str
 ) -> AsyncIterator[str]:
     cid = "cmpl-" + gen.request.request_id
-    offset = 0
+    offsets = TextOffsets()  # across chunks: a character's tokens may arrive in two
     try:
         async for out in gen.outputs():
-            logprobs = _logprobs(tokenizer, out.logprobs or [], offset) if body.logprobs is not None else None
-            offset += len(out.text)
+            logprobs = None if body.logprobs is None else _logprobs(tokenizer, out.logprobs or [], offsets)
             choice = CompletionChunkChoice(text=out.text, finish_reason=out.finish_reason, logprobs=logprobs)
             yield sse(CompletionChunk(id=cid, model=ctx.model_name, choices=[choice]))
         record_metrics(ctx, gen, _ROUTE)

@@ -1,4 +1,7 @@
-"""GET /health (liveness), GET /ready (a model replica answers) and GET /metrics (Prometheus)."""
+"""GET /health (liveness), GET /ready (a model replica answers) and GET /metrics (Prometheus).
+
+/health and /ready take HEAD too: load balancers and uptime checks often probe with it, and a 405
+would read as down."""
 
 from typing import Any
 
@@ -17,12 +20,12 @@ def build_router(ctx: Any) -> APIRouter:
     probe = ReadinessProbe(http.ready_probe_timeout_s, http.ready_cache_s)
     export = MetricsExport()
 
-    @router.get("/health")
+    @router.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> dict:
         """Liveness: 200 while the gateway answers. Whether a model can answer is `/ready`."""
         return {"status": "ok"}
 
-    @router.get("/ready", responses={503: {"model": ErrorResponse}})
+    @router.api_route("/ready", methods=["GET", "HEAD"], responses={503: {"model": ErrorResponse}})
     async def ready(request: Request) -> Any:
         """200 when a model replica answered a 1-token probe within http.ready_probe_timeout_s
         (a success is reused for http.ready_cache_s); 503 with Retry-After otherwise."""

@@ -21,7 +21,7 @@ from fastapi.responses import StreamingResponse
 from msaserve.engine.types import quoted
 from msaserve.platform.api_chat import start_chat
 from msaserve.platform.choices import merged, total_usage
-from msaserve.platform.errors import APIError
+from msaserve.platform.errors import APIError, bad_parameter
 from msaserve.platform.generation import Generation, record_metrics
 from msaserve.platform.openai_types import ChatCompletionRequest, ErrorResponse, Usage
 from msaserve.platform.response_store import StoredResponse
@@ -139,7 +139,19 @@ class _Turn:
         await handle.put_response.remote(request.state.tenant.scope(self.response.id), record)
 
 
+def check_unsupported(body: ResponsesRequest) -> None:
+    """OpenAI fields that generic clients may send empty for "none" (`include: []`): empty is served,
+    a value that asks for something this server does not produce is a 400 naming it."""
+    if body.include:
+        raise bad_parameter("include", body.include, "an empty list or null (no includable output data "
+                            "is produced)")
+    if body.reasoning and any(value is not None for value in body.reasoning.values()):
+        raise bad_parameter("reasoning", body.reasoning, "null, {} or null values (the served models have "
+                            "no reasoning settings)")
+
+
 async def _begin(ctx: Any, body: ResponsesRequest, request: Request, info: Any) -> _Turn:
+    check_unsupported(body)
     if body.previous_response_id is not None:
         previous = await _load(ctx, request, body.previous_response_id, "previous_response_id")
         history, session = previous.messages, previous.session_id

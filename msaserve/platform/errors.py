@@ -8,12 +8,14 @@ import json
 import logging
 import math
 from dataclasses import dataclass
+from http import HTTPStatus
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
 
 from msaserve.engine.types import ContextTooLong, EngineError, InvalidParameter, QueueFull, quoted
 
@@ -218,9 +220,36 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         if exc.status_code == 400 and exc.detail == FASTAPI_BODY_PARSE_ERROR:
             return error_response(unparsable_body(await request.body()), _request_id(request))
-        return error_response(APIError(exc.status_code, str(exc.detail)), _request_id(request))
+        if exc.status_code in (404, 405) and exc.detail == HTTPStatus(exc.status_code).phrase:
+            return _no_route(request, exc.status_code)
+        response = error_response(APIError(exc.status_code, str(exc.detail)), _request_id(request))
+        response.headers.update(exc.headers or {})
+        return response
 
     @app.exception_handler(Exception)
     async def _internal(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("[%s] internal error", _request_id(request))
         return error_response(APIError(500, f"internal error: {type(exc).__name__}"), _request_id(request))
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+def _no_route(request: Request, status: int) -> JSONResponse:
+    """Starlette's bare "Not Found" / "Method Not Allowed" for a request no route takes, said with the
+    method, the path and what the path allows. The `Allow` header (RFC 9110 requires it on a 405)
+    lists the methods of every route of this path; Starlette's lists the first route's only (GET of
+    `/v1/responses/{id}`, not its DELETE)."""
+    path, method = request.scope.get("path", ""), request.method
+    routes = request.app.router.routes  # FastAPI ≥ 0.160 nests an included router's: ask each by method
+    allowed = [m for m in _METHODS
+               if any(route.matches({**request.scope, "method": m})[0] == Match.FULL for route in routes)]
+    if status == 405 and allowed:
+        error = APIError(405, f"method {method} is not allowed on {quoted(path)}: allowed "
+                         f"{', '.join(allowed)}", code="method_not_allowed")
+        response = error_response(error, _request_id(request))
+        response.headers["Allow"] = ", ".join(allowed)
+        return response
+    error = APIError(404, f"no route {method} {quoted(path)}: the API's routes are listed in /docs and "
+                     "/openapi.json (the OpenAI routes under /v1/)", code="route_not_found")
+    return error_response(error, _request_id(request))

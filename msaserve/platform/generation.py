@@ -7,6 +7,7 @@ the engine's outputs; closing it (client gone, or done) cancels the model-side g
 aborts the request in the engine and frees its pages.
 """
 
+import codecs
 import json
 import logging
 import time
@@ -54,6 +55,12 @@ def sampling_from(
     """SamplingParams from an OpenAI body; the bool says whether the client chose max_tokens."""
     if not 1 <= body.n <= MAX_N:
         raise bad_parameter("n", body.n, f"1 to {MAX_N} choices")
+    if body.stream_options is not None and not body.stream:  # as OpenAI: it would do nothing
+        raise APIError(
+            400, f"stream_options={body.stream_options.model_dump()} is invalid with stream: false: allowed "
+            "only with stream: true (leave it out, or null, otherwise)", param="stream_options",
+            code="invalid_value",
+        )
     stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
     params = SamplingParams(
         max_tokens=max_tokens if max_tokens is not None else 1,
@@ -219,17 +226,52 @@ def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
 
 
+def token_bytes(tokenizer: Any, token_id: int) -> bytes:
+    """The token's own bytes: part of a UTF-8 character for a token that splits one (its text is then
+    U+FFFD, whose bytes are not the token's); the text's bytes for a tokenizer that cannot tell."""
+    of = getattr(tokenizer, "token_bytes", None)
+    return of(token_id) if of is not None else token_text(tokenizer, token_id).encode()
+
+
+def token_label(tokenizer: Any, token_id: int) -> str:
+    """The token as the legacy completions API names it: its text, or, for a token that is part of a
+    UTF-8 character, its bytes as OpenAI writes them (`bytes:\\xf0\\x9f`), so that two such tokens
+    (each U+FFFD as text) stay two keys of `top_logprobs`."""
+    raw = token_bytes(tokenizer, token_id)
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return token_text(tokenizer, token_id)
+
+
+class TextOffsets:
+    """Each token's `text_offset` for the legacy completions API: the characters of the output text
+    before it. A token that completes a character counts it only once whole (the three tokens of one
+    emoji start at the same offset), so offsets stay within the text."""
+
+    def __init__(self) -> None:
+        self._decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def add(self, raw: bytes) -> int:
+        """The offset of a token of bytes `raw`, which then counts as text."""
+        offset = self.chars
+        self.chars += len(self._decoder.decode(raw))
+        return offset
+
+
 def logprob_entries(tokenizer: Any, logprobs: list[TokenLogprob] | None) -> list[TokenLogprobEntry]:
     entries = []
     for lp in logprobs or []:
         text = token_text(tokenizer, lp.token_id)
         top = [
-            TopLogprob(token=(t := token_text(tokenizer, tid)), logprob=v, bytes=list(t.encode()))
+            TopLogprob(token=token_text(tokenizer, tid), logprob=v, bytes=list(token_bytes(tokenizer, tid)))
             for tid, v in lp.top
         ]
-        entries.append(
-            TokenLogprobEntry(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top)
-        )
+        entries.append(TokenLogprobEntry(
+            token=text, logprob=lp.logprob, bytes=list(token_bytes(tokenizer, lp.token_id)), top_logprobs=top
+        ))
     return entries
 
 

@@ -8,6 +8,7 @@ import time
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag
+from pydantic.json_schema import SkipJsonSchema
 
 from msaserve.platform.openai_types import _Request, _Response
 
@@ -47,20 +48,35 @@ class FunctionCallOutputItem(_Request):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+class UnknownItem(_Request):
+    """Where an item of an unknown `type` goes: its `type` is the one error, listing every item type."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["message", "function_call", "function_call_output"]
+
+
+_ITEM_TAGS = {
+    "message": "Message", "function_call": "FunctionCall", "function_call_output": "FunctionCallOutput",
+}
+
+
 def _item_kind(value: Any) -> str:
     kind = value.get("type", "message") if isinstance(value, dict) else getattr(value, "type", "message")
-    return {"message": "Message", "function_call": "FunctionCall",
-            "function_call_output": "FunctionCallOutput"}.get(kind, "Message")
+    return _ITEM_TAGS.get(kind, "Unknown") if isinstance(kind, str) else "Unknown"
 
 
 InputItem = Annotated[
     Annotated[InputMessage, Tag("Message")]
     | Annotated[FunctionCallItem, Tag("FunctionCall")]
-    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")],
+    | Annotated[FunctionCallOutputItem, Tag("FunctionCallOutput")]
+    | SkipJsonSchema[Annotated[UnknownItem, Tag("Unknown")]],
     Discriminator(_item_kind),
 ]
-"""An item without `type` is a message (EasyInputMessage); tags are capitalised so that error
-locations name the field (`input[0].content`), not the union member (errors.param_path)."""
+"""An item without `type` is a message (EasyInputMessage); one of another type (a string the API does
+not know, or not a string: `[1]` is unhashable, so no lookup) goes to `UnknownItem`, whose error lists
+every item type. Tags are capitalised so that error locations name the field (`input[0].content`),
+not the union member (errors.param_path)."""
 
 
 class FunctionTool(_Request):
@@ -119,6 +135,14 @@ class ResponsesRequest(_Request):
     )
     user: str | None = None
     seed: int | None = Field(None, description="msaserve extension: same seed and request → same output.")
+    include: list[str] | None = Field(
+        None, description="Accepted empty or null only: no includable output data (logprobs, reasoning, "
+        "tool results) is produced.",
+    )
+    reasoning: dict[str, Any] | None = Field(
+        None, description="Accepted as null, {} or with null values only: the served models have no "
+        "reasoning settings.",
+    )
 
 
 # ----------------------------------------------------------------------------- responses

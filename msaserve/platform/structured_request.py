@@ -58,12 +58,37 @@ def check_tools(tools: list[Tool] | None) -> None:
         _check_parameters(tool.function.parameters, f"tools[{i}].function.parameters", name)
 
 
+MAX_SCHEMA_DEPTH = 100
+"""Levels of JSON objects and arrays in one tool's `parameters`. Real schemas use a dozen or so; the
+tool list is written into the prompt (and echoed by the Responses API) by a serializer that stops at
+255 levels, and llguidance parses a forced call's schema (this one wrapped in two more) to 128."""
+
+
+def json_depth(value: Any) -> int:
+    """Levels of nested objects and arrays in a parsed JSON value (a scalar is 0); iterative, so a
+    value nested as deep as the body parser allows cannot exhaust the stack."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        node, depth = stack.pop()
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
 def _check_parameters(schema: dict[str, Any] | None, param: str, name: str) -> None:
     if schema is None:
         return
 
     def bad(what: str, allowed: str) -> APIError:
         return _bad(param, f"{param}{what} is invalid for function {name!r}: allowed {allowed}")
+
+    depth = json_depth(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise _bad(param, f"{param} of function {name!r} is nested {depth} levels deep: allowed at most "
+                   f"{MAX_SCHEMA_DEPTH} levels of objects and arrays")
 
     if schema.get("type", "object") != "object":
         raise bad(f".type={quoted(schema['type'])}", "'object' (a call's arguments are a JSON object)")

@@ -485,3 +485,222 @@ def test_a_tool_round_trip_with_its_ids_is_served(gateway) -> None:
                 {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
     response = gateway.request("POST", "/v1/chat/completions", json=chat(messages=messages))
     assert response.status_code == 200, response.text
+
+
+# ----------------------------------------------------------------------------- a user and an attacker
+
+
+@pytest.mark.parametrize("kind", ["input_image", [1], {"a": 1}, 5, None],
+                         ids=["unknown-name", "list", "object", "number", "null"])
+def test_an_input_item_of_unknown_type_lists_every_item_type(gateway, kind: object) -> None:
+    """`"type": [1]` (unhashable) was a 500 TypeError from the item discriminator; an unknown name was
+    answered "allowed 'message'", as if messages were the only items."""
+    body = {"model": MODEL, "input": [{"type": kind, "image_url": "x"}], "max_output_tokens": 2}
+    error = error_of(gateway.request("POST", "/v1/responses", json=body), 400)
+    assert (error["param"], error["code"]) == ("input[0].type", "invalid_value"), error
+    assert error["message"].startswith(f"input[0].type={kind!r} is not supported: allowed 'message', "
+                                       "'function_call' or 'function_call_output'"), error
+
+
+def test_the_unknown_item_catch_all_is_no_documented_item(gateway) -> None:
+    schema = gateway.request("GET", "/openapi.json")
+    assert schema.status_code == 200, schema.text
+    items = schema.json()["components"]["schemas"]["ResponsesRequest"]["properties"]["input"]["anyOf"][1]
+    assert [one["$ref"].rsplit("/", 1)[1] for one in items["items"]["oneOf"]] == [
+        "InputMessage", "FunctionCallItem", "FunctionCallOutputItem"]
+
+
+def nested_schema(levels: int) -> dict:
+    """An object schema whose property `a` is arrays of arrays ...: `levels` levels of JSON in all."""
+    inner: dict = {}
+    for _ in range(levels - 3):
+        inner = {"type": "array", "items": inner}
+    schema = {"type": "object", "properties": {"a": inner}}
+    from msaserve.platform.structured_request import json_depth
+
+    assert json_depth(schema) == levels
+    return schema
+
+
+@pytest.mark.parametrize("tool_choice", ["auto", "required", "none"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_tool_parameters_nested_past_the_bound_are_a_400(gateway, path: str, tool_choice: str) -> None:
+    """Nested 301 levels, they were a 500 (PydanticSerializationError: the tool list is written into the
+    prompt by pydantic's JSON serializer, which stops at 255 levels)."""
+    parameters = nested_schema(301)
+    if path == "/v1/responses":
+        tool = {"type": "function", "name": "f", "parameters": parameters}
+        body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, "tools": [tool],
+                "tool_choice": tool_choice}
+        param = "tools[0].parameters"
+    else:
+        body = chat(tools=[with_function(parameters=parameters)], tool_choice=tool_choice)
+        param = "tools[0].function.parameters"
+    error = error_of(gateway.request("POST", path, json=body), 400)
+    assert (error["param"], error["code"]) == (param, "invalid_value"), error
+    assert f"{param} of function 'f' is nested 301 levels deep: allowed at most 100 levels" in \
+        error["message"], error
+
+
+def test_tool_parameters_at_the_bound_are_served(gateway) -> None:
+    body = chat(tools=[with_function(parameters=nested_schema(99))], tool_choice="none")
+    assert gateway.request("POST", "/v1/chat/completions", json=body).status_code == 200
+
+
+def test_json_depth_counts_objects_and_arrays() -> None:
+    from msaserve.platform.structured_request import json_depth
+
+    assert [json_depth(v) for v in (1, "x", {}, [], {"a": [1]}, [[], [[{}]]])] == [0, 0, 1, 1, 2, 4]
+    deep: list = []
+    for _ in range(50_000):
+        deep = [deep]
+    assert json_depth(deep) == 50_001  # no recursion
+
+
+@pytest.mark.parametrize("logprobs", [21, -1])
+def test_completions_logprobs_out_of_range_names_logprobs(gateway, logprobs: int) -> None:
+    """It was named by the engine's field: `top_logprobs=21 is invalid`, param top_logprobs, which a
+    completions request does not have."""
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "logprobs": logprobs}
+    error = error_of(gateway.request("POST", "/v1/completions", json=body), 400)
+    assert (error["param"], error["code"]) == ("logprobs", "invalid_value"), error
+    assert error["message"].startswith(f"logprobs={logprobs} is invalid: allowed 0 to 20"), error
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions"])
+def test_stream_options_without_stream_is_a_400(gateway, path: str) -> None:
+    """It was silently ignored (OpenAI refuses it): a client asking for usage chunks got none."""
+    base = chat() if path == "/v1/chat/completions" else {"model": MODEL, "prompt": "hi", "max_tokens": 2}
+    body = {**base, "stream_options": {"include_usage": True}}
+    error = error_of(gateway.request("POST", path, json=body), 400)
+    assert (error["param"], error["code"]) == ("stream_options", "invalid_value"), error
+    assert "with stream: false: allowed only with stream: true" in error["message"], error
+    assert gateway.request("POST", path, json={**base, "stream_options": None}).status_code == 200
+    streamed = gateway.request("POST", path, json={**body, "stream": True})
+    assert streamed.status_code == 200 and '"usage"' in streamed.text
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "allow"),
+    [("PUT", "/v1/chat/completions", "POST"), ("GET", "/v1/completions", "POST"),
+     ("PUT", "/v1/responses/resp_1", "GET, DELETE"), ("DELETE", "/v1/models", "GET")],
+)
+def test_a_method_a_route_does_not_take_is_a_405_naming_the_allowed_ones(gateway, method: str, path: str,
+                                                                         allow: str) -> None:
+    """It was "Method Not Allowed" with no Allow header (RFC 9110 requires one), nor the method, nor the
+    methods the path takes; for a path of two routes (GET and DELETE) Starlette's header named one."""
+    response = gateway.request(method, path)
+    error = error_of(response, 405)
+    assert response.headers["allow"] == allow
+    assert error["code"] == "method_not_allowed", error
+    assert error["message"].startswith(f"method {method} is not allowed on {path!r}: allowed {allow}"), error
+
+
+def test_an_unknown_route_is_a_404_naming_it(gateway) -> None:
+    """It was a bare "Not Found"."""
+    error = error_of(gateway.request("GET", "/v1/chat/completion"), 404)
+    assert error["code"] == "route_not_found", error
+    assert error["message"].startswith("no route GET '/v1/chat/completion': the API's routes are listed in "
+                                       "/docs"), error
+
+
+EMOJI = "\U0001f600"  # 4 UTF-8 bytes: 4 tokens of the tiny model's byte vocabulary
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprob_bytes_of_tokens_that_split_a_character_are_the_tokens_own(gateway, stream: bool) -> None:
+    """Each of an emoji's byte tokens decodes alone to U+FFFD, and `bytes` was that character's
+    (239, 191, 189) for all of them: the tokens' bytes did not add up to the text."""
+    body = chat(messages=[{"role": "user", "content": "smile"}], max_tokens=10, temperature=0, logprobs=True,
+                top_logprobs=2, stream=stream, response_format={"type": "regex", "regex": EMOJI * 2})
+    response = gateway.request("POST", "/v1/chat/completions", json=body)
+    assert response.status_code == 200, response.text
+    if stream:
+        chunks = [json.loads(line[6:]) for line in response.text.splitlines()
+                  if line.startswith("data: {")]
+        entries = [e for c in chunks for ch in c["choices"]
+                   for e in (ch.get("logprobs") or {}).get("content", [])]
+        text = "".join(ch["delta"].get("content") or "" for c in chunks for ch in c["choices"])
+    else:
+        choice = response.json()["choices"][0]
+        entries, text = choice["logprobs"]["content"], choice["message"]["content"]
+    assert text == EMOJI * 2
+    assert [e["token"] for e in entries[8:]] in ([], ["<|im_end|>"])  # the end token, when sampled
+    assert bytes(b for e in entries[:8] for b in e["bytes"]) == text.encode()
+    assert [e["bytes"] for e in entries[:4]] == [[b] for b in EMOJI.encode()]
+    assert all(len(t["bytes"]) == 1 for e in entries for t in e["top_logprobs"] if t["token"] == "\ufffd")
+
+
+def fake_logprobs(tokenizer, text: str) -> list:
+    from msaserve.engine.types import TokenLogprob
+
+    ids = tokenizer.encode(text)
+    return [TokenLogprob(i, -0.5, [(i, -0.5), (3 + 0xA0, -1.0), (3 + 0xA1, -2.0)]) for i in ids]
+
+
+def test_completions_logprobs_of_a_split_character_offsets_and_labels() -> None:
+    """text_offset counted each byte token as a character (U+FFFD): "a😀b" had offsets up to 5 in 3
+    characters; and two byte tokens were one key "\ufffd" of top_logprobs, so alternatives were lost.
+    Byte tokens are now labelled as OpenAI's legacy API writes them ("bytes:\\xf0")."""
+    from msaserve.models.tokenizer import Tokenizer
+    from msaserve.platform.api_completions import _logprobs
+    from msaserve.platform.generation import TextOffsets
+
+    tokenizer = Tokenizer.byte_level(300)
+    logprobs = fake_logprobs(tokenizer, f"a{EMOJI}b")
+    whole = _logprobs(tokenizer, logprobs, TextOffsets())
+    assert whole.tokens == ["a", "bytes:\\xf0", "bytes:\\x9f", "bytes:\\x98", "bytes:\\x80", "b"]
+    assert whole.text_offset == [0, 1, 1, 1, 1, 2]
+    assert whole.top_logprobs is not None and all(len(top) == 3 for top in whole.top_logprobs)
+    assert whole.top_logprobs[2] == {"bytes:\\x9f": -0.5, "bytes:\\xa0": -1.0, "bytes:\\xa1": -2.0}
+    offsets = TextOffsets()  # streamed: a character's tokens split over two chunks, offsets go on
+    streamed = [_logprobs(tokenizer, part, offsets) for part in (logprobs[:3], logprobs[3:])]
+    assert streamed[0].text_offset + streamed[1].text_offset == whole.text_offset
+
+
+def test_token_bytes_of_byte_level_and_byte_fallback_vocabularies() -> None:
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import decoders, models
+
+    from msaserve.models.tokenizer import Tokenizer
+
+    byte_level = Tokenizer.byte_level(300)
+    ids = byte_level.encode(f"a{EMOJI}")
+    assert [byte_level.token_bytes(i) for i in ids] == [b"a", b"\xf0", b"\x9f", b"\x98", b"\x80"]
+    assert byte_level.token_bytes(2) == b"<|im_end|>"  # a special token: its text
+    vocab = {"<0xF0>": 0, "<0x9F>": 1, "\u2581hi": 2}  # SentencePiece's byte fallback
+    backend = BackendTokenizer(models.BPE(vocab=vocab, merges=[], byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    fallback = Tokenizer(backend, bos_token_id=None, eos_token_ids=set())
+    assert fallback.decode([0], skip_special_tokens=False) == "\ufffd"
+    assert [fallback.token_bytes(i) for i in (0, 1)] == [b"\xf0", b"\x9f"]
+
+
+# ----------------------------------------------------------------------------- empty OpenAI fields
+
+@pytest.mark.parametrize("fields", [{"include": []}, {"include": None}, {"reasoning": None},
+                                    {"reasoning": {}}, {"reasoning": {"effort": None, "summary": None}}])
+def test_responses_fields_sent_empty_are_served(gateway, fields: dict) -> None:
+    """`include: []` and `reasoning: null`, which generic clients send for "none", were 400s: not a
+    supported parameter."""
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **fields}
+    response = gateway.request("POST", "/v1/responses", json=body)
+    assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize(("fields", "param"), [({"include": ["message.output_text.logprobs"]}, "include"),
+                                               ({"reasoning": {"effort": "high"}}, "reasoning")])
+def test_responses_fields_asking_for_what_is_not_produced_are_a_400(gateway, fields: dict,
+                                                                   param: str) -> None:
+    body = {"model": MODEL, "input": "hi", "max_output_tokens": 2, **fields}
+    error = error_of(gateway.request("POST", "/v1/responses", json=body), 400)
+    assert error["param"] == param and error["code"] == "invalid_value", error
+    assert repr(next(iter(fields.values()))) in error["message"] and "allowed" in error["message"], error
+
+
+@pytest.mark.parametrize("path", ["/health", "/ready"])
+def test_probes_answer_head(gateway, path: str) -> None:
+    """HEAD was a 405: a load balancer probing with it saw the gateway as down."""
+    head = gateway.request("HEAD", path)
+    assert head.status_code == gateway.request("GET", path).status_code == 200, head.text
+    assert head.content == b""
