@@ -6,6 +6,7 @@ Every field carries a description and bounds; a bad value fails with the field's
 value and the allowed range (`ServeConfig.from_yaml` formats pydantic's errors that way).
 """
 
+import reprlib
 from pathlib import Path
 from typing import Any, Literal
 
@@ -219,11 +220,22 @@ class ConfigError(ValueError):
     """A ServeConfig that failed validation; the message lists each bad field by dotted path."""
 
 
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxset = 2, 6, 6, 6
+_SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 120
+_SHOWN_CHARS = 200
+"""A rejected value as the message quotes it: nested and long values abbreviated while the repr is
+built. YAML anchors repeat a value by reference, so a 1 KB file can stand for a list of billions of
+items; repr() of it whole made an error message of 87 MB from eight nested aliases."""
+
+
 def format_validation_error(e: ValidationError) -> str:
     lines = []
     for err in e.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         value = err.get("input")
-        shown = "" if isinstance(value, dict) else f" (got {value!r})"
+        text = _SHOWN.repr(value)
+        text = text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "…"
+        shown = "" if isinstance(value, dict) else f" (got {text})"
         lines.append(f"{where}: {err['msg']}{shown}")
     return "invalid ServeConfig: " + "; ".join(lines)

@@ -59,6 +59,19 @@ def test_yaml_error_names_the_file(tmp_path) -> None:
         ServeConfig.from_yaml(path)
 
 
+def test_a_yaml_alias_bomb_is_quoted_in_a_bounded_message(tmp_path) -> None:
+    """Eight levels of anchors, nine aliases each: the last stands for 9.6 million strings; the error quoted
+    every level whole (87 MB from `msaserve deploy-config`)."""
+    lines = ['a: &a ["lol", "lol"]']
+    for prev, name in zip("abcdefg", "bcdefgh", strict=True):
+        lines.append(f"{name}: &{name} [{', '.join([f'*{prev}'] * 9)}]")
+    path = tmp_path / "bomb.yaml"
+    path.write_text("\n".join(lines) + "\n")
+    with pytest.raises(ConfigError, match=r"bomb\.yaml: invalid ServeConfig: a: Extra inputs") as info:
+        ServeConfig.from_yaml(path)
+    assert len(str(info.value)) < 4000 and "h: Extra inputs are not permitted" in str(info.value)
+
+
 def test_autoscaling_replaces_num_replicas() -> None:
     config = ServeConfig.from_dict(
         {
