@@ -18,6 +18,7 @@ from msaserve.platform.config import ServeConfig
 from msaserve.platform.gateway import GatewayContext, create_api
 from msaserve.platform.metrics import PlatformMetrics
 from msaserve.platform.model_deployment import ModelDeployment
+from msaserve.platform.preprocess_deployment import PreprocessDeployment
 
 
 class _Stream:
@@ -85,14 +86,19 @@ async def stop_deployment(deployment: ModelDeployment) -> None:
 
 @asynccontextmanager
 async def inprocess_client(
-    data: dict | None = None, deployment: ModelDeployment | None = None
+    data: dict | None = None, deployment: ModelDeployment | None = None, preprocess: bool = False
 ) -> AsyncIterator[tuple[httpx.AsyncClient, GatewayContext]]:
     """An httpx client on the gateway app for ServeConfig `data` (default: tiny). Pass a started
-    `deployment` to share one engine between apps (loading it takes seconds)."""
+    `deployment` to share one engine between apps (loading it takes seconds). `preprocess`: media
+    parts go to an in-process Preprocess deployment (the config's `preprocess` limits), as the Ray
+    app sends them; without it the gateway has none, as for a text-only model."""
     config = ServeConfig.from_dict(data or TINY_CONFIG)
     own = deployment is None
     deployment = deployment or await start_deployment(config)
-    ctx = GatewayContext(config, LocalHandle(deployment), None, metrics=PlatformMetrics())
+    media = None
+    if preprocess:
+        media = LocalHandle(PreprocessDeployment(config.preprocess.model_dump(), config.model.spec))
+    ctx = GatewayContext(config, LocalHandle(deployment), media, metrics=PlatformMetrics())
     transport = httpx.ASGITransport(app=create_api(ctx), raise_app_exceptions=False)
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://gateway", timeout=60) as client:
@@ -106,8 +112,9 @@ class InProcessGateway:
     """One engine on its own event loop for a test module; `request` runs one call through a fresh
     gateway app for a ServeConfig dict (auth, limits) in front of that engine."""
 
-    def __init__(self, data: dict | None = None) -> None:
+    def __init__(self, data: dict | None = None, preprocess: bool = False) -> None:
         self.data = data or TINY_CONFIG
+        self.preprocess = preprocess
         self.loop = asyncio.new_event_loop()
         self.deployment = self.loop.run_until_complete(start_deployment(ServeConfig.from_dict(self.data)))
 
@@ -115,7 +122,7 @@ class InProcessGateway:
         """`make_coroutine(client, ctx)` on a gateway for `data` (default: the engine's config)."""
 
         async def go() -> Any:
-            async with inprocess_client(data or self.data, self.deployment) as (client, ctx):
+            async with inprocess_client(data or self.data, self.deployment, self.preprocess) as (client, ctx):
                 return await make_coroutine(client, ctx)
 
         return self.loop.run_until_complete(go())
@@ -132,8 +139,8 @@ class InProcessGateway:
 
 
 @contextmanager
-def inprocess_gateway(data: dict | None = None) -> Iterator[InProcessGateway]:
-    gateway = InProcessGateway(data)
+def inprocess_gateway(data: dict | None = None, preprocess: bool = False) -> Iterator[InProcessGateway]:
+    gateway = InProcessGateway(data, preprocess)
     try:
         yield gateway
     finally:

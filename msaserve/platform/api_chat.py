@@ -4,7 +4,6 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from msaserve.engine.types import GenerateRequest
 from msaserve.platform import media
@@ -14,7 +13,9 @@ from msaserve.platform.errors import APIError
 from msaserve.platform.gateway_tenancy import session_of
 from msaserve.platform.generation import (
     SSE_DONE,
+    EventStream,
     Generation,
+    closing,
     fit_max_tokens,
     logprob_entries,
     record_metrics,
@@ -67,21 +68,13 @@ def build_router(ctx: Any) -> APIRouter:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             events = _stream(ctx, gens, body, prefix, known_tools, include_usage, info.tokenizer)
-            return StreamingResponse(_released(events, ctx, key), media_type="text/event-stream")
+            return EventStream(events, closing(gens, lambda: ctx.auth.limits.release(key)))
         try:
             return await _complete(ctx, gens, body, prefix, known_tools, info.tokenizer)
         finally:
             ctx.auth.limits.release(key)
 
     return router
-
-
-async def _released(events: AsyncIterator[str], ctx: Any, key: str) -> AsyncIterator[str]:
-    try:
-        async for event in events:
-            yield event
-    finally:
-        ctx.auth.limits.release(key)
 
 
 async def start_chat(
@@ -99,7 +92,7 @@ async def start_chat(
         extra_stop=[fmt.close] if prefix_forces_call else [], grammar=grammar,
     )
     prompt, prefix, parts = render_prompt(info.tokenizer, body, use_prefix=prefix_forces_call)
-    items = await media.preprocess(ctx, parts, info)
+    items = await media.preprocess(ctx, parts, info, media.media_locations(body.messages))
     token_ids, expanded = media.encode_prompt(info.tokenizer, prompt, items, info)
     chosen = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
     fit_max_tokens(params, given, expanded or len(token_ids), info, "messages", chosen)

@@ -4,15 +4,16 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from msaserve.engine.types import GenerateRequest
 from msaserve.platform.errors import APIError, bad_parameter
 from msaserve.platform.gateway_tenancy import session_of
 from msaserve.platform.generation import (
     SSE_DONE,
+    EventStream,
     Generation,
     TextOffsets,
+    closing,
     fit_max_tokens,
     record_metrics,
     sampling_from,
@@ -58,9 +59,8 @@ def build_router(ctx: Any) -> APIRouter:
             raise
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return StreamingResponse(
-                _stream(ctx, gen, body, include_usage, info.tokenizer, key), media_type="text/event-stream"
-            )
+            events = _stream(ctx, gen, body, include_usage, info.tokenizer)
+            return EventStream(events, closing([gen], lambda: ctx.auth.limits.release(key)))
         try:
             return await _complete(ctx, gen, body, info.tokenizer)
         finally:
@@ -147,7 +147,7 @@ async def _complete(ctx: Any, gen: Generation, body: CompletionRequest, tokenize
 
 
 async def _stream(
-    ctx: Any, gen: Generation, body: CompletionRequest, include_usage: bool, tokenizer: Any, key: str
+    ctx: Any, gen: Generation, body: CompletionRequest, include_usage: bool, tokenizer: Any
 ) -> AsyncIterator[str]:
     cid = "cmpl-" + gen.request.request_id
     offsets = TextOffsets()  # across chunks: a character's tokens may arrive in two
@@ -166,4 +166,3 @@ async def _stream(
         yield sse({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
     finally:
         gen.close()
-        ctx.auth.limits.release(key)

@@ -16,13 +16,12 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
 
 from msaserve.engine.types import quoted
 from msaserve.platform.api_chat import start_chat
 from msaserve.platform.choices import merged, total_usage
 from msaserve.platform.errors import APIError, bad_parameter
-from msaserve.platform.generation import Generation, record_metrics
+from msaserve.platform.generation import EventStream, Generation, closing, record_metrics
 from msaserve.platform.openai_types import ChatCompletionRequest, ErrorResponse, Usage
 from msaserve.platform.response_store import StoredResponse
 from msaserve.platform.responses_convert import (
@@ -182,7 +181,8 @@ def build_router(ctx: Any) -> APIRouter:
             raise
         if body.stream:
             events = _stream(ctx, turn, request, info.tokenizer)
-            return StreamingResponse(_released(events, ctx, key), media_type="text/event-stream")
+            assert turn.gen is not None
+            return EventStream(events, closing([turn.gen], lambda: ctx.auth.limits.release(key)))
         try:
             return await _complete(ctx, turn, request, info.tokenizer)
         finally:
@@ -229,14 +229,6 @@ def build_router(ctx: Any) -> APIRouter:
         return DeletedResponse(id=response_id)
 
     return router
-
-
-async def _released(events: AsyncIterator[str], ctx: Any, key: str) -> AsyncIterator[str]:
-    try:
-        async for event in events:
-            yield event
-    finally:
-        ctx.auth.limits.release(key)
 
 
 async def _complete(ctx: Any, turn: _Turn, request: Request, tokenizer: Any) -> ResponseObject:

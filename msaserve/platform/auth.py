@@ -69,6 +69,7 @@ class Authenticator:
         return bool(self.keys)
 
     def is_admin(self, key: str) -> bool:
+        """key: as `authenticate` returns it (a configured key)."""
         presented = key.encode("utf-8", "surrogatepass")
         return any([hmac.compare_digest(presented, admin) for admin in self.admin_keys])
 
@@ -85,8 +86,12 @@ class Authenticator:
             raise APIError(
                 401, "malformed Authorization header: expected 'Bearer <key>'", code="invalid_api_key"
             )
-        presented = token.strip().encode()
+        # The header's own bytes (the ASGI server decodes header values as Latin-1, losslessly): a
+        # key with non-ASCII characters is sent as UTF-8, as it is configured; re-encoding the
+        # decoded text as UTF-8 turned each such byte into two, and that key never matched.
+        presented = token.strip().encode("latin-1", "replace")
         # Compare against every key in constant time so timing reveals nothing about which matched.
-        if not any([hmac.compare_digest(presented, key) for key in self.keys]):
+        matches = [hmac.compare_digest(presented, key) for key in self.keys]
+        if not any(matches):
             raise APIError(401, "incorrect API key provided", code="invalid_api_key")
-        return token.strip()
+        return self.keys[matches.index(True)].decode()  # as configured: the tenant is the key's

@@ -102,6 +102,19 @@ class AuthConfig(StrictModel):
         "key sent the same prefix. Off by default: each key's page-hash chain starts at its own root.",
     )
 
+    @field_validator("api_keys", "admin_api_keys")
+    @classmethod
+    def _presentable(cls, keys: list[str]) -> list[str]:
+        """A key no client can present (empty, blank-edged: the header's token is stripped, or with a
+        control character no header may hold) left its owner at 401 with nothing to say why."""
+        for i, key in enumerate(keys):
+            if not key or key != key.strip() or not key.isprintable():
+                raise ValueError(  # the key itself is a secret: named by its place, never quoted
+                    f"key [{i}] ({len(key)} characters) can never be sent as 'Authorization: Bearer <key>': "
+                    "allowed a non-empty key of printable characters without leading or trailing whitespace"
+                )
+        return keys
+
     def resolve_keys(self) -> list[str]:
         """Every configured key from the list, the environment variable and the file."""
         import os
@@ -111,7 +124,8 @@ class AuthConfig(StrictModel):
             keys += [k.strip() for k in os.environ.get(self.api_keys_env, "").split(",") if k.strip()]
         if self.api_keys_file:
             text = Path(self.api_keys_file).read_text()
-            keys += [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+            lines = [line.strip() for line in text.splitlines()]
+            keys += [line for line in lines if line and not line.startswith("#")]  # "  # note" too
         return keys
 
 
@@ -229,6 +243,11 @@ built. YAML anchors repeat a value by reference, so a 1 KB file can stand for a 
 items; repr() of it whole made an error message of 87 MB from eight nested aliases."""
 
 
+_SECRET_FIELDS = frozenset({"api_keys", "admin_api_keys"})
+"""Fields whose values an error never quotes: `auth.api_keys: ... (got ['k1', ...])` printed every
+key of the list to the terminal and the logs."""
+
+
 def format_validation_error(e: ValidationError) -> str:
     lines = []
     for err in e.errors():
@@ -236,6 +255,7 @@ def format_validation_error(e: ValidationError) -> str:
         value = err.get("input")
         text = _SHOWN.repr(value)
         text = text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "…"
-        shown = "" if isinstance(value, dict) else f" (got {text})"
+        secret = not _SECRET_FIELDS.isdisjoint(str(p) for p in err["loc"])
+        shown = "" if isinstance(value, dict) or secret else f" (got {text})"
         lines.append(f"{where}: {err['msg']}{shown}")
     return "invalid ServeConfig: " + "; ".join(lines)

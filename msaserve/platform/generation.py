@@ -11,11 +11,13 @@ import codecs
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ray.exceptions import RayActorError
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from msaserve.engine.types import (
     ContextTooLong,
@@ -286,3 +288,40 @@ def sse(payload: Any) -> str:
 
 
 SSE_DONE = "data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """An SSE reply that ends its generations and frees the caller's slot as soon as it ends, however
+    it ends: all sent, failed, or the client gone. A client that went away left the events generator
+    suspended at a `yield` (or never started, when it left before the first event): its own `finally`
+    ran only when the cyclic garbage collector got to it (seconds to minutes later; a never-started
+    generator's never), so the engine generated on for nobody and the key's concurrency slot stayed
+    taken. `on_close` runs exactly once, after the generator is closed; it must be idempotent with
+    what the generator's `finally` does (`Generation.close` is)."""
+
+    def __init__(self, events: AsyncGenerator[str, None], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream")
+        self._events = events
+        self._on_close = on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            try:
+                await self._events.aclose()
+            finally:
+                self._on_close()
+
+
+def closing(gens: list[Generation], release: Callable[[], None]) -> Callable[[], None]:
+    """`EventStream`'s on_close for `gens`: cancel those still running, then `release` the slot."""
+
+    def close() -> None:
+        try:
+            for gen in gens:
+                gen.close()
+        finally:
+            release()
+
+    return close

@@ -10,13 +10,14 @@ model's image/video token (one per medium: the engine expands it to the medium's
 for items whose processor wrote their `placeholder_text` (MiniMax-M3), into that text.
 """
 
+import re
 from typing import Any
 
 from ray.exceptions import RayActorError
 
 from msaserve.platform.errors import APIError
 from msaserve.platform.model_messages import ModelError
-from msaserve.platform.openai_types import ContentPart
+from msaserve.platform.openai_types import ChatMessage, ContentPart
 
 SERVE_A_VISION_MODEL = (
     "To send images or video, serve a checkpoint with one: a directory whose config.json has a "
@@ -26,7 +27,41 @@ MEDIA_MARKER = "<|msaserve_media|>"
 """Stands for one medium in the rendered prompt text; never sent to the model as text."""
 
 
-async def preprocess(ctx: Any, parts: list[ContentPart], info: Any) -> list[object]:
+_PIPELINE_PARAM = re.compile(r"content\[(\d+)\]")
+
+
+def media_locations(messages: list[ChatMessage]) -> list[str]:
+    """Where each media part sits in the request (`messages[2].content[1]`), in the order the prompt
+    renderer collects them (`chat_prompt._text_of`: messages in order, parts in order)."""
+    return [
+        f"messages[{i}].content[{j}]"
+        for i, message in enumerate(messages)
+        if isinstance(message.content, list)
+        for j, part in enumerate(message.content)
+        if part.type != "text"
+    ]
+
+
+def request_param(param: str | None, parts: list[ContentPart], locations: list[str] | None) -> str | None:
+    """The pipeline's `param` (relative to the list of media parts it was sent: `content[0].image_url`,
+    `content` for the request as a whole) as the request's field: `messages[2].content[1].image_url.url`
+    (every pipeline error about one part is about its URL or the bytes behind it), `messages`."""
+    if locations is None or len(locations) != len(parts) or param is None:
+        return param
+    if param == "content":
+        return "messages"
+    match = _PIPELINE_PARAM.match(param)
+    if match is None or int(match.group(1)) >= len(parts):
+        return param
+    index = int(match.group(1))
+    return f"{locations[index]}.{parts[index].type}.url"
+
+
+async def preprocess(
+    ctx: Any, parts: list[ContentPart], info: Any, locations: list[str] | None = None
+) -> list[object]:
+    """Media items for `parts`; `locations` (from `media_locations`) lets a 4xx name the request's
+    field (`messages[0].content[1].image_url.url`) rather than the part's place among the media."""
     if not parts:
         return []
     if ctx.preprocess is None or info.image_token_id is None:
@@ -34,7 +69,7 @@ async def preprocess(ctx: Any, parts: list[ContentPart], info: Any) -> list[obje
             400,
             f"{parts[0].type} content parts need a vision model: {ctx.model_name!r} has no vision tower "
             f"(it accepts text only). {SERVE_A_VISION_MODEL}",
-            param="messages",
+            param=f"{locations[0]}.type" if locations else "messages",
             code="unsupported_content",
         )
     try:
@@ -47,7 +82,9 @@ async def preprocess(ctx: Any, parts: list[ContentPart], info: Any) -> list[obje
             retry_after_s=1.0,
         ) from None
     if isinstance(result, ModelError):
-        raise APIError(result.status, result.message, param=result.param, code=result.code)
+        param = request_param(result.param, parts, locations)
+        message = f"{param}: {result.message}" if param and param != result.param else result.message
+        raise APIError(result.status, message, param=param, code=result.code)
     items, seconds = result
     ctx.metrics.observe("preprocess_latency_seconds", seconds, kind="request")
     return items

@@ -23,6 +23,7 @@ from msaserve.preprocess.errors import MediaError
 
 Resolver = Callable[[str, int], list[str]]
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
+_ASCII_WHITESPACE = str.maketrans("", "", " \t\n\f\r")
 
 
 def system_resolver(host: str, port: int) -> list[str]:
@@ -37,14 +38,22 @@ def decode_data_url(url: str, max_bytes: int, param: str | None = None) -> bytes
     if not sep:
         raise MediaError(400, "invalid_content_part", "data: URL has no ',' before its payload", param)
     if header.endswith(";base64"):
-        # Refuse before decoding: base64 is 4 characters per 3 bytes.
+        # Refuse before decoding: base64 is 4 characters per 3 bytes (whitespace included: an
+        # upper bound, so nothing is copied before the payload is known to be small enough).
         if len(payload) * 3 // 4 > max_bytes + 2:
             raise _too_large(len(payload) * 3 // 4, max_bytes, param)
+        # Line breaks and spaces are dropped, as browsers do (WHATWG forgiving-base64): MIME
+        # encoders (`base64.encodebytes`, `openssl base64`) wrap lines at 64 or 76 characters.
+        payload = payload.translate(_ASCII_WHITESPACE)
         try:
             data = base64.b64decode(payload, validate=True)
-        except (binascii.Error, ValueError):
+        except (binascii.Error, ValueError) as e:
             raise MediaError(
-                400, "invalid_content_part", "data: URL payload is not valid base64", param
+                400,
+                "invalid_content_part",
+                f"data: URL payload is not valid base64 ({e}): allowed A-Z, a-z, 0-9, '+', '/' "
+                "and '=' padding, in a length that is a multiple of 4",
+                param,
             ) from None
     else:
         data = urllib.parse.unquote_to_bytes(payload)
@@ -84,10 +93,12 @@ class Fetcher:
                     "http(s) URLs are disabled (allow_http_urls=False); send a data: URL", param
                 )
             return self._fetch_http(url, max_bytes, param)
+        cfg = self.config
+        allowed = ["data:"] + ["http(s):"] * cfg.allow_http_urls + ["file:"] * cfg.allow_file_urls
         raise MediaError(
             400,
             "invalid_content_part",
-            f"unsupported URL scheme {scheme!r}; use data:, file: or http(s):",
+            f"unsupported URL scheme {scheme!r} (URL {_shown(url)}); allowed: {', '.join(allowed)}",
             param,
         )
 
@@ -203,6 +214,11 @@ def _read_body(
     except httpx.HTTPError as e:
         raise MediaError(400, "fetch_failed", f"reading the response failed: {e}", param) from None
     return b"".join(chunks)
+
+
+def _shown(url: str) -> str:
+    """The URL as an error quotes it: its first 100 characters (a data: URL can be megabytes)."""
+    return repr(url) if len(url) <= 100 else f"{url[:100]!r}… ({len(url):,} characters)"
 
 
 def _host_allowed(host: str, allowed: tuple[str, ...]) -> bool:

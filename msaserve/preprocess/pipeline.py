@@ -160,5 +160,12 @@ def _part_url(part: dict, part_type: str, param: str) -> str:
     inner = part.get(part_type)
     url = inner.get("url") if isinstance(inner, dict) else inner if isinstance(inner, str) else None
     if not isinstance(url, str) or not url:
-        raise MediaError(400, "invalid_content_part", f"{part_type} needs {{'url': <string>}}", param)
+        got = "an empty string" if url == "" else "no URL"
+        raise MediaError(
+            400,
+            "invalid_content_part",
+            f"{part_type} needs {{'url': <string>}} (got {got}): allowed a data: URL "
+            "(data:image/png;base64,...) or an http(s):// or file:// URL where the server allows them",
+            param,
+        )
     return url
