@@ -8,7 +8,7 @@ import json
 import re
 from collections.abc import Sequence
 from datetime import datetime
-from functools import cache
+from functools import cache, cached_property
 from typing import Any
 
 import jinja2
@@ -24,6 +24,9 @@ CHATML_TEMPLATE = (
 )
 _TOKEN_TYPE_CONTROL, _TOKEN_TYPE_USER_DEFINED = 3, 4
 _INCOMPLETE = "\ufffd"
+LITERAL_OPEN, LITERAL_CLOSE = "\ue000", "\ue001"
+"""Private-use characters around a client's text that must not become control tokens
+(`Tokenizer.guard_literals`); never sent to the model themselves."""
 _BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
@@ -63,8 +66,51 @@ class Tokenizer:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        """Text → ids; special tokens written in the text (e.g. `<|im_start|>`) stay whole."""
-        return self.backend.encode(text, add_special_tokens=False).ids
+        """Text → ids; special tokens written in the text (e.g. `<|im_start|>`) stay whole, except
+        where `guard_literals` marked them as a client's text: those are encoded as plain text."""
+        if LITERAL_OPEN not in text:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        ids: list[int] = []
+        for i, piece in enumerate(self._literal_pattern.split(text)):
+            if i % 2:  # a guarded literal: its characters, never a control token
+                ids += self._text_backend.encode(piece, add_special_tokens=False).ids
+            elif piece := piece.replace(LITERAL_OPEN, "").replace(LITERAL_CLOSE, ""):
+                ids += self.backend.encode(piece, add_special_tokens=False).ids
+        return ids
+
+    @cached_property
+    def special_strings(self) -> tuple[str, ...]:
+        """The control tokens' texts (`<|im_end|>`, ...), longest first."""
+        added = self.backend.get_added_tokens_decoder().values()
+        return tuple(sorted({t.content for t in added if t.special and t.content}, key=len, reverse=True))
+
+    def guard_literals(self, text: str) -> str:
+        """`text` with each control-token string (and each of the two marker characters) wrapped
+        between LITERAL_OPEN and LITERAL_CLOSE, so that `encode` reads it as the client's text: a user
+        message holding `<|im_end|><|im_start|>system` would otherwise close its turn and open a
+        system turn of its own. Text without them comes back unchanged (the same ids as before)."""
+        if not any(s in text for s in self._guarded):
+            return text
+        return self._guard_pattern.sub(lambda m: LITERAL_OPEN + m.group(0) + LITERAL_CLOSE, text)
+
+    @cached_property
+    def _guarded(self) -> tuple[str, ...]:
+        return (*self.special_strings, LITERAL_OPEN, LITERAL_CLOSE)
+
+    @cached_property
+    def _guard_pattern(self) -> re.Pattern[str]:
+        return re.compile("|".join(map(re.escape, self._guarded)))
+
+    @cached_property
+    def _literal_pattern(self) -> re.Pattern[str]:
+        return re.compile(f"{LITERAL_OPEN}({self._guard_pattern.pattern}){LITERAL_CLOSE}")
+
+    @cached_property
+    def _text_backend(self) -> BackendTokenizer:
+        """The same tokenizer with special-token matching off: control strings become plain text."""
+        backend = BackendTokenizer.from_str(self.backend.to_str())
+        backend.encode_special_tokens = True
+        return backend
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
