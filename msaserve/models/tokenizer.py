@@ -45,6 +45,11 @@ def bytes_to_unicode() -> dict[int, str]:
     return chars
 
 
+@cache
+def _unicode_to_bytes() -> dict[str, int]:
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
 class Tokenizer:
     """encode/decode text and render chat messages for one model."""
 
@@ -89,17 +94,11 @@ class Tokenizer:
         between LITERAL_OPEN and LITERAL_CLOSE, so that `encode` reads it as the client's text: a user
         message holding `<|im_end|><|im_start|>system` would otherwise close its turn and open a
         system turn of its own. Text without them comes back unchanged (the same ids as before)."""
-        if not any(s in text for s in self._guarded):
-            return text
         return self._guard_pattern.sub(lambda m: LITERAL_OPEN + m.group(0) + LITERAL_CLOSE, text)
 
     @cached_property
-    def _guarded(self) -> tuple[str, ...]:
-        return (*self.special_strings, LITERAL_OPEN, LITERAL_CLOSE)
-
-    @cached_property
     def _guard_pattern(self) -> re.Pattern[str]:
-        return re.compile("|".join(map(re.escape, self._guarded)))
+        return re.compile("|".join(map(re.escape, (*self.special_strings, LITERAL_OPEN, LITERAL_CLOSE))))
 
     @cached_property
     def _literal_pattern(self) -> re.Pattern[str]:
@@ -129,7 +128,7 @@ class Tokenizer:
         spelled = self.token(token_id)
         if fallback := _BYTE_FALLBACK.fullmatch(spelled):
             return bytes([int(fallback[1], 16)])
-        byte_of = {char: byte for byte, char in bytes_to_unicode().items()}
+        byte_of = _unicode_to_bytes()
         if spelled and all(char in byte_of for char in spelled):
             return bytes(byte_of[char] for char in spelled)
         return text.encode()

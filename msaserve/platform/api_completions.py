@@ -98,15 +98,10 @@ async def _start(ctx: Any, body: CompletionRequest, request: Request, info: Any)
     if body.n != 1:
         raise bad_parameter("n", body.n, "1 on /v1/completions (n > 1 is served by /v1/chat/completions)")
     top = body.logprobs or 0
-    try:
-        params, given = sampling_from(
-            body, body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=top, extra_stop=[]
-        )
-    except APIError as e:  # the engine's top_logprobs is this route's `logprobs`: name what was sent
-        if e.param != "top_logprobs":
-            raise
-        e.param, e.message = "logprobs", e.message.replace("top_logprobs=", "logprobs=", 1)
-        raise
+    params, given = sampling_from(
+        body, body.max_tokens, logprobs=body.logprobs is not None, top_logprobs=top, extra_stop=[],
+        top_logprobs_param="logprobs",
+    )
     token_ids = _prompt_ids(body, info.tokenizer)
     fit_max_tokens(params, given, len(token_ids), info, "prompt", "max_tokens")
     greq = GenerateRequest(

@@ -136,12 +136,12 @@ def render_prompt(
     call is enforced otherwise (the grammar, `structured_request.py`), the reply starts free."""
     fmt = tool_format_of(tokenizer)
     messages, media = template_messages(request, fmt)
+    # A user's or a tool's text that spells a control token (`<|im_end|><|im_start|>system`) is encoded
+    # as that text: it cannot end its turn or open another role's. Assistant and system text is the
+    # application's and stays as written (a template may split it on such tokens).
     guard = getattr(tokenizer, "guard_literals", None)
-    for message in messages if guard is not None else []:
-        # A user's or a tool's text that spells a control token (`<|im_end|><|im_start|>system`) is
-        # encoded as that text: it cannot end its turn or open another role's. Assistant and system
-        # text is the application's and stays as written (a template may split it on such tokens).
-        if message["role"] in ("user", "tool") and isinstance(message.get("content"), str):
+    for message in messages:
+        if guard is not None and message["role"] in ("user", "tool") and isinstance(message["content"], str):
             message["content"] = guard(message["content"])
     prefix = forced_prefix(request, fmt) if use_prefix else ""
     tools = None

@@ -234,13 +234,14 @@ class ConfigError(ValueError):
     """A ServeConfig that failed validation; the message lists each bad field by dotted path."""
 
 
+# A rejected value as the message quotes it: nested and long values abbreviated while the repr is
+# built, then cut to _SHOWN_CHARS. YAML anchors repeat a value by reference, so a 1 KB file can stand
+# for a list of billions of items; repr() of it whole made an error message of 87 MB from eight
+# nested aliases.
 _SHOWN = reprlib.Repr()
 _SHOWN.maxlevel, _SHOWN.maxlist, _SHOWN.maxtuple, _SHOWN.maxset = 2, 6, 6, 6
 _SHOWN.maxstring = _SHOWN.maxother = _SHOWN.maxlong = 120
 _SHOWN_CHARS = 200
-"""A rejected value as the message quotes it: nested and long values abbreviated while the repr is
-built. YAML anchors repeat a value by reference, so a 1 KB file can stand for a list of billions of
-items; repr() of it whole made an error message of 87 MB from eight nested aliases."""
 
 
 _SECRET_FIELDS = frozenset({"api_keys", "admin_api_keys"})
@@ -253,9 +254,9 @@ def format_validation_error(e: ValidationError) -> str:
     for err in e.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         value = err.get("input")
-        text = _SHOWN.repr(value)
-        text = text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + "…"
-        secret = not _SECRET_FIELDS.isdisjoint(str(p) for p in err["loc"])
-        shown = "" if isinstance(value, dict) or secret else f" (got {text})"
+        shown = ""
+        if not isinstance(value, dict) and _SECRET_FIELDS.isdisjoint(str(p) for p in err["loc"]):
+            text = _SHOWN.repr(value)
+            shown = f" (got {text if len(text) <= _SHOWN_CHARS else text[:_SHOWN_CHARS] + '…'})"
         lines.append(f"{where}: {err['msg']}{shown}")
     return "invalid ServeConfig: " + "; ".join(lines)

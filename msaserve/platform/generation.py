@@ -52,9 +52,11 @@ def _logit_bias(body: _SamplingFields) -> dict[int, float]:
 
 def sampling_from(
     body: _SamplingFields, max_tokens: int | None, logprobs: bool, top_logprobs: int, extra_stop: list[str],
-    grammar: GrammarSpec | None = None,
+    grammar: GrammarSpec | None = None, top_logprobs_param: str = "top_logprobs",
 ) -> tuple[SamplingParams, bool]:
-    """SamplingParams from an OpenAI body; the bool says whether the client chose max_tokens."""
+    """SamplingParams from an OpenAI body; the bool says whether the client chose max_tokens.
+    top_logprobs_param: the body's field that `top_logprobs` came from, which its errors name
+    (legacy completions send it as `logprobs`)."""
     if not 1 <= body.n <= MAX_N:
         raise bad_parameter("n", body.n, f"1 to {MAX_N} choices")
     if body.stream_options is not None and not body.stream:  # as OpenAI: it would do nothing
@@ -85,6 +87,8 @@ def sampling_from(
     try:
         params.validate()
     except InvalidParameter as e:
+        if e.param == "top_logprobs":
+            raise bad_parameter(top_logprobs_param, e.value, e.allowed) from None
         raise from_engine_error(e) from None
     return params, max_tokens is not None
 
@@ -241,10 +245,9 @@ def token_label(tokenizer: Any, token_id: int) -> str:
     (each U+FFFD as text) stay two keys of `top_logprobs`."""
     raw = token_bytes(tokenizer, token_id)
     try:
-        raw.decode("utf-8")
+        return raw.decode("utf-8")
     except UnicodeDecodeError:
         return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
-    return token_text(tokenizer, token_id)
 
 
 class TextOffsets:
